@@ -1,0 +1,1 @@
+"""canner: the durable handoff between volunteer archiving workers and the Internet Archive."""

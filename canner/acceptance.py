@@ -1,0 +1,183 @@
+"""The acceptance commit sequence (DESIGN.md §4), run on the request that completes an upload.
+
+``sync_upload`` (data file, info sidecar, ``uploads/``) -> ``verify_checksum`` (BLAKE3 of the stored
+bytes, in the hash pool) -> ``commit_receipt`` (origin record, then the receipt published without
+overwriting, then ``receipts/`` fsynced: the commit point) -> ``enqueue_delivery`` (best effort).
+
+Everything before the commit point can be redone; everything after it is idempotent.  A receipt
+already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
+(callers join it), and the caller's flock keeps other processes out.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable
+
+from attrs import define, field
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from canner.blocking import BlockingRunner
+from canner.checksum import HashCancelled, blake3_file
+from canner.fs import DirSyncer
+from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.tus.store import LockedUpload, UploadStore
+
+log = Logger()
+
+
+class ChecksumMismatch(Exception):
+    """The stored bytes do not hash to the declared checksum: the upload is rejected for good."""
+
+
+class AcceptanceFailed(Exception):
+    """A storage or sync step failed; the upload stays complete and acceptance can be retried."""
+
+    def __init__(self, message: str, *, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.no_space = no_space
+
+
+Enqueue = Callable[[Receipt, Origin], None]
+
+
+@define(eq=False)
+class Acceptance:
+    """Turns a complete, locked upload into a receipt."""
+
+    _uploads: UploadStore
+    _receipts: ReceiptStore
+    _run: BlockingRunner
+    _hash: BlockingRunner
+    _dirs: DirSyncer
+    _clock: IReactorTime
+    _issuer: str
+    _enqueue: Enqueue
+    _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
+    _stopping: threading.Event = field(factory=threading.Event)
+
+    def in_flight(self, upload_id: str) -> Deferred[Receipt] | None:
+        """A Deferred for the acceptance of ``upload_id`` running now, if any (safe to cancel)."""
+        return self._join(upload_id) if upload_id in self._waiters else None
+
+    def accept(self, upload: LockedUpload) -> Deferred[Receipt]:
+        """Run acceptance for a complete ``upload`` whose lock the caller hands over.
+
+        The lock is released when acceptance ends.  Fails with :class:`ChecksumMismatch` or
+        :class:`AcceptanceFailed`.  Cancelling the returned Deferred does not stop acceptance.
+        """
+        upload_id = upload.info.upload_id
+        assert upload_id not in self._waiters, "the caller holds the lock"
+        self._waiters[upload_id] = []
+        joined = self._join(upload_id)
+
+        def done(result: object) -> None:
+            waiters = self._waiters.pop(upload_id)
+            self._run(upload.close).addErrback(
+                lambda f: log.failure("closing {object_id}", f, object_id=upload_id)
+            )
+            for waiter in waiters:
+                if waiter.called:  # cancelled by its caller
+                    continue
+                if isinstance(result, Failure):
+                    waiter.errback(result)
+                else:
+                    waiter.callback(result)  # type: ignore[arg-type]
+
+        Deferred.fromCoroutine(self._accept(upload)).addBoth(done)
+        return joined
+
+    def _join(self, upload_id: str) -> Deferred[Receipt]:
+        waiter: Deferred[Receipt] = Deferred()
+        self._waiters[upload_id].append(waiter)
+        return waiter
+
+    def stop(self) -> None:
+        """Ask running hashes to stop at their next read (process shutdown)."""
+        self._stopping.set()
+
+    async def _accept(self, upload: LockedUpload) -> Receipt:
+        info = upload.info
+        oid = info.upload_id
+        origin = Origin(info.project, info.filename)
+        try:
+            existing = await self._run(self._receipts.read, oid)
+            if existing is not None:
+                await self._run(self._receipts.ensure_origin, oid, origin)
+                await self._dirs.sync(self._receipts.directory)
+                return existing
+            await self.sync_upload(upload)
+            await self.verify_checksum(upload)
+            receipt = await self.commit_receipt(upload, origin)
+        except HashCancelled:
+            raise AcceptanceFailed("the receiver is shutting down; retry") from None
+        except OSError as e:
+            log.error(
+                "acceptance of {object_id} failed, will be retried: {error}",
+                object_id=oid,
+                project=info.project,
+                error=str(e),
+            )
+            raise AcceptanceFailed(
+                f"storage failure: {e.strerror}", no_space=e.errno in (errno.ENOSPC, errno.EDQUOT)
+            ) from None
+        self.enqueue_delivery(receipt, origin)
+        return receipt
+
+    async def sync_upload(self, upload: LockedUpload) -> None:
+        await self._run(self._uploads.sync_upload, upload)
+        await self._dirs.sync(self._uploads.directory)
+
+    async def verify_checksum(self, upload: LockedUpload) -> None:
+        info = upload.info
+        start = self._clock.seconds()
+        path = self._uploads.data_path(info.upload_id)
+        digest, count = await self._hash(blake3_file, path, info.size, self._stopping)
+        log.info(
+            "hashed {object_id}: {size} bytes in {duration_s:.3f}s",
+            object_id=info.upload_id,
+            size=count,
+            duration_s=self._clock.seconds() - start,
+        )
+        if count != info.size:
+            # The offset said complete, so bytes vanished underneath us: storage trouble.
+            raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
+        if digest != info.checksum:
+            reason = f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
+            await self._run(self._uploads.reject, upload, reason)
+            log.warn(
+                "rejected {object_id}: {reason}",
+                object_id=info.upload_id,
+                project=info.project,
+                reason=reason,
+            )
+            raise ChecksumMismatch(reason)
+
+    async def commit_receipt(self, upload: LockedUpload, origin: Origin) -> Receipt:
+        info = upload.info
+        receipt = Receipt(
+            object_id=info.upload_id,
+            issuer=self._issuer,
+            checksum=info.checksum,
+            size_bytes=info.size,
+            accepted_at=max(1, int(self._clock.seconds())),
+        )
+        stored = await self._run(self._receipts.commit, receipt, origin)
+        await self._dirs.sync(self._receipts.directory)
+        log.info(
+            "accepted {object_id} ({size_bytes} bytes) for {project}",
+            object_id=stored.object_id,
+            size_bytes=stored.size_bytes,
+            project=origin.project,
+        )
+        return stored
+
+    def enqueue_delivery(self, receipt: Receipt, origin: Origin) -> None:
+        try:
+            self._enqueue(receipt, origin)
+        except Exception:
+            log.failure("enqueueing {object_id} for delivery", object_id=receipt.object_id)

@@ -1,0 +1,69 @@
+"""The worker-declared checksum: ``blake3:`` + 64 lowercase hex characters.
+
+The value half (:class:`Checksum`, :func:`parse_checksum`) is pure.  :func:`blake3_file` is the one
+blocking digest of a stored file; call it through a blocking runner, never on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import blake3
+from attrs import frozen
+
+_BLAKE3 = re.compile(r"blake3:([0-9a-f]{64})")
+# 4 MiB reads keep the hasher busy between syscalls without holding much memory; we read with
+# readinto() into one buffer rather than update_mmap(), whose mapping counts towards RSS.
+_READ_SIZE = 4 << 20
+
+
+class HashCancelled(Exception):
+    """Hashing stopped early because its stop event was set (process shutdown)."""
+
+
+@frozen
+class Checksum:
+    """A BLAKE3 digest in its envelope form."""
+
+    hex_digest: str
+
+    def __str__(self) -> str:
+        return f"blake3:{self.hex_digest}"
+
+
+def parse_checksum(text: str) -> Checksum:
+    """Parse ``blake3:<64 lowercase hex>``; raise ``ValueError`` for anything else."""
+    match = _BLAKE3.fullmatch(text)
+    if match is None:
+        raise ValueError("checksum must be 'blake3:' followed by 64 lowercase hex characters")
+    return Checksum(match.group(1))
+
+
+def blake3_file(
+    path: Path, expected_size: int, stop: threading.Event | None = None
+) -> tuple[Checksum, int]:
+    """Hash the whole file at ``path`` (blocking).  Returns the digest and the bytes hashed.
+
+    Reading stops at end of file; the caller compares the count with the size it expects.
+    ``expected_size`` only sizes the read buffer.  Raises :class:`HashCancelled` soon after
+    ``stop`` is set, so a shutdown never waits for a 100 GiB hash.
+    """
+    hasher = blake3.blake3(max_threads=1)
+    buffer = bytearray(min(_READ_SIZE, max(expected_size, 1)))
+    view = memoryview(buffer)
+    total = 0
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as stream:
+            while n := stream.readinto(view):
+                if stop is not None and stop.is_set():
+                    raise HashCancelled()
+                hasher.update(view[:n])
+                total += n
+    finally:
+        os.close(fd)
+    return Checksum(hasher.hexdigest()), total

@@ -1,0 +1,196 @@
+"""Durable file-system primitives: fsync of files and directories, publish-once files, free space.
+
+Every function here blocks; call it through a :class:`~canner.blocking.BlockingRunner`.
+:class:`DirSyncer` coalesces directory fsyncs across concurrent callers (group commit), which is
+what makes many small acceptances per second affordable.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from attrs import define, field
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
+from canner.blocking import BlockingRunner
+
+TEMP_PREFIX = ".tmp-"
+# A temp file lives for milliseconds; one older than this was orphaned by a crash.
+TEMP_ORPHAN_AGE = 3600.0
+
+
+def fsync_path(path: Path) -> None:
+    """fsync the file or directory at ``path``."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, making the names created or removed in it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes available to unprivileged users on the filesystem holding ``path`` (statvfs)."""
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def write_temp(directory: Path, stem: str, data: bytes, *, sync: bool) -> Path:
+    """Write ``data`` to a fresh temp file in ``directory`` (fsynced when ``sync``); return it."""
+    temp = directory / f"{TEMP_PREFIX}{stem}-{secrets.token_hex(6)}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        temp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return temp
+
+
+def publish_once(directory: Path, name: str, data: bytes) -> bool:
+    """Create ``directory/name`` holding ``data``, durably, never replacing an existing file.
+
+    The content is fsynced before the name appears (a hard link from a temp file), so the name
+    never points at partial bytes.  Returns False when the name already existed (nothing written).
+    The caller must still fsync ``directory`` before relying on the name.
+    """
+    temp = write_temp(directory, name, data, sync=True)
+    try:
+        os.link(temp, directory / name)
+    except FileExistsError:
+        return False
+    finally:
+        temp.unlink(missing_ok=True)
+    return True
+
+
+def replace_file(directory: Path, name: str, data: bytes, *, sync: bool) -> None:
+    """Atomically replace ``directory/name`` with ``data`` (temp file + rename).
+
+    With ``sync`` the content is fsynced before the rename; the directory is not fsynced.
+    """
+    temp = write_temp(directory, name, data, sync=sync)
+    try:
+        os.replace(temp, directory / name)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def orphaned_temps(directory: Path, now: float) -> Iterator[Path]:
+    """Temp files in ``directory`` older than :data:`TEMP_ORPHAN_AGE` (left by a crash)."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(TEMP_PREFIX):
+                try:
+                    if now - entry.stat().st_mtime > TEMP_ORPHAN_AGE:
+                        yield Path(entry.path)
+                except FileNotFoundError:
+                    continue
+
+
+class Locked(Exception):
+    """Another writer (in this or another process) holds the lock."""
+
+
+def lock_fd(fd: int) -> None:
+    """Take an exclusive, non-blocking flock on ``fd``; raise :class:`Locked` when held elsewhere.
+
+    flock locks belong to the open file description, so they exclude other descriptors in this
+    process as well as other processes, and vanish when the holder dies.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise Locked() from None
+        raise
+
+
+@define(eq=False)
+class DataDirLock:
+    """An exclusive process lock on a data directory (``<data_dir>/<name>.lock``)."""
+
+    path: Path
+    _fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`Locked`; the lock lasts until :meth:`release` or exit."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            lock_fd(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@define
+class _DirState:
+    running: bool = False
+    waiters: list[Deferred[None]] = field(factory=list)
+
+
+@define(eq=False)
+class DirSyncer:
+    """Group commit for directory fsyncs.
+
+    ``sync(path)`` fires once an fsync of ``path`` that *started after the call* has finished, so
+    every name created before the call is durable.  Concurrent callers share one fsync: while one
+    runs, new callers queue for the next.
+    """
+
+    _run: BlockingRunner
+    _dirs: dict[Path, _DirState] = field(factory=dict)
+
+    def sync(self, path: Path) -> Deferred[None]:
+        state = self._dirs.setdefault(path, _DirState())
+        waiter: Deferred[None] = Deferred()
+        state.waiters.append(waiter)
+        if not state.running:
+            self._start(path, state)
+        return waiter
+
+    def _start(self, path: Path, state: _DirState) -> None:
+        batch, state.waiters = state.waiters, []
+        state.running = True
+
+        def finished(result: object) -> None:
+            state.running = False
+            if state.waiters:
+                self._start(path, state)
+            for waiter in batch:
+                if isinstance(result, Failure):
+                    waiter.errback(result)
+                else:
+                    waiter.callback(None)
+
+        self._run(fsync_dir, path).addBoth(finished)

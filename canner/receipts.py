@@ -1,0 +1,159 @@
+"""Receipts: the immutable promise handed to the worker, and where it lives on disk.
+
+The value half is pure: :class:`Receipt` is SavewebHQ's six-field ``ArtifactReceipt`` and
+:meth:`Receipt.to_json` its exact wire form.  :class:`ReceiptStore` owns ``receipts/``:
+``{id}.json`` is the receipt (its existence is the acceptance commit point) and ``{id}.meta.json``
+records the project and filename, so the delivery index can be rebuilt from this directory alone.
+All store methods block; call them through a blocking runner.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+
+from canner import fs
+from canner.checksum import Checksum, parse_checksum
+
+_RECEIPT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_FIELDS = ("id", "issuer", "object_id", "checksum", "size_bytes", "accepted_at")
+
+
+@frozen
+class Receipt:
+    """An ``ArtifactReceipt``: the six fields, in HQ's order."""
+
+    object_id: str
+    issuer: str
+    checksum: Checksum
+    size_bytes: int
+    accepted_at: int
+
+    @property
+    def receipt_id(self) -> str:
+        return f"receipt:{self.object_id}"
+
+    def to_json(self) -> bytes:
+        """The compact JSON served to workers; identical bytes for identical receipts."""
+        return json.dumps(
+            {
+                "id": self.receipt_id,
+                "issuer": self.issuer,
+                "object_id": self.object_id,
+                "checksum": str(self.checksum),
+                "size_bytes": self.size_bytes,
+                "accepted_at": self.accepted_at,
+            },
+            separators=(",", ":"),
+            ensure_ascii=False,
+        ).encode("utf-8")
+
+    def header_value(self) -> str:
+        """The ``Artifact-Receipt`` header: the JSON as unpadded base64url."""
+        return base64.urlsafe_b64encode(self.to_json()).rstrip(b"=").decode("ascii")
+
+
+def parse_receipt(data: bytes) -> Receipt:
+    """Parse and validate receipt JSON against HQ's limits; ``ValueError`` when it is not one."""
+    raw = json.loads(data)
+    if not isinstance(raw, dict) or tuple(raw) != _FIELDS:
+        raise ValueError("a receipt has exactly the fields " + ", ".join(_FIELDS))
+    size, accepted = raw["size_bytes"], raw["accepted_at"]
+    for value in (size, accepted):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("size_bytes and accepted_at are integers >= 1")
+    issuer, object_id = raw["issuer"], raw["object_id"]
+    if not isinstance(issuer, str) or not issuer or len(issuer.encode()) > 512:
+        raise ValueError("issuer is 1-512 bytes")
+    if not isinstance(object_id, str) or raw["id"] != f"receipt:{object_id}":
+        raise ValueError("id must be receipt:<object_id>")
+    if not _RECEIPT_ID.fullmatch(raw["id"]):
+        raise ValueError("id is at most 128 characters of [A-Za-z0-9._:-]")
+    return Receipt(object_id, issuer, parse_checksum(raw["checksum"]), size, accepted)
+
+
+@frozen
+class Origin:
+    """What the worker declared besides the checksum: kept next to the receipt for rebuilds."""
+
+    project: str
+    filename: str | None
+
+    def to_json(self, object_id: str) -> bytes:
+        return json.dumps(
+            {"object_id": object_id, "project": self.project, "filename": self.filename},
+            separators=(",", ":"),
+        ).encode("utf-8")
+
+
+def parse_origin(data: bytes) -> Origin:
+    raw: Any = json.loads(data)
+    project, filename = raw["project"], raw.get("filename")
+    if not isinstance(project, str) or not (filename is None or isinstance(filename, str)):
+        raise ValueError("origin record needs a string project and an optional filename")
+    return Origin(project, filename)
+
+
+@frozen
+class ReceiptStore:
+    """``receipts/`` in the data directory."""
+
+    directory: Path
+
+    def receipt_path(self, object_id: str) -> Path:
+        return self.directory / f"{object_id}.json"
+
+    def origin_path(self, object_id: str) -> Path:
+        return self.directory / f"{object_id}.meta.json"
+
+    def read_bytes(self, object_id: str) -> bytes | None:
+        """The stored receipt bytes, or None when there is no receipt."""
+        try:
+            return self.receipt_path(object_id).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def read(self, object_id: str) -> Receipt | None:
+        data = self.read_bytes(object_id)
+        return None if data is None else parse_receipt(data)
+
+    def read_origin(self, object_id: str) -> Origin | None:
+        try:
+            return parse_origin(self.origin_path(object_id).read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def commit(self, receipt: Receipt, origin: Origin) -> Receipt:
+        """Publish ``receipt`` (and first its origin record) without overwriting anything.
+
+        Returns the receipt now on disk: ``receipt`` itself, or the one an earlier acceptance
+        published.  The caller must fsync :attr:`directory` before answering with it.
+        """
+        oid = receipt.object_id
+        fs.publish_once(self.directory, f"{oid}.meta.json", origin.to_json(oid))
+        if fs.publish_once(self.directory, f"{oid}.json", receipt.to_json()):
+            return receipt
+        existing = self.read(oid)
+        assert existing is not None, "a published receipt is never removed"
+        return existing
+
+    def ensure_origin(self, object_id: str, origin: Origin) -> None:
+        """Write the origin record if an interrupted acceptance left a receipt without one."""
+        if not self.origin_path(object_id).exists():
+            fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
+
+    def object_ids(self) -> Iterator[str]:
+        """Ids of every receipt on disk (in directory order)."""
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(".json") and not name.endswith(".meta.json"):
+                    if not name.startswith(fs.TEMP_PREFIX):
+                        yield name[: -len(".json")]

@@ -1,0 +1,148 @@
+"""Composition roots: the only place that knows the whole object graph of each daemon.
+
+``receiver_service(config, reactor)`` builds the receiver's MultiService.  Work that can fail at
+start-up (directories, the delivery index schema) happens here, so a failure aborts the launch with
+a clear message.  Services stop in reverse order of addition: the listener first, the thread pools
+last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+from twisted.application import strports
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from canner.acceptance import Acceptance
+from canner.blocking import BlockingRunner, ThreadPoolRunner
+from canner.config import Config
+from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
+from canner.fs import DirSyncer
+from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.receiver import receiver_site
+from canner.tus.intake import UploadIntake
+from canner.tus.routes import TusRoutes
+from canner.tus.store import UploadStore
+from canner.tus.sweep import sweep_stale
+
+log = Logger()
+
+IO_THREADS = 16
+HASH_THREADS = 2
+
+
+@define(eq=False)
+class PeriodicService(Service):
+    """Runs ``job`` every ``interval`` seconds on the given clock; a failing run is logged, never
+    fatal, and runs never overlap (the next waits for a returned Deferred)."""
+
+    _clock: Any
+    _interval: float
+    _job: Callable[[], Deferred[Any]]
+    _label: str
+    _loop: LoopingCall = field(init=False)
+    _done: Deferred[Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self._loop = LoopingCall(self._guarded)
+        self._loop.clock = self._clock
+
+    def _guarded(self) -> Deferred[Any]:
+        return self._job().addErrback(lambda f: log.failure("{label} failed", f, label=self._label))
+
+    def startService(self) -> None:
+        super().startService()
+        self._done = self._loop.start(self._interval, now=True)
+
+    def stopService(self) -> Deferred[Any] | None:
+        super().stopService()
+        if self._loop.running:
+            self._loop.stop()
+        return self._done
+
+
+@define(eq=False)
+class ShutdownHook(Service):
+    """Calls ``on_stop`` when the process begins to stop (add it last: it stops first)."""
+
+    _on_stop: Callable[[], None]
+
+    def stopService(self) -> None:
+        super().stopService()
+        self._on_stop()
+
+
+def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
+    for sub in ("uploads", "receipts"):
+        (data_dir / sub).mkdir(parents=True, exist_ok=True)
+    return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
+
+
+def _index_feed(config: Config, reactor: Any) -> tuple[Callable[[Receipt, Origin], None], Any]:
+    """The best-effort enqueue for acceptance; a broken index is logged, never fatal."""
+    path = config.data_dir / "delivery.sqlite"
+    try:
+        upgrade_schema(path)
+    except Exception as e:
+        log.error(
+            "delivery index {path} unusable, receipts will be picked up by the deliver rescan:"
+            " {error}",
+            path=str(path),
+            error=str(e),
+        )
+        return (lambda receipt, origin: None), None
+    pool = open_pool(path)
+    return IndexFeed(DeliveryIndex(pool, reactor)).enqueue, pool
+
+
+def receiver_service(config: Config, reactor: Any) -> IService:
+    """The receiver process: tus, receipts, health, the stale-upload sweep."""
+    uploads, receipts = _prepare_data_dir(config.data_dir)
+    top = MultiService()
+    io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
+    hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
+    io.setServiceParent(top)
+    hashing.setServiceParent(top)
+    run: BlockingRunner = io
+    enqueue, pool = _index_feed(config, reactor)
+    acceptance = Acceptance(
+        uploads, receipts, run, hashing, DirSyncer(run), reactor, config.issuer, enqueue
+    )
+    intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
+    tus = TusRoutes(intake, config.public_url, config.trust_forwarded_headers, config.max_upload_bytes)
+    site = receiver_site(intake, tus, receipts, config.object_ids, config.data_dir, run)
+    strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
+
+    def sweep() -> Deferred[Any]:
+        d = run(
+            sweep_stale,
+            uploads,
+            receipts,
+            config.object_ids,
+            reactor.seconds(),
+            config.partial_upload_retention,
+        )
+        d.addCallback(
+            lambda report: report.removed
+            and log.info(
+                "removed {count} stale uploads", count=len(report.removed), ids=report.removed
+            )
+        )
+        return d
+
+    interval = max(1.0, min(60.0, config.partial_upload_retention / 4))
+    PeriodicService(reactor, interval, sweep, "stale upload sweep").setServiceParent(top)
+
+    def stopping() -> None:
+        acceptance.stop()
+        if pool is not None:
+            pool.close()
+
+    ShutdownHook(stopping).setServiceParent(top)
+    return top

@@ -1,0 +1,28 @@
+"""``twistd canner-receiver --config FILE``: options and makeService, nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twisted.application.service import IService
+from twisted.python import usage
+
+from canner.config import Config, ConfigError, load_config
+
+
+class Options(usage.Options):
+    optParameters = [["config", "c", "/etc/canner/canner.toml", "The canner TOML config file."]]
+
+    def postOptions(self) -> None:
+        try:
+            self.loaded: Config = load_config(Path(self["config"]))
+        except ConfigError as e:
+            raise usage.UsageError(str(e)) from None
+
+
+def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+
+    from canner.service import receiver_service
+
+    return receiver_service(options.loaded, reactor)

@@ -1,0 +1,309 @@
+"""Upload admission and completion: what happens to a tus request before and after its body.
+
+``open_body`` is called by :class:`~canner.tus.stream.ReceiverRequest` as soon as a request's head
+is in.  For ``POST /files/`` (creation, with or without upload) and ``PATCH /files/{id}`` it checks
+the headers (pure, at once), then admits the request in a thread (free space, upload exists, lock,
+offset, length) and returns the :class:`BodyStream` that writes the body.  When the body is written
+the stream calls back here: a complete upload goes to :class:`~canner.acceptance.Acceptance`, an
+incomplete one is released.  The result the route renders is an :class:`Outcome`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from urllib.parse import unquote_to_bytes
+
+from attrs import define, frozen
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from canner import fs
+from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.blocking import BlockingRunner
+from canner.config import Config
+from canner.receipts import Receipt, ReceiptStore
+from canner.tus import protocol
+from canner.tus.protocol import TusError
+from canner.tus.store import CorruptInfo, LockedUpload, UploadInfo, UploadStore
+from canner.tus.stream import BodyStream, ReceiverRequest
+
+log = Logger()
+
+
+@frozen
+class Outcome:
+    """Where an upload stands after a request: what HEAD, PATCH and POST render."""
+
+    upload_id: str
+    size: int
+    offset: int
+    metadata: Mapping[str, str]
+    receipt: Receipt | None = None
+
+
+def _not_found() -> TusError:
+    return TusError(404, "no such upload")
+
+
+def _locked() -> TusError:
+    return TusError(423, "another request is writing this upload; retry later")
+
+
+def _rejected(info: UploadInfo) -> TusError:
+    return TusError(422, f"upload rejected for good: {info.rejected}")
+
+
+def _failure_status(failure: Failure) -> Failure:
+    """Translate acceptance outcomes into their HTTP meaning."""
+    if failure.check(ChecksumMismatch):
+        return Failure(TusError(422, str(failure.value)))
+    if failure.check(AcceptanceFailed):
+        error = failure.value
+        assert isinstance(error, AcceptanceFailed)
+        status = 503 if error.no_space else 500
+        return Failure(TusError(status, str(error), (("Retry-After", "60"),)))
+    return failure
+
+
+@define(eq=False)
+class UploadIntake:
+    """Admission, body streaming and completion for tus uploads."""
+
+    _config: Config
+    _uploads: UploadStore
+    _receipts: ReceiptStore
+    _acceptance: Acceptance
+    _run: BlockingRunner
+    _clock: IReactorTime
+
+    # -- the streaming seam -------------------------------------------------------------------
+
+    def open_body(
+        self, request: ReceiverRequest, method: bytes, path: bytes, length: int | None
+    ) -> BodyStream | None:
+        """A stream for tus POST/PATCH bodies; None for every other request."""
+        if method == b"POST" and path in (b"/files", b"/files/"):
+            admit = self._admit_creation
+            target = ""
+        elif method == b"PATCH" and path.startswith(b"/files/") and path.count(b"/") == 2:
+            admit = self._admit_append
+            target = unquote_to_bytes(path[len(b"/files/") :]).decode("utf-8", "replace")
+        else:
+            return None
+        transport = request.transport
+        assert transport is not None
+        stream = BodyStream(self._run, transport, self._finish)  # type: ignore[arg-type]
+        try:
+            admission = admit(request.requestHeaders, target, length)
+        except TusError as e:
+            stream.answered(Failure(e))
+            return stream
+        admission.addCallbacks(
+            lambda result: stream.admitted(result)
+            if isinstance(result, LockedUpload)
+            else stream.answered(result),
+            lambda failure: stream.answered(_failure_status(failure)),
+        )
+        return stream
+
+    def _admit_creation(
+        self, headers: Headers, _target: str, length: int | None
+    ) -> Deferred[LockedUpload | Outcome]:
+        protocol.check_tus_resumable(headers)
+        creation = protocol.parse_creation(
+            headers, self._config.projects, self._config.max_upload_bytes
+        )
+        if length != 0:
+            if not protocol.has_upload_body(headers):
+                raise TusError(415, f"a creation body needs Content-Type {protocol.OFFSET_CONTENT_TYPE}")
+            if length is not None and length > creation.length:
+                raise TusError(413, "the body is longer than Upload-Length")
+        info = UploadInfo(
+            upload_id=self._config.object_ids.new(),
+            size=creation.length,
+            metadata=dict(creation.metadata),
+            created_at=int(self._clock.seconds()),
+        )
+        return self._run(self._create, info)
+
+    def _create(self, info: UploadInfo) -> LockedUpload:
+        self._check_free_space()
+        self._uploads.create(info)
+        log.info(
+            "created {object_id} for {project}: {size} bytes",
+            object_id=info.upload_id,
+            project=info.project,
+            size=info.size,
+        )
+        return self._uploads.open_locked(info)
+
+    def _admit_append(
+        self, headers: Headers, upload_id: str, length: int | None
+    ) -> Deferred[LockedUpload | Outcome]:
+        protocol.check_tus_resumable(headers)
+        protocol.check_patch_content_type(headers)
+        if not self._config.object_ids.is_valid(upload_id):
+            raise _not_found()
+        offset = protocol.upload_offset(headers)
+        running = self._acceptance.in_flight(upload_id)
+        if running is not None:
+            # The upload is complete and being accepted: only an empty final PATCH may join.
+            return self._run(self._join_check, upload_id, offset, length).addCallback(
+                lambda size: running.addCallback(
+                    lambda receipt: Outcome(upload_id, size, size, {}, receipt)
+                )
+            )
+        return self._run(self._open_for_append, upload_id, offset, length)
+
+    def _join_check(self, upload_id: str, offset: int, length: int | None) -> int:
+        info = self._uploads.read_info(upload_id)
+        if info is None:
+            raise _not_found()
+        if offset != info.size:
+            raise TusError(409, f"Upload-Offset {offset} does not match the stored {info.size}")
+        if length != 0:
+            raise TusError(413, "the upload is already complete")
+        return info.size
+
+    def _open_for_append(
+        self, upload_id: str, offset: int, length: int | None
+    ) -> LockedUpload | Outcome:
+        self._check_free_space()
+        info = self._read_info(upload_id)
+        if info is None:
+            accepted = self._accepted(upload_id)
+            if accepted is None:
+                raise _not_found()
+            if offset != accepted.size:
+                raise TusError(409, f"Upload-Offset {offset} does not match {accepted.size}")
+            if length != 0:
+                raise TusError(413, "the upload is already complete")
+            return accepted
+        if info.rejected is not None:
+            raise _rejected(info)
+        try:
+            upload = self._uploads.open_locked(info)
+        except fs.Locked:
+            raise _locked() from None
+        try:
+            if offset != upload.offset:
+                raise TusError(409, f"Upload-Offset {offset} does not match {upload.offset}")
+            if length is not None and offset + length > info.size:
+                raise TusError(413, "the body would pass Upload-Length")
+        except TusError:
+            upload.close()
+            raise
+        return upload
+
+    def _check_free_space(self) -> None:
+        try:
+            available = fs.free_bytes(self._config.data_dir)
+        except OSError:
+            raise protocol.space_unknown() from None
+        if available < self._config.min_free_bytes:
+            raise protocol.no_space(available, self._config.min_free_bytes)
+
+    def _read_info(self, upload_id: str) -> UploadInfo | None:
+        try:
+            return self._uploads.read_info(upload_id)
+        except CorruptInfo as e:
+            log.error("{error}", object_id=upload_id, error=str(e))
+            raise TusError(500, "the upload's info sidecar is unreadable") from None
+
+    def _accepted(self, upload_id: str) -> Outcome | None:
+        """The outcome of an upload that was accepted (its payload may be purged since)."""
+        receipt = self._receipts.read(upload_id)
+        if receipt is None:
+            return None
+        origin = self._receipts.read_origin(upload_id)
+        metadata = {"checksum": str(receipt.checksum)}
+        if origin is not None:
+            metadata["project"] = origin.project
+            if origin.filename:
+                metadata["filename"] = origin.filename
+        return Outcome(upload_id, receipt.size_bytes, receipt.size_bytes, metadata, receipt)
+
+    # -- after the body -------------------------------------------------------------------------
+
+    def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+        info = upload.info
+        if upload.offset == info.size:
+            return self._acceptance.accept(upload).addCallbacks(
+                lambda receipt: Outcome(info.upload_id, info.size, info.size, info.metadata, receipt),
+                _failure_status,
+            )
+        offset = upload.offset
+        if lost:
+            log.info(
+                "connection lost on {object_id} at offset {offset}",
+                object_id=info.upload_id,
+                offset=offset,
+            )
+        return self._run(upload.close).addCallback(
+            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata)
+        )
+
+    # -- HEAD -----------------------------------------------------------------------------------
+
+    def status(self, headers: Headers, upload_id: str) -> Deferred[Outcome]:
+        """The state of an upload for HEAD.  Never waits for a running acceptance.
+
+        A complete upload that has no receipt and no acceptance running (a transient failure
+        earlier) gets acceptance started in the background.
+        """
+        try:
+            protocol.check_tus_resumable(headers)
+            if not self._config.object_ids.is_valid(upload_id):
+                raise _not_found()
+        except TusError as e:
+            return fail(e)
+        d = self._run(self._status, upload_id)
+        d.addCallback(self._maybe_resume_acceptance)
+        return d
+
+    def _status(self, upload_id: str) -> Outcome:
+        info = self._read_info(upload_id)
+        if info is None:
+            accepted = self._accepted(upload_id)
+            if accepted is None:
+                raise _not_found()
+            return accepted
+        if info.rejected is not None:
+            raise TusError(410, f"upload rejected for good: {info.rejected}")
+        receipt = self._receipts.read(upload_id)
+        offset = info.size if receipt is not None else self._uploads.offset(upload_id)
+        return Outcome(upload_id, info.size, offset, info.metadata, receipt)
+
+    def _maybe_resume_acceptance(self, outcome: Outcome) -> Outcome:
+        if (
+            outcome.offset == outcome.size
+            and outcome.receipt is None
+            and self._acceptance.in_flight(outcome.upload_id) is None
+        ):
+            self._run(self._lock_complete, outcome.upload_id).addCallbacks(
+                self._accept_in_background,
+                lambda f: None if f.check(fs.Locked) else log.failure("resuming acceptance", f),
+            )
+        return outcome
+
+    def _lock_complete(self, upload_id: str) -> LockedUpload | None:
+        info = self._uploads.read_info(upload_id)
+        if info is None or info.rejected is not None:
+            return None
+        upload = self._uploads.open_locked(info)
+        if upload.offset != info.size:
+            upload.close()
+            return None
+        return upload
+
+    def _accept_in_background(self, upload: LockedUpload | None) -> None:
+        if upload is None:
+            return
+        self._acceptance.accept(upload).addErrback(
+            lambda f: None if f.check(ChecksumMismatch, AcceptanceFailed) else log.failure(
+                "background acceptance of {object_id}", f, object_id=upload.info.upload_id
+            )
+        )

@@ -1,0 +1,7 @@
+"""twistd plugins ``canner-receiver`` and ``canner-deliver``: names only, loaded lazily."""
+
+from twisted.application.service import ServiceMaker
+
+cannerReceiver = ServiceMaker(
+    "canner receiver", "canner.tap.receiver", "canner: tus uploads, receipts", "canner-receiver"
+)
