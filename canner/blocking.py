@@ -37,7 +37,7 @@ def run_inline(f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Defer
 
 @define(eq=False)
 class ThreadPoolRunner(Service):
-    """A :class:`BlockingRunner` backed by its own thread pool, which lives as long as the service."""
+    """A :class:`BlockingRunner` on its own thread pool, which lives as long as the service."""
 
     _reactor: IReactorFromThreads
     _name: str

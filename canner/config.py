@@ -1,8 +1,8 @@
 """The configuration tree shared by both daemons.
 
-``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping of DESIGN.md §8 into a frozen
-:class:`Config` or raises :class:`ConfigError` naming the key and the problem.  ``load_config(path)``
-reads the file.  Everything after this module trusts the values it returns.
+``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping of DESIGN.md §8 into a
+frozen :class:`Config` or raises :class:`ConfigError` naming the key and the problem.
+``load_config(path)`` reads the file.  Everything after this module trusts the values it returns.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ ISSUER_MAX_BYTES = 512
 _DURATION_UNITS = {
     "ns": 1e-9,
     "us": 1e-6,
-    "µs": 1e-6,  # noqa: RUF001 - Go accepts both micro signs
+    "µs": 1e-6,
     "μs": 1e-6,
     "ms": 1e-3,
     "s": 1.0,
     "m": 60.0,
     "h": 3600.0,
 }
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")  # noqa: RUF001
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,7 @@ def parse_duration(text: str) -> float:
     durations, which no canner setting accepts.
     """
     if not isinstance(text, str):
-        raise ValueError("a duration must be a string such as \"30m\" or \"1h30m\"")
+        raise ValueError('a duration must be a string such as "30m" or "1h30m"')
     if text == "0":
         return 0.0
     if text.startswith(("-", "+")):
@@ -59,11 +59,11 @@ def parse_duration(text: str) -> float:
     while pos < len(text):
         match = _DURATION_PART.match(text, pos)
         if match is None:
-            raise ValueError(f"{text!r} is not a Go duration (such as \"30s\" or \"1h30m\")")
+            raise ValueError(f'{text!r} is not a Go duration (such as "30s" or "1h30m")')
         total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
         pos = match.end()
     if pos == 0:
-        raise ValueError(f"{text!r} is not a Go duration (such as \"30s\" or \"1h30m\")")
+        raise ValueError(f'{text!r} is not a Go duration (such as "30s" or "1h30m")')
     return total
 
 
@@ -186,9 +186,7 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
     sink = _string(raw, "sink", name + ".sink")
     if sink not in _SINKS:
         raise ConfigError(name + ".sink", f"unknown sink {sink!r} (known: internet_archive)")
-    retention = _duration(
-        raw, "local_artifact_retention", name + ".local_artifact_retention", None
-    )
+    retention = _duration(raw, "local_artifact_retention", name + ".local_artifact_retention", None)
     if retention < 1.0:
         raise ConfigError(name + ".local_artifact_retention", "must be at least 1s")
     metadata_raw = raw.get("metadata", {})

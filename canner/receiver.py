@@ -1,8 +1,8 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health.
 
 A small root resource hands ``/files...`` to :class:`TusRoutes` and everything else to
-:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``).  :func:`receiver_site` builds the
-streaming :class:`~canner.tus.stream.ReceiverSite` around it.
+:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``).
+:func:`receiver_site` builds the streaming :class:`~canner.tus.stream.ReceiverSite` around it.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _Root(Resource):
         if path == b"files":
             return self._tus
         # Undo the traversal step so the Klein app sees the whole path.
-        request.postpath.insert(0, request.prepath.pop())  # type: ignore[attr-defined]
+        request.postpath.insert(0, request.prepath.pop())
         return self._rest
 
 

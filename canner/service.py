@@ -29,7 +29,7 @@ from canner.receiver import receiver_site
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
-from canner.tus.sweep import sweep_stale
+from canner.tus.sweep import SweepReport, sweep_stale
 
 log = Logger()
 
@@ -101,6 +101,11 @@ def _index_feed(config: Config, reactor: Any) -> tuple[Callable[[Receipt, Origin
     return IndexFeed(DeliveryIndex(pool, reactor)).enqueue, pool
 
 
+def _report_sweep(report: SweepReport) -> None:
+    if report.removed:
+        log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)
+
+
 def receiver_service(config: Config, reactor: Any) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep."""
     uploads, receipts = _prepare_data_dir(config.data_dir)
@@ -115,7 +120,9 @@ def receiver_service(config: Config, reactor: Any) -> IService:
         uploads, receipts, run, hashing, DirSyncer(run), reactor, config.issuer, enqueue
     )
     intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
-    tus = TusRoutes(intake, config.public_url, config.trust_forwarded_headers, config.max_upload_bytes)
+    tus = TusRoutes(
+        intake, config.public_url, config.trust_forwarded_headers, config.max_upload_bytes
+    )
     site = receiver_site(intake, tus, receipts, config.object_ids, config.data_dir, run)
     strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
 
@@ -128,13 +135,7 @@ def receiver_service(config: Config, reactor: Any) -> IService:
             reactor.seconds(),
             config.partial_upload_retention,
         )
-        d.addCallback(
-            lambda report: report.removed
-            and log.info(
-                "removed {count} stale uploads", count=len(report.removed), ids=report.removed
-            )
-        )
-        return d
+        return d.addCallback(_report_sweep)
 
     interval = max(1.0, min(60.0, config.partial_upload_retention / 4))
     PeriodicService(reactor, interval, sweep, "stale upload sweep").setServiceParent(top)

@@ -151,11 +151,13 @@ class DeliveryIndex:
     _clock: IReactorTime
 
     def insert(self, objects: list[AcceptedObject]) -> Deferred[int]:
-        return self._pool.runInteraction(insert_objects, objects, self._clock.seconds())
+        d: Deferred[int] = self._pool.runInteraction(insert_objects, objects, self._clock.seconds())
+        return d
 
     def run(self, f: Any, *args: Any) -> Deferred[Any]:
         """Run a cursor function in a transaction."""
-        return self._pool.runInteraction(f, *args)
+        d: Deferred[Any] = self._pool.runInteraction(f, *args)
+        return d
 
     def close(self) -> None:
         self._pool.close()

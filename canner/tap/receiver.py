@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from twisted.application.service import IService
 from twisted.python import usage
@@ -11,7 +12,9 @@ from canner.config import Config, ConfigError, load_config
 
 
 class Options(usage.Options):
-    optParameters = [["config", "c", "/etc/canner/canner.toml", "The canner TOML config file."]]
+    optParameters: ClassVar[list[list[str]]] = [
+        ["config", "c", "/etc/canner/canner.toml", "The canner TOML config file."]
+    ]
 
     def postOptions(self) -> None:
         try:

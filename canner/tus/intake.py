@@ -10,7 +10,7 @@ incomplete one is released.  The result the route renders is an :class:`Outcome`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import unquote_to_bytes
 
 from attrs import define, frozen
@@ -85,6 +85,7 @@ class UploadIntake:
         self, request: ReceiverRequest, method: bytes, path: bytes, length: int | None
     ) -> BodyStream | None:
         """A stream for tus POST/PATCH bodies; None for every other request."""
+        admit: Callable[[Headers, str, int | None], Deferred[LockedUpload | Outcome]]
         if method == b"POST" and path in (b"/files", b"/files/"):
             admit = self._admit_creation
             target = ""
@@ -102,9 +103,11 @@ class UploadIntake:
             stream.answered(Failure(e))
             return stream
         admission.addCallbacks(
-            lambda result: stream.admitted(result)
-            if isinstance(result, LockedUpload)
-            else stream.answered(result),
+            lambda result: (
+                stream.admitted(result)
+                if isinstance(result, LockedUpload)
+                else stream.answered(result)
+            ),
             lambda failure: stream.answered(_failure_status(failure)),
         )
         return stream
@@ -118,7 +121,9 @@ class UploadIntake:
         )
         if length != 0:
             if not protocol.has_upload_body(headers):
-                raise TusError(415, f"a creation body needs Content-Type {protocol.OFFSET_CONTENT_TYPE}")
+                raise TusError(
+                    415, f"a creation body needs Content-Type {protocol.OFFSET_CONTENT_TYPE}"
+                )
             if length is not None and length > creation.length:
                 raise TusError(413, "the body is longer than Upload-Length")
         info = UploadInfo(
@@ -232,7 +237,9 @@ class UploadIntake:
         info = upload.info
         if upload.offset == info.size:
             return self._acceptance.accept(upload).addCallbacks(
-                lambda receipt: Outcome(info.upload_id, info.size, info.size, info.metadata, receipt),
+                lambda receipt: Outcome(
+                    info.upload_id, info.size, info.size, info.metadata, receipt
+                ),
                 _failure_status,
             )
         offset = upload.offset
@@ -303,7 +310,11 @@ class UploadIntake:
         if upload is None:
             return
         self._acceptance.accept(upload).addErrback(
-            lambda f: None if f.check(ChecksumMismatch, AcceptanceFailed) else log.failure(
-                "background acceptance of {object_id}", f, object_id=upload.info.upload_id
+            lambda f: (
+                None
+                if f.check(ChecksumMismatch, AcceptanceFailed)
+                else log.failure(
+                    "background acceptance of {object_id}", f, object_id=upload.info.upload_id
+                )
             )
         )

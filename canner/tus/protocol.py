@@ -78,9 +78,7 @@ def check_tus_resumable(headers: Headers) -> None:
     """412 with ``Tus-Version`` unless the client speaks tus 1.0.0."""
     version = single_header(headers, "Tus-Resumable")
     if version != TUS_VERSION:
-        raise TusError(
-            412, "unsupported or missing Tus-Resumable", (("Tus-Version", TUS_VERSION),)
-        )
+        raise TusError(412, "unsupported or missing Tus-Resumable", (("Tus-Version", TUS_VERSION),))
 
 
 def method_override(method: bytes, headers: Headers) -> bytes:
@@ -143,7 +141,9 @@ def parse_metadata(text: str) -> dict[str, str]:
                 raw = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
                 value = raw.decode("utf-8")
             except (binascii.Error, ValueError):
-                raise TusError(400, f"Upload-Metadata: value of {key!r} is not base64 of UTF-8")
+                raise TusError(
+                    400, f"Upload-Metadata: value of {key!r} is not base64 of UTF-8"
+                ) from None
         result[key] = value
     return result
 

@@ -93,9 +93,7 @@ class TusRoutes:
                 if value:
                     forwarded.append((key, value.split(",")[0].strip()))
         host = protocol.single_header(request.requestHeaders, "Host")
-        return protocol.location(
-            self._public_url, host, request.isSecure(), forwarded, upload_id
-        )
+        return protocol.location(self._public_url, host, request.isSecure(), forwarded, upload_id)
 
 
 def _stream(request: IRequest) -> BodyStream:

@@ -144,7 +144,7 @@ class UploadStore:
         fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=False)
 
     def read_info(self, upload_id: str) -> UploadInfo | None:
-        """The sidecar, or None when the upload does not exist; :class:`CorruptInfo` if unreadable."""
+        """The sidecar, or None when there is no such upload; :class:`CorruptInfo` if unreadable."""
         try:
             data = self.info_path(upload_id).read_bytes()
         except FileNotFoundError:

@@ -223,7 +223,9 @@ class BodyStream:
         self._pump()
 
     def _refuse_overrun(self, upload: LockedUpload) -> None:
-        self._answer = Failure(TusError(413, "the body would pass Upload-Length; nothing was stored"))
+        self._answer = Failure(
+            TusError(413, "the body would pass Upload-Length; nothing was stored")
+        )
         self._drop_pending()
         self._writing = True
         self._run(upload.truncate, self._start_offset).addBoth(self._written)

@@ -2,6 +2,6 @@
 
 from twisted.application.service import ServiceMaker
 
-cannerReceiver = ServiceMaker(
+cannerReceiver = ServiceMaker(  # noqa: N816 - twistd finds plugins by module globals
     "canner receiver", "canner.tap.receiver", "canner: tus uploads, receipts", "canner-receiver"
 )

@@ -1,0 +1,162 @@
+"""The acceptance commit sequence, with inline blocking work and a fake clock."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.blocking import run_inline
+from canner.fs import DirSyncer
+from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.tus.store import LockedUpload, UploadInfo, UploadStore
+
+OID = "0123456789abcdef0123456789abcdef"
+
+
+class Env:
+    def __init__(self, tmp_path: Path, runner: Any = run_inline) -> None:
+        (tmp_path / "uploads").mkdir()
+        (tmp_path / "receipts").mkdir()
+        self.uploads = UploadStore(tmp_path / "uploads")
+        self.receipts = ReceiptStore(tmp_path / "receipts")
+        self.clock = Clock()
+        self.clock.advance(1784764800.7)
+        self.enqueued: list[tuple[Receipt, Origin]] = []
+        self.acceptance = Acceptance(
+            self.uploads,
+            self.receipts,
+            runner,
+            run_inline,
+            DirSyncer(runner),
+            self.clock,
+            "https://canner.example",
+            lambda r, o: self.enqueued.append((r, o)),
+        )
+
+    def complete_upload(self, data: bytes, declared: bytes | None = None) -> LockedUpload:
+        digest = blake3.blake3(declared if declared is not None else data).hexdigest()
+        info = UploadInfo(OID, len(data), {"project": "example", "checksum": f"blake3:{digest}"}, 1)
+        self.uploads.create(info)
+        upload = self.uploads.open_locked(info)
+        upload.write([data])
+        return upload
+
+
+def result_of(d: Deferred[Any]) -> Any:
+    results: list[Any] = []
+    d.addBoth(results.append)
+    assert results, "the Deferred has not fired"
+    if isinstance(results[0], Failure):
+        results[0].raiseException()
+    return results[0]
+
+
+def test_complete_upload_gets_a_durable_receipt_and_is_enqueued(tmp_path: Path) -> None:
+    """Acceptance publishes the receipt, records the origin and enqueues the object."""
+    env = Env(tmp_path)
+    upload = env.complete_upload(b"hello world")
+    receipt = result_of(env.acceptance.accept(upload))
+    assert receipt.size_bytes == 11
+    assert receipt.accepted_at == 1784764800
+    assert env.receipts.read(OID) == receipt
+    assert env.receipts.read_origin(OID) == Origin("example", None)
+    assert env.enqueued == [(receipt, Origin("example", None))]
+    assert upload.fd == -1, "the lock is released when acceptance ends"
+
+
+def test_checksum_mismatch_rejects_for_good(tmp_path: Path) -> None:
+    """A mismatch raises, writes no receipt, marks the sidecar and frees the bytes."""
+    env = Env(tmp_path)
+    upload = env.complete_upload(b"hello world", declared=b"other bytes")
+    with pytest.raises(ChecksumMismatch):
+        result_of(env.acceptance.accept(upload))
+    assert env.receipts.read(OID) is None
+    info = env.uploads.read_info(OID)
+    assert info is not None and info.rejected is not None and "mismatch" in info.rejected
+    assert env.uploads.offset(OID) == 0
+    assert env.enqueued == []
+
+
+def test_existing_receipt_is_returned_unchanged(tmp_path: Path) -> None:
+    """Repeating acceptance returns the receipt already on disk, byte for byte."""
+    env = Env(tmp_path)
+    first = result_of(env.acceptance.accept(env.complete_upload(b"abc")))
+    env.clock.advance(500)
+    info = env.uploads.read_info(OID)
+    assert info is not None
+    again = result_of(env.acceptance.accept(env.uploads.open_locked(info)))
+    assert again == first
+    assert env.receipts.read_bytes(OID) == first.to_json()
+
+
+class FailOnce:
+    """Runs jobs inline, but the first call of ``target`` raises ``error``."""
+
+    def __init__(self, target: str, error: OSError) -> None:
+        self.target, self.error, self.failed = target, error, False
+
+    def __call__(self, f: Any, *args: Any) -> Deferred[Any]:
+        if not self.failed and getattr(f, "__name__", "") == self.target:
+            self.failed = True
+            err = self.error
+            return run_inline(lambda: (_ for _ in ()).throw(err))
+        return run_inline(f, *args)
+
+
+@pytest.mark.parametrize(
+    ("target", "code", "no_space"),
+    [
+        ("sync_upload", errno.EIO, False),
+        ("commit", errno.ENOSPC, True),
+        ("fsync_dir", errno.EIO, False),
+    ],
+)
+def test_transient_failures_leave_the_upload_acceptable(
+    tmp_path: Path, target: str, code: int, no_space: bool
+) -> None:
+    """An fsync or disk-full failure fails acceptance; a retry then succeeds."""
+    runner = FailOnce(target, OSError(code, os.strerror(code)))
+    env = Env(tmp_path, runner)
+    upload = env.complete_upload(b"payload")
+    with pytest.raises(AcceptanceFailed) as caught:
+        result_of(env.acceptance.accept(upload))
+    assert caught.value.no_space is no_space
+    assert runner.failed
+    info = env.uploads.read_info(OID)
+    assert info is not None and info.rejected is None
+    receipt = result_of(env.acceptance.accept(env.uploads.open_locked(info)))
+    assert json.loads(env.receipts.read_bytes(OID) or b"")["size_bytes"] == 7
+    assert receipt.size_bytes == 7
+
+
+def test_joiners_share_one_acceptance_and_may_cancel(tmp_path: Path) -> None:
+    """in_flight() joins a running acceptance; cancelling a joiner does not stop it."""
+    pending: list[Deferred[Any]] = []
+
+    def slow_hash(f: Any, *args: Any) -> Deferred[Any]:
+        d = run_inline(f, *args)
+        gate: Deferred[Any] = Deferred()
+        pending.append(gate)
+        return gate.addCallback(lambda _: d).addCallback(lambda r: r)
+
+    env = Env(tmp_path)
+    env.acceptance._hash = slow_hash  # type: ignore[misc]
+    first = env.acceptance.accept(env.complete_upload(b"xyz"))
+    joined = env.acceptance.in_flight(OID)
+    cancelled = env.acceptance.in_flight(OID)
+    assert joined is not None and cancelled is not None
+    cancelled.cancel()
+    cancelled.addErrback(lambda f: f.trap(CancelledError))
+    pending[0].callback(None)
+    assert result_of(first) == result_of(joined)
+    assert env.acceptance.in_flight(OID) is None

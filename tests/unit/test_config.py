@@ -1,0 +1,158 @@
+"""Config parsing: Go durations, key validation, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from canner.config import ConfigError, load_config, parse_config, parse_duration
+
+BASE: dict[str, Any] = {
+    "issuer": "https://canner.example",
+    "min_free_bytes": 10,
+    "projects": {"example": {}},
+}
+
+
+def config(**overrides: Any) -> dict[str, Any]:
+    return {**BASE, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("0", 0.0), ("500ms", 0.5), ("30s", 30.0), ("1h30m", 5400.0), ("1.5h", 5400.0), ("2us", 2e-6)],
+)
+def test_go_durations_parse_to_seconds(text: str, seconds: float) -> None:
+    """Go duration strings parse to the number of seconds Go would give."""
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "10", "1d", "-1s", "+1s", "1h 30m", "h", "1.2.3s", "1S"])
+def test_malformed_durations_are_refused(text: str) -> None:
+    """Anything Go would refuse (and negative durations) raises ValueError."""
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+@given(st.integers(0, 10**6), st.integers(0, 59), st.integers(0, 59))
+def test_composed_durations_add_up(hours: int, minutes: int, seconds: int) -> None:
+    """h, m and s parts add up to their total in seconds."""
+    text = f"{hours}h{minutes}m{seconds}s"
+    assert parse_duration(text) == hours * 3600 + minutes * 60 + seconds
+
+
+def test_defaults_fill_in_and_relative_data_dir_resolves_against_base(tmp_path: Path) -> None:
+    """Optional keys take their documented defaults; a relative data_dir is resolved once."""
+    parsed = parse_config(config(data_dir="data"), tmp_path)
+    assert parsed.data_dir == tmp_path / "data"
+    assert parsed.listen == "tcp:8080:interface=127.0.0.1"
+    assert parsed.partial_upload_retention == 1800.0
+    assert parsed.max_upload_bytes == 107374182400
+    assert parsed.delivery_concurrency == 2
+    assert set(parsed.projects) == {"example"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"issuer": None}, "issuer"),
+        ({"issuer": ""}, "issuer"),
+        ({"issuer": "x" * 513}, "issuer"),
+        ({"min_free_bytes": 0}, "min_free_bytes"),
+        ({"min_free_bytes": -5}, "min_free_bytes"),
+        ({"min_free_bytes": "100"}, "min_free_bytes"),
+        ({"min_free_bytes": True}, "min_free_bytes"),
+        ({"max_upload_bytes": 0}, "max_upload_bytes"),
+        ({"partial_upload_retention": "30"}, "partial_upload_retention"),
+        ({"partial_upload_retention": "0"}, "partial_upload_retention"),
+        ({"public_url": "ftp://x"}, "public_url"),
+        ({"node_prefix": "Bad!"}, "node_prefix"),
+        ({"trust_forwarded_headers": "yes"}, "trust_forwarded_headers"),
+        ({"projects": {}}, "projects"),
+        ({"projects": {"bad id!": {}}}, "projects.bad id!"),
+        ({"projects": {"p": {"colour": 1}}}, "projects.p.colour"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_config_names_the_key(overrides: dict[str, Any], key: str, tmp_path: Path) -> None:
+    """Every invalid or unknown key is refused with an error naming it."""
+    raw = config(**overrides)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, tmp_path)
+    assert caught.value.key == key
+    assert repr(key) in str(caught.value)
+
+
+def test_issuer_limit_counts_bytes_not_characters(tmp_path: Path) -> None:
+    """The 512-byte issuer limit is in UTF-8 bytes."""
+    with pytest.raises(ConfigError):
+        parse_config(config(issuer="é" * 257), tmp_path)
+    assert parse_config(config(issuer="é" * 256), tmp_path).issuer == "é" * 256
+
+
+def _delivery(**overrides: Any) -> dict[str, Any]:
+    table = {
+        "sink": "internet_archive",
+        "credentials": "ia.ini",
+        "identifier": "example-{object_id}",
+        "local_artifact_retention": "24h",
+        **overrides,
+    }
+    return {k: v for k, v in table.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"local_artifact_retention": None}, "projects.p.delivery.local_artifact_retention"),
+        ({"local_artifact_retention": "500ms"}, "projects.p.delivery.local_artifact_retention"),
+        ({"sink": "s3"}, "projects.p.delivery.sink"),
+        ({"identifier": None}, "projects.p.delivery.identifier"),
+        ({"s3_url": "nope"}, "projects.p.delivery.s3_url"),
+        ({"metadata": {"title": 3}}, "projects.p.delivery.metadata.title"),
+        ({"extra": 1}, "projects.p.delivery.extra"),
+    ],
+)
+def test_bad_delivery_tables_name_the_key(
+    overrides: dict[str, Any], key: str, tmp_path: Path
+) -> None:
+    """The delivery table is validated key by key, retention at least 1s."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config(projects={"p": {"delivery": _delivery(**overrides)}}), tmp_path)
+    assert caught.value.key == key
+
+
+def test_delivery_table_parses_with_defaults(tmp_path: Path) -> None:
+    """Delivery defaults point at the real IA; metadata values become tuples."""
+    raw = config(projects={"p": {"delivery": _delivery(metadata={"mediatype": "web"})}})
+    delivery = parse_config(raw, tmp_path).projects["p"].delivery
+    assert delivery is not None
+    assert delivery.s3_url == "https://s3.us.archive.org"
+    assert delivery.metadata_url == "https://archive.org"
+    assert delivery.remote_name == "{filename}"
+    assert delivery.local_artifact_retention == 86400.0
+    assert delivery.credentials == tmp_path / "ia.ini"
+    assert delivery.metadata == {"mediatype": ("web",)}
+
+
+def test_load_config_reports_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    """A missing file or broken TOML is a ConfigError, not a traceback."""
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("issuer = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_example_configs_load(tmp_path: Path) -> None:
+    """The shipped example and dev configs are valid."""
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / "conf" / "canner.example.toml").issuer == "https://canner.example"
+    dev = load_config(root / "conf" / "canner.dev.toml")
+    assert dev.data_dir == root / "run" / "data"

@@ -1,0 +1,47 @@
+"""delivery.sqlite: schema upgrades and best-effort inserts."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from canner.delivery.index import (
+    AcceptedObject,
+    configure_connection,
+    insert_objects,
+    upgrade_schema,
+)
+
+
+def obj(oid: str) -> AcceptedObject:
+    return AcceptedObject(oid, "example", "a.warc", 10, "blake3:" + "ab" * 32, 1000)
+
+
+def test_upgrade_creates_the_schema_once(tmp_path: Path) -> None:
+    """Upgrading twice is a no-op; WAL is on."""
+    path = tmp_path / "delivery.sqlite"
+    assert upgrade_schema(path) == 1
+    assert upgrade_schema(path) == 1
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+    finally:
+        conn.close()
+
+
+def test_inserts_are_idempotent_and_pending(tmp_path: Path) -> None:
+    """Inserting the same object twice keeps one pending row."""
+    path = tmp_path / "delivery.sqlite"
+    upgrade_schema(path)
+    conn = sqlite3.connect(path)
+    try:
+        configure_connection(conn)
+        cur = conn.cursor()
+        assert insert_objects(cur, [obj("a" * 32), obj("b" * 32)], 5.0) == 2
+        assert insert_objects(cur, [obj("a" * 32)], 6.0) == 0
+        conn.commit()
+        rows = conn.execute("SELECT object_id, state, attempts FROM objects ORDER BY 1").fetchall()
+        assert rows == [("a" * 32, "pending", 0), ("b" * 32, "pending", 0)]
+    finally:
+        conn.close()

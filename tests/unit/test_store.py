@@ -1,0 +1,116 @@
+"""Uploads on disk, and the stale-upload sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from canner import fs
+from canner.checksum import Checksum
+from canner.ids import ObjectIds
+from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
+from canner.tus.sweep import sweep_stale
+
+IDS = ObjectIds()
+CHECKSUM = "blake3:" + "cd" * 32
+
+
+def stores(tmp_path: Path) -> tuple[UploadStore, ReceiptStore]:
+    (tmp_path / "uploads").mkdir()
+    (tmp_path / "receipts").mkdir()
+    return UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
+
+
+def info(upload_id: str, size: int = 10) -> UploadInfo:
+    return UploadInfo(upload_id, size, {"project": "example", "checksum": CHECKSUM}, 5)
+
+
+def test_sidecar_has_the_tusd_shape(tmp_path: Path) -> None:
+    """The info sidecar carries tusd's field names and no storage path."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.create(info(oid))
+    doc = json.loads(uploads.info_path(oid).read_bytes())
+    assert doc["ID"] == oid and doc["Size"] == 10 and doc["Offset"] == 0
+    assert doc["MetaData"] == {"project": "example", "checksum": CHECKSUM}
+    assert "Storage" not in doc
+    assert uploads.read_info(oid) == info(oid)
+
+
+def test_offset_is_the_data_file_size_and_writes_go_at_it(tmp_path: Path) -> None:
+    """Writes land at the current offset; the offset survives reopening."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.create(info(oid))
+    upload = uploads.open_locked(info(oid))
+    assert upload.write([b"abc", b"de"]) == 5
+    upload.close()
+    again = uploads.open_locked(info(oid))
+    assert again.offset == 5 == uploads.offset(oid)
+    again.write([b"fgh"])
+    again.close()
+    assert uploads.data_path(oid).read_bytes() == b"abcdefgh"
+
+
+def test_one_writer_per_upload(tmp_path: Path) -> None:
+    """A second open_locked of the same upload is refused until the first closes."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.create(info(oid))
+    first = uploads.open_locked(info(oid))
+    with pytest.raises(fs.Locked):
+        uploads.open_locked(info(oid))
+    first.close()
+    uploads.open_locked(info(oid)).close()
+
+
+@pytest.mark.parametrize("content", [b"", b"{", b'{"ID": "other"}', b"[]", b'{"ID": 1}'])
+def test_corrupt_sidecars_raise(tmp_path: Path, content: bytes) -> None:
+    """Unreadable sidecars are CorruptInfo, not crashes."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.info_path(oid).write_bytes(content)
+    with pytest.raises(CorruptInfo):
+        uploads.read_info(oid)
+
+
+def _age(uploads: UploadStore, oid: str, mtime: float) -> None:
+    for path in (uploads.data_path(oid), uploads.info_path(oid)):
+        if path.exists():
+            os.utime(path, (mtime, mtime))
+
+
+def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) -> None:
+    """Idle partial uploads go; fresh, receipted, locked and corrupt ones stay."""
+    uploads, receipts = stores(tmp_path)
+    idle, fresh, accepted, busy, corrupt, orphan = (IDS.new() for _ in range(6))
+    for oid in (idle, fresh, accepted, busy):
+        uploads.create(info(oid))
+    uploads.info_path(corrupt).write_bytes(b"garbage")
+    uploads.data_path(orphan).write_bytes(b"data without sidecar")
+    receipts.commit(
+        Receipt(accepted, "https://i", Checksum("cd" * 32), 10, 7), Origin("example", None)
+    )
+    lock = uploads.open_locked(info(busy))
+    now = 100_000.0
+    for oid in (idle, accepted, busy, corrupt, orphan):
+        _age(uploads, oid, now - 3600)
+    _age(uploads, fresh, now - 60)
+    temp = fs.write_temp(uploads.directory, "x", b"", sync=False)
+    os.utime(temp, (now - 7200, now - 7200))
+
+    report = sweep_stale(uploads, receipts, IDS, now, retention=1800)
+    lock.close()
+
+    assert sorted(report.removed) == sorted([idle, orphan])
+    assert report.skipped_corrupt == [corrupt]
+    assert report.temps_removed == 1
+    remaining = {p.name for p in uploads.directory.iterdir()}
+    assert idle not in remaining and f"{idle}.info" not in remaining and orphan not in remaining
+    for oid in (fresh, accepted, busy):
+        assert oid in remaining and f"{oid}.info" in remaining
+    assert f"{corrupt}.info" in remaining
