@@ -6,6 +6,7 @@ blocking digest of a stored file; call it through a blocking runner, never on th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -67,3 +68,23 @@ def blake3_file(
     finally:
         os.close(fd)
     return Checksum(hasher.hexdigest()), total
+
+
+def delivery_digests(path: Path, stop: threading.Event | None = None) -> tuple[Checksum, str, int]:
+    """BLAKE3 and MD5 of ``path`` in one read (blocking): ``(blake3, md5 hex, bytes read)``.
+
+    Delivery checks the BLAKE3 against the receipt before it sends anything, and sends the MD5
+    as ``Content-MD5`` so IA verifies what it stored.
+    """
+    hasher, md5 = blake3.blake3(max_threads=1), hashlib.md5(usedforsecurity=False)
+    buffer = bytearray(_READ_SIZE)
+    view = memoryview(buffer)
+    total = 0
+    with open(path, "rb", buffering=0) as stream:
+        while n := stream.readinto(view):
+            if stop is not None and stop.is_set():
+                raise HashCancelled()
+            hasher.update(view[:n])
+            md5.update(view[:n])
+            total += n
+    return Checksum(hasher.hexdigest()), md5.hexdigest(), total

@@ -1,6 +1,7 @@
 """Composition roots: the only place that knows the whole object graph of each daemon.
 
-``receiver_service(config, reactor)`` builds the receiver's MultiService.  Work that can fail at
+``receiver_service(config, reactor)`` and ``deliver_service(config, reactor)`` build each
+daemon's MultiService.  Work that can fail at
 start-up (directories, the delivery index schema) happens here, so a failure aborts the launch with
 a clear message.  Services stop in reverse order of addition: the listener first, the thread pools
 last.
@@ -8,7 +9,7 @@ last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,11 @@ from twisted.logger import Logger
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
+from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
-from canner.fs import DirSyncer
+from canner.delivery.rescan import missing_objects
+from canner.delivery.scheduler import DeliveryService, Sink
+from canner.fs import DataDirLock, DirSyncer, Locked
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.tus.intake import UploadIntake
@@ -146,4 +150,103 @@ def receiver_service(config: Config, reactor: Any) -> IService:
             pool.close()
 
     ShutdownHook(stopping).setServiceParent(top)
+    return top
+
+
+RESCAN_INTERVAL = 3600.0
+
+
+class DeliverLocked(Exception):
+    """Another canner-deliver owns this data directory."""
+
+
+@define(eq=False)
+class _DeliverRoot(MultiService):
+    """The deliver process: children stop first, then the index closes and the lock is freed."""
+
+    _on_stopped: Callable[[], None]
+
+    def __attrs_post_init__(self) -> None:
+        MultiService.__init__(self)
+
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        await super().stopService()
+        self._on_stopped()
+
+
+def _sinks(config: Config, reactor: Any) -> tuple[dict[str, Sink], dict[str, float]]:
+    from canner.delivery.sinks import internet_archive_sinks
+
+    sinks = internet_archive_sinks(config, reactor)
+    retention = {
+        pid: project.delivery.local_artifact_retention
+        for pid, project in config.projects.items()
+        if project.delivery is not None
+    }
+    for pid, project in config.projects.items():
+        if project.delivery is None:
+            log.warn(
+                "project {project} has no [projects.{project}.delivery]: its artifacts stay"
+                " local and are never delivered or purged",
+                project=pid,
+            )
+    return sinks, retention
+
+
+def deliver_service(
+    config: Config, reactor: Any, sinks: Mapping[str, Sink] | None = None
+) -> IService:
+    """The deliver process: the queue, rescans, verification and purge.
+
+    Raises :class:`DeliverLocked` when another deliver process owns the data directory.
+    ``sinks`` replaces the configured sinks (tests).
+    """
+    uploads, receipts = _prepare_data_dir(config.data_dir)
+    lock = DataDirLock(config.data_dir / "deliver.lock")
+    try:
+        lock.acquire()
+    except Locked:
+        raise DeliverLocked(
+            f"another canner-deliver already owns {config.data_dir} (see deliver.lock)"
+        ) from None
+    path = config.data_dir / "delivery.sqlite"
+    upgrade_schema(path)
+    pool = open_pool(path)
+    index = DeliveryIndex(pool, reactor)
+    if sinks is None:
+        sinks, retention = _sinks(config, reactor)
+    else:
+        retention = {
+            pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
+            for pid, p in config.projects.items()
+        }
+
+    def stopped() -> None:
+        pool.close()
+        lock.release()
+
+    top = _DeliverRoot(stopped)
+    io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
+    hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
+    io.setServiceParent(top)
+    hashing.setServiceParent(top)
+    ids = config.object_ids
+
+    async def rescan() -> None:
+        known = await index.run(sql.known_ids)
+        missing = await io(missing_objects, receipts, uploads, ids, known)
+        if missing:
+            added = await index.insert(missing)
+            log.info("rescan added {count} receipts to the delivery index", count=added)
+
+    PeriodicService(
+        reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
+    ).setServiceParent(top)
+    DeliveryService(
+        index, uploads, sinks, retention, io, hashing, reactor, config.delivery_concurrency
+    ).setServiceParent(top)
     return top

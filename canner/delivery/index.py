@@ -12,12 +12,13 @@ import sqlite3
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from attrs import define, field, frozen
 from twisted.enterprise.adbapi import ConnectionPool
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from canner.receipts import Origin, Receipt
@@ -25,6 +26,7 @@ from canner.receipts import Origin, Receipt
 log = Logger()
 
 BUSY_TIMEOUT_MS = 10_000
+RETRY_PAUSES = (0.1, 0.5, 2.0, 5.0)
 
 
 @frozen
@@ -143,6 +145,12 @@ def open_pool(path: Path) -> ConnectionPool:
     )
 
 
+class Index(Protocol):
+    """What the scheduler needs of the index: cursor functions run in a transaction."""
+
+    def run(self, f: Any, *args: Any) -> Deferred[Any]: ...
+
+
 @define(eq=False)
 class DeliveryIndex:
     """``delivery.sqlite`` behind an adbapi pool."""
@@ -151,13 +159,27 @@ class DeliveryIndex:
     _clock: IReactorTime
 
     def insert(self, objects: list[AcceptedObject]) -> Deferred[int]:
-        d: Deferred[int] = self._pool.runInteraction(insert_objects, objects, self._clock.seconds())
-        return d
+        return self.run(insert_objects, objects, self._clock.seconds())
 
     def run(self, f: Any, *args: Any) -> Deferred[Any]:
-        """Run a cursor function in a transaction."""
-        d: Deferred[Any] = self._pool.runInteraction(f, *args)
-        return d
+        """Run a cursor function in a transaction, retrying transient SQLite errors.
+
+        "database is locked", "disk I/O error" and the like are retried with growing pauses
+        (:data:`RETRY_PAUSES`); after the last one the error is returned to the caller, which logs
+        it and tries again on its next tick.
+        """
+        return Deferred.fromCoroutine(self._run_with_retries(f, args))
+
+    async def _run_with_retries(self, f: Any, args: tuple[Any, ...]) -> Any:
+        for pause in (*RETRY_PAUSES, None):
+            try:
+                return await self._pool.runInteraction(f, *args)
+            except sqlite3.OperationalError as e:
+                if pause is None:
+                    raise
+                log.warn("delivery index busy, retrying: {error}", error=str(e))
+                await deferLater(self._clock, pause, lambda: None)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self._pool.close()
@@ -200,3 +222,200 @@ class IndexFeed:
         # Assign before adding callbacks: an index that answers synchronously calls done() at once.
         running = self._running = self._index.insert(batch)
         running.addCallbacks(lambda _: None, failed).addBoth(done)
+
+
+# -- the delivery queue ----------------------------------------------------------------------
+
+COLUMNS = (
+    "object_id",
+    "project",
+    "filename",
+    "size_bytes",
+    "checksum",
+    "accepted_at",
+    "state",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "needs_operator",
+    "content_md5",
+    "remote_identifier",
+    "remote_name",
+    "delivered_at",
+    "verified_at",
+    "purge_after",
+    "purged_at",
+    "next_check_at",
+    "updated_at",
+)
+_SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM objects"
+
+
+@frozen
+class QueueRow:
+    """One row of ``objects``."""
+
+    object_id: str
+    project: str
+    filename: str | None
+    size_bytes: int
+    checksum: str
+    accepted_at: int
+    state: str
+    attempts: int
+    next_attempt_at: float
+    last_error: str | None
+    needs_operator: int
+    content_md5: str | None
+    remote_identifier: str | None
+    remote_name: str | None
+    delivered_at: float | None
+    verified_at: float | None
+    purge_after: float | None
+    purged_at: float | None
+    next_check_at: float | None
+    updated_at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in COLUMNS}
+
+
+def _rows(cur: sqlite3.Cursor) -> list[QueueRow]:
+    return [QueueRow(*row) for row in cur.fetchall()]
+
+
+def reset_delivering(cur: sqlite3.Cursor, now: float) -> int:
+    """At start-up: ``delivering`` rows (attempts cut short) become ``retry_wait``, due now."""
+    cur.execute(
+        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, updated_at = ?"
+        " WHERE state = 'delivering'",
+        (now, now),
+    )
+    return cur.rowcount
+
+
+def claim_due(
+    cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
+) -> list[QueueRow]:
+    """Move up to ``limit`` due rows of ``projects`` to ``delivering``, oldest due first.
+
+    Each claim is a guarded update from ``pending``/``retry_wait`` and counts an attempt.
+    """
+    names = sorted(projects)
+    if limit <= 0 or not names:
+        return []
+    marks = ", ".join("?" for _ in names)
+    cur.execute(
+        "UPDATE objects SET state = 'delivering', attempts = attempts + 1, updated_at = ?"
+        " WHERE object_id IN (SELECT object_id FROM objects"
+        "   WHERE state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
+        f"   AND project IN ({marks}) ORDER BY next_attempt_at LIMIT ?)"
+        " AND state IN ('pending', 'retry_wait')"
+        " RETURNING " + ", ".join(COLUMNS),
+        (now, now, *names, limit),
+    )
+    return sorted(_rows(cur), key=lambda r: (r.next_attempt_at, r.object_id))
+
+
+def set_content_md5(cur: sqlite3.Cursor, object_id: str, md5_hex: str) -> None:
+    cur.execute("UPDATE objects SET content_md5 = ? WHERE object_id = ?", (md5_hex, object_id))
+
+
+def record_delivered(
+    cur: sqlite3.Cursor,
+    object_id: str,
+    identifier: str,
+    remote_name: str,
+    now: float,
+    retention: float,
+) -> bool:
+    """``delivering -> delivered`` with where and when; False when the row was not delivering."""
+    cur.execute(
+        "UPDATE objects SET state = 'delivered', remote_identifier = ?, remote_name = ?,"
+        " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
+        " needs_operator = 0, updated_at = ?"
+        " WHERE object_id = ? AND state = 'delivering'",
+        (identifier, remote_name, now, now + retention, now, now, object_id),
+    )
+    return cur.rowcount == 1
+
+
+def record_failure(
+    cur: sqlite3.Cursor,
+    object_id: str,
+    error: str,
+    next_attempt_at: float,
+    needs_operator: bool,
+    now: float,
+) -> bool:
+    """``delivering -> retry_wait``; False when the row was not delivering."""
+    cur.execute(
+        "UPDATE objects SET state = 'retry_wait', last_error = ?, next_attempt_at = ?,"
+        " needs_operator = ?, updated_at = ?"
+        " WHERE object_id = ? AND state = 'delivering'",
+        (error[:2000], next_attempt_at, int(needs_operator), now, object_id),
+    )
+    return cur.rowcount == 1
+
+
+def follow_ups_due(cur: sqlite3.Cursor, now: float, limit: int) -> list[QueueRow]:
+    """Delivered rows not yet purged whose next verification or purge is due."""
+    cur.execute(
+        _SELECT + " WHERE state = 'delivered' AND purged_at IS NULL AND next_check_at <= ?"
+        " ORDER BY next_check_at LIMIT ?",
+        (now, limit),
+    )
+    return _rows(cur)
+
+
+def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
+    cur.execute(
+        "UPDATE objects SET verified_at = ?, next_check_at = max(?, purge_after), updated_at = ?"
+        " WHERE object_id = ? AND state = 'delivered' AND verified_at IS NULL",
+        (now, now, now, object_id),
+    )
+
+
+def record_follow_up(
+    cur: sqlite3.Cursor, object_id: str, next_check_at: float, error: str | None, now: float
+) -> None:
+    """Postpone verification or purge (a lookup found nothing yet, a delete failed)."""
+    cur.execute(
+        "UPDATE objects SET next_check_at = ?, last_error = ?, updated_at = ?"
+        " WHERE object_id = ? AND state = 'delivered'",
+        (next_check_at, error, now, object_id),
+    )
+
+
+def record_purged(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
+    cur.execute(
+        "UPDATE objects SET purged_at = ?, next_check_at = NULL, last_error = NULL,"
+        " updated_at = ? WHERE object_id = ? AND state = 'delivered' AND verified_at IS NOT NULL",
+        (now, now, object_id),
+    )
+
+
+def make_due_now(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
+    """Operator retry: a ``retry_wait`` row becomes due now (guarded)."""
+    cur.execute(
+        "UPDATE objects SET next_attempt_at = ?, updated_at = ?"
+        " WHERE object_id = ? AND state = 'retry_wait'",
+        (now, now, object_id),
+    )
+    return cur.rowcount == 1
+
+
+def known_ids(cur: sqlite3.Cursor) -> set[str]:
+    cur.execute("SELECT object_id FROM objects")
+    return {row[0] for row in cur.fetchall()}
+
+
+def all_rows(cur: sqlite3.Cursor) -> list[QueueRow]:
+    cur.execute(_SELECT + " ORDER BY accepted_at, object_id")
+    return _rows(cur)
+
+
+def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:
+    cur.execute(_SELECT + " WHERE object_id = ?", (object_id,))
+    rows = _rows(cur)
+    return rows[0] if rows else None

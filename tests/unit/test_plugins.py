@@ -7,6 +7,6 @@ from twisted.plugin import getPlugins
 
 
 def test_twistd_lists_the_canner_plugins() -> None:
-    """canner-receiver is a twistd command."""
+    """canner-receiver and canner-deliver are twistd commands."""
     names = {plugin.tapname for plugin in getPlugins(IServiceMaker)}
-    assert "canner-receiver" in names
+    assert {"canner-receiver", "canner-deliver"} <= names

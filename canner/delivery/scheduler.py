@@ -1,0 +1,287 @@
+"""The delivery scheduler: tick -> claim -> sink -> record, with bounded concurrency.
+
+Every second (``tick``) the service claims due rows, oldest due first, up to the free delivery
+slots, and starts one attempt per row; attempts are not awaited by the tick.  An attempt checks
+the local payload against its receipt (BLAKE3, computing the MD5 once and storing it), hands it to
+the project's sink, and records ``delivered`` or ``retry_wait`` through guarded updates.  The same
+tick follows delivered rows up: verify the remote copy, then purge the local payload once verified
+and past retention.  Attempts are cancellable, bounded by 24 hours, and cancelled on stop; a
+cancelled attempt is due again right after restart.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from attrs import define, evolve, field, frozen
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from canner.blocking import BlockingRunner
+from canner.checksum import HashCancelled, delivery_digests
+from canner.delivery import index as sql
+from canner.delivery.index import Index, QueueRow
+from canner.delivery.purge import delete_payload, purge_is_due
+from canner.delivery.queue import PURGE_RETRY, VERIFY_INTERVAL, retry_delay
+from canner.tus.store import UploadStore
+
+log = Logger()
+
+ATTEMPT_LIMIT = 24 * 3600.0
+TICK_INTERVAL = 1.0
+FOLLOW_UPS_PER_TICK = 32
+
+
+@frozen
+class Delivered:
+    """Where a sink put an object."""
+
+    identifier: str
+    remote_name: str
+
+
+class DeliveryFailed(Exception):
+    """An attempt failed; ``needs_operator`` when retrying alone will not fix it (403, ...)."""
+
+    def __init__(self, reason: str, *, needs_operator: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.needs_operator = needs_operator
+
+
+@frozen
+class RemoteCheck:
+    """What the sink's metadata lookup says about a delivered object."""
+
+    verified: bool
+    detail: str = ""
+    needs_operator: bool = False
+
+
+class Sink(Protocol):
+    """A delivery destination (the Internet Archive in production)."""
+
+    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`."""
+        ...
+
+    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        """Check that the remote file exists with the right size and MD5."""
+        ...
+
+
+@define(eq=False)
+class DeliveryService(Service):
+    """Runs deliveries, verifications and purges for one data directory."""
+
+    _index: Index
+    _uploads: UploadStore
+    _sinks: Mapping[str, Sink]
+    _retention: Mapping[str, float]
+    _run: BlockingRunner
+    _hash: BlockingRunner
+    _clock: IReactorTime
+    _concurrency: int
+    _random: Callable[[], float] = random.random
+    _interval: float = TICK_INTERVAL
+    _active: dict[str, Deferred[None]] = field(factory=dict)
+    _loop: LoopingCall | None = None
+    _loop_done: Deferred[Any] | None = None
+    _stopping: threading.Event = field(factory=threading.Event)
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopping.clear()
+        self._loop = LoopingCall(self._guarded_tick)
+        self._loop.clock = self._clock
+        started = self._index.run(sql.reset_delivering, self._clock.seconds())
+        started.addCallback(self._begin)
+        started.addErrback(lambda f: log.failure("starting the delivery queue", f))
+
+    def _begin(self, reset: int) -> None:
+        if reset:
+            log.info("{count} interrupted attempts are due again", count=reset)
+        if self.running and self._loop is not None:
+            self._loop_done = self._loop.start(self._interval, now=True)
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        self._stopping.set()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        for attempt in list(self._active.values()):
+            attempt.cancel()
+        waits = [d for d in (self._loop_done,) if d is not None] + list(self._active.values())
+        return DeferredList(waits, consumeErrors=True)
+
+    @property
+    def active(self) -> list[str]:
+        return sorted(self._active)
+
+    def _guarded_tick(self) -> Deferred[None]:
+        return self.tick().addErrback(lambda f: log.failure("delivery tick failed", f))
+
+    def tick(self) -> Deferred[None]:
+        """Claim and start due attempts, then run due follow-ups (verify, purge)."""
+        return Deferred.fromCoroutine(self._tick())
+
+    async def _tick(self) -> None:
+        now = self._clock.seconds()
+        free = self._concurrency - len(self._active)
+        if free > 0 and self._sinks:
+            for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
+                self._start(row)
+        for row in await self._index.run(sql.follow_ups_due, now, FOLLOW_UPS_PER_TICK):
+            if row.project in self._sinks and not self._stopping.is_set():
+                try:
+                    await self._follow_up(row)
+                except Exception as e:
+                    log.failure("follow-up of {object_id}", object_id=row.object_id)
+                    await self._index.run(
+                        sql.record_follow_up, row.object_id, now + VERIFY_INTERVAL, str(e), now
+                    )
+
+    # -- attempts ---------------------------------------------------------------------------
+
+    def _start(self, row: QueueRow) -> None:
+        attempt = Deferred.fromCoroutine(self._attempt(row))
+        attempt.addTimeout(ATTEMPT_LIMIT, self._clock)
+        self._active[row.object_id] = attempt
+        attempt.addErrback(self._record_interruption, row)
+        attempt.addErrback(
+            lambda f: log.failure("recording attempt on {object_id}", f, object_id=row.object_id)
+        )
+        attempt.addBoth(lambda _: self._forget(row.object_id))
+
+    def _forget(self, object_id: str) -> None:
+        del self._active[object_id]
+
+    async def _attempt(self, row: QueueRow) -> None:
+        log.info(
+            "delivering {object_id} (attempt {attempt})",
+            object_id=row.object_id,
+            project=row.project,
+            attempt=row.attempts,
+        )
+        try:
+            row = await self._prepare(row)
+            delivered = await self._sinks[row.project].deliver(
+                row, self._uploads.data_path(row.object_id)
+            )
+        except DeliveryFailed as e:
+            await self._record_failure(row, e.reason, needs_operator=e.needs_operator)
+            return
+        now = self._clock.seconds()
+        await self._index.run(
+            sql.record_delivered,
+            row.object_id,
+            delivered.identifier,
+            delivered.remote_name,
+            now,
+            self._retention[row.project],
+        )
+        log.info(
+            "delivered {object_id} as {identifier}/{remote_name}",
+            object_id=row.object_id,
+            project=row.project,
+            identifier=delivered.identifier,
+            remote_name=delivered.remote_name,
+            attempt=row.attempts,
+        )
+
+    async def _prepare(self, row: QueueRow) -> QueueRow:
+        """Check the local payload against its receipt, once, and store its MD5."""
+        if row.content_md5 is not None:
+            return row
+        path = self._uploads.data_path(row.object_id)
+        try:
+            blake, md5_hex, size = await self._hash(delivery_digests, path, self._stopping)
+        except FileNotFoundError:
+            raise DeliveryFailed("the local payload is missing", needs_operator=True) from None
+        except HashCancelled:
+            raise CancelledError() from None
+        except OSError as e:
+            raise DeliveryFailed(f"reading the local payload failed: {e.strerror}") from None
+        if size != row.size_bytes or str(blake) != row.checksum:
+            raise DeliveryFailed(
+                f"the local payload ({size} bytes, {blake}) does not match its receipt",
+                needs_operator=True,
+            )
+        await self._index.run(sql.set_content_md5, row.object_id, md5_hex)
+        return evolve(row, content_md5=md5_hex)
+
+    async def _record_failure(self, row: QueueRow, reason: str, *, needs_operator: bool) -> None:
+        now = self._clock.seconds()
+        delay = retry_delay(row.attempts, self._random(), needs_operator=needs_operator)
+        await self._index.run(
+            sql.record_failure, row.object_id, reason, now + delay, needs_operator, now
+        )
+        emit = log.error if needs_operator else log.warn
+        emit(
+            "delivery of {object_id} failed (attempt {attempt}), retry in {delay:.0f}s: {error}",
+            object_id=row.object_id,
+            project=row.project,
+            attempt=row.attempts,
+            delay=delay,
+            error=reason,
+            needs_operator=needs_operator,
+        )
+
+    def _record_interruption(self, failure: Any, row: QueueRow) -> Deferred[None]:
+        """Cancelled (shutdown), timed out or crashed: back to retry_wait."""
+        if failure.check(CancelledError) and self._stopping.is_set():
+            now = self._clock.seconds()
+            return self._index.run(
+                sql.record_failure, row.object_id, "interrupted by shutdown", now, False, now
+            )
+        if failure.check(TimeoutError, CancelledError):
+            reason = f"the attempt was cut off after {ATTEMPT_LIMIT:.0f}s"
+        else:
+            log.failure("delivery attempt on {object_id} crashed", failure, object_id=row.object_id)
+            reason = f"internal error: {failure.value}"
+        return Deferred.fromCoroutine(self._record_failure(row, reason, needs_operator=False))
+
+    # -- after delivery ---------------------------------------------------------------------
+
+    async def _follow_up(self, row: QueueRow) -> None:
+        now = self._clock.seconds()
+        if row.verified_at is None:
+            check = await self._sinks[row.project].verify(row)
+            if check.verified:
+                await self._index.run(sql.record_verified, row.object_id, now)
+                log.info(
+                    "verified {object_id} at IA",
+                    object_id=row.object_id,
+                    identifier=row.remote_identifier,
+                )
+            else:
+                await self._index.run(
+                    sql.record_follow_up, row.object_id, now + VERIFY_INTERVAL, check.detail, now
+                )
+            return
+        if purge_is_due(row, now):
+            try:
+                await self._run(delete_payload, self._uploads, row.object_id)
+            except OSError as e:
+                log.error(
+                    "purging {object_id} failed, retrying in a minute: {error}",
+                    object_id=row.object_id,
+                    error=str(e),
+                )
+                await self._index.run(
+                    sql.record_follow_up, row.object_id, now + PURGE_RETRY, f"purge: {e}", now
+                )
+                return
+            await self._index.run(sql.record_purged, row.object_id, now)
+            log.info(
+                "purged local payload of {object_id}",
+                object_id=row.object_id,
+                identifier=row.remote_identifier,
+            )

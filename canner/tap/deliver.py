@@ -1,0 +1,23 @@
+"""``twistd canner-deliver --config FILE``: options and makeService, nothing else."""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.application.service import IService
+
+from canner.tap.receiver import Options
+
+__all__ = ["Options", "makeService"]
+
+
+def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+
+    from canner.service import DeliverLocked, deliver_service
+
+    try:
+        return deliver_service(options.loaded, reactor)
+    except DeliverLocked as e:
+        sys.stderr.write(f"canner-deliver: {e}\n")
+        raise SystemExit(1) from None

@@ -1,0 +1,67 @@
+"""Fakes typed to canner's seams, for synchronous unit tests."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+from twisted.internet.defer import Deferred, fail, succeed
+
+from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.delivery.scheduler import Delivered, DeliveryFailed, RemoteCheck
+
+
+@define(eq=False)
+class SyncIndex:
+    """The delivery index over a real SQLite file, run synchronously (no adbapi threads)."""
+
+    path: Path
+    conn: sqlite3.Connection = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        upgrade_schema(self.path)
+        self.conn = sqlite3.connect(self.path, isolation_level=None)
+        configure_connection(self.conn)
+
+    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+        cur = self.conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            result = f(cur, *args)
+        except Exception:
+            cur.execute("ROLLBACK")
+            return fail()
+        cur.execute("COMMIT")
+        return succeed(result)
+
+    def query(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        return self.conn.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@define(eq=False)
+class FakeSink:
+    """A Sink whose answers the test scripts; each deliver() waits until the test resolves it."""
+
+    pending: dict[str, Deferred[Delivered]] = field(factory=dict)
+    delivered: list[str] = field(factory=list)
+    checks: dict[str, RemoteCheck] = field(factory=dict)
+
+    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+        d: Deferred[Delivered] = Deferred()
+        self.pending[row.object_id] = d
+        return d
+
+    def succeed(self, object_id: str) -> None:
+        self.delivered.append(object_id)
+        self.pending.pop(object_id).callback(Delivered(f"item-{object_id}", f"{object_id}.warc"))
+
+    def fail(self, object_id: str, reason: str = "503 SlowDown", operator: bool = False) -> None:
+        self.pending.pop(object_id).errback(DeliveryFailed(reason, needs_operator=operator))
+
+    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        return succeed(self.checks.get(row.object_id, RemoteCheck(False, "not listed yet")))
