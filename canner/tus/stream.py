@@ -68,6 +68,8 @@ class ReceiverRequest(Request):
 
     body_sink: BodySink | None = None
     body_too_large: bool = False
+    _big_reads: bool = False
+    _router_failed: bool = False
 
     def gotLength(self, length: int | None) -> None:
         channel: Any = self.channel
@@ -75,13 +77,18 @@ class ReceiverRequest(Request):
         # it in _command/_path (private, but unchanged since Twisted 16).
         method = method_override(channel._command, self.requestHeaders)
         path = channel._path.split(b"?", 1)[0]
-        sink = channel.site.body_router.open_body(self, method, path, length)
+        try:
+            sink = channel.site.body_router.open_body(self, method, path, length)
+        except Exception:
+            log.failure("routing a request body")
+            sink, self._router_failed = None, True
         if sink is not None:
             self.body_sink = sink
             self.content = BytesIO()
             if length is None or length > SMALL_BODY_MAX:
+                self._big_reads = True
                 self.transport.bufferSize = STREAM_READ_SIZE  # type: ignore[union-attr]
-        elif length is None or length > SMALL_BODY_MAX:
+        elif self._router_failed or length is None or length > SMALL_BODY_MAX:
             self.body_too_large = True
             self.content = BytesIO()
         else:
@@ -94,12 +101,19 @@ class ReceiverRequest(Request):
             super().handleContentChunk(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if self._big_reads:  # the body is in; later small requests get the default read size
+            del self.transport.bufferSize  # type: ignore[union-attr]
         if self.body_sink is not None:
             self.body_sink.body_ended()
         super().requestReceived(method_override(command, self.requestHeaders), path, version)
 
     def process(self) -> None:
         self.responseHeaders.setRawHeaders(b"Tus-Resumable", [TUS_VERSION.encode()])
+        if self._router_failed:
+            self.setResponseCode(500)
+            self.write(b"internal error\n")
+            self.finish()
+            return
         if self.body_too_large:
             self.setResponseCode(413)
             self.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
