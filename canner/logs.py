@@ -19,5 +19,9 @@ from twisted.logger import ILogObserver, jsonFileLogObserver
 
 
 def json_observer() -> ILogObserver:
-    """The observer factory named by ``twistd --logger``: JSON lines on stdout."""
-    return jsonFileLogObserver(sys.stdout)
+    """The observer factory named by ``twistd --logger``: JSON lines on stdout.
+
+    No record separator: journald stores each line as one message, and a leading RS byte
+    would make every line invalid JSON for the tools that read it back.
+    """
+    return jsonFileLogObserver(sys.stdout, recordSeparator="")
