@@ -27,6 +27,7 @@ from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
 from canner.delivery.rescan import missing_objects
 from canner.delivery.scheduler import DeliveryService, Sink
+from canner.delivery.sinks import internet_archive_sinks
 from canner.fs import DataDirLock, DirSyncer, Locked
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
@@ -179,8 +180,6 @@ class _DeliverRoot(MultiService):
 
 
 def _sinks(config: Config, reactor: Any) -> tuple[dict[str, Sink], dict[str, float]]:
-    from canner.delivery.sinks import internet_archive_sinks
-
     sinks = internet_archive_sinks(config, reactor)
     retention = {
         pid: project.delivery.local_artifact_retention
@@ -205,6 +204,13 @@ def deliver_service(
     Raises :class:`DeliverLocked` when another deliver process owns the data directory.
     ``sinks`` replaces the configured sinks (tests).
     """
+    if sinks is None:
+        sinks, retention = _sinks(config, reactor)
+    else:
+        retention = {
+            pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
+            for pid, p in config.projects.items()
+        }
     uploads, receipts = _prepare_data_dir(config.data_dir)
     lock = DataDirLock(config.data_dir / "deliver.lock")
     try:
@@ -217,13 +223,6 @@ def deliver_service(
     upgrade_schema(path)
     pool = open_pool(path)
     index = DeliveryIndex(pool, reactor)
-    if sinks is None:
-        sinks, retention = _sinks(config, reactor)
-    else:
-        retention = {
-            pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
-            for pid, p in config.projects.items()
-        }
 
     def stopped() -> None:
         pool.close()

@@ -50,10 +50,13 @@ class Delivered:
 class DeliveryFailed(Exception):
     """An attempt failed; ``needs_operator`` when retrying alone will not fix it (403, ...)."""
 
-    def __init__(self, reason: str, *, needs_operator: bool = False) -> None:
+    def __init__(
+        self, reason: str, *, needs_operator: bool = False, retry_after: float | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.needs_operator = needs_operator
+        self.retry_after = retry_after
 
 
 @frozen
@@ -176,7 +179,9 @@ class DeliveryService(Service):
                 row, self._uploads.data_path(row.object_id)
             )
         except DeliveryFailed as e:
-            await self._record_failure(row, e.reason, needs_operator=e.needs_operator)
+            await self._record_failure(
+                row, e.reason, needs_operator=e.needs_operator, at_least=e.retry_after or 0.0
+            )
             return
         now = self._clock.seconds()
         await self._index.run(
@@ -217,9 +222,13 @@ class DeliveryService(Service):
         await self._index.run(sql.set_content_md5, row.object_id, md5_hex)
         return evolve(row, content_md5=md5_hex)
 
-    async def _record_failure(self, row: QueueRow, reason: str, *, needs_operator: bool) -> None:
+    async def _record_failure(
+        self, row: QueueRow, reason: str, *, needs_operator: bool, at_least: float = 0.0
+    ) -> None:
+        """``retry_wait`` with backoff; ``at_least`` is the sink's Retry-After, if any."""
         now = self._clock.seconds()
         delay = retry_delay(row.attempts, self._random(), needs_operator=needs_operator)
+        delay = max(delay, at_least)
         await self._index.run(
             sql.record_failure, row.object_id, reason, now + delay, needs_operator, now
         )

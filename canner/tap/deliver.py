@@ -14,10 +14,11 @@ __all__ = ["Options", "makeService"]
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
+    from canner.config import ConfigError
     from canner.service import DeliverLocked, deliver_service
 
     try:
         return deliver_service(options.loaded, reactor)
-    except DeliverLocked as e:
+    except (DeliverLocked, ConfigError) as e:
         sys.stderr.write(f"canner-deliver: {e}\n")
         raise SystemExit(1) from None
