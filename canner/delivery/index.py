@@ -377,13 +377,18 @@ def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
 
 
 def record_follow_up(
-    cur: sqlite3.Cursor, object_id: str, next_check_at: float, error: str | None, now: float
+    cur: sqlite3.Cursor,
+    object_id: str,
+    next_check_at: float,
+    error: str | None,
+    needs_operator: bool,
+    now: float,
 ) -> None:
     """Postpone verification or purge (a lookup found nothing yet, a delete failed)."""
     cur.execute(
-        "UPDATE objects SET next_check_at = ?, last_error = ?, updated_at = ?"
+        "UPDATE objects SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?"
         " WHERE object_id = ? AND state = 'delivered'",
-        (next_check_at, error, now, object_id),
+        (next_check_at, error, int(needs_operator), now, object_id),
     )
 
 

@@ -28,9 +28,10 @@ ALLOWED: dict[State, frozenset[State]] = {
 FIRST_RETRY = 60.0
 MAX_RETRY = 3600.0
 JITTER = 0.1
-# After delivery: how soon to look at IA's metadata again while the file is not yet listed,
-# and how soon to retry a failed local purge.
-VERIFY_INTERVAL = 300.0
+# After delivery IA's metadata API may take a while to list a new file: look again after half the
+# time since delivery, between these bounds.  A failed local purge is retried after a minute.
+VERIFY_MIN = 10.0
+VERIFY_MAX = 600.0
 PURGE_RETRY = 60.0
 
 
@@ -49,3 +50,9 @@ def retry_delay(attempt: int, jitter: float = 0.0, *, needs_operator: bool = Fal
     else:
         base = min(FIRST_RETRY * 2.0 ** min(max(attempt - 1, 0), 16), MAX_RETRY)
     return base * (1.0 + JITTER * jitter)
+
+
+def verify_delay(now: float, delivered_at: float | None) -> float:
+    """Seconds until the next remote verification of an object delivered at ``delivered_at``."""
+    waited = 0.0 if delivered_at is None else max(now - delivered_at, 0.0)
+    return min(max(waited / 2.0, VERIFY_MIN), VERIFY_MAX)

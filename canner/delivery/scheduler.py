@@ -29,7 +29,7 @@ from canner.checksum import HashCancelled, delivery_digests
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.purge import delete_payload, purge_is_due
-from canner.delivery.queue import PURGE_RETRY, VERIFY_INTERVAL, retry_delay
+from canner.delivery.queue import PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -148,7 +148,7 @@ class DeliveryService(Service):
                 except Exception as e:
                     log.failure("follow-up of {object_id}", object_id=row.object_id)
                     await self._index.run(
-                        sql.record_follow_up, row.object_id, now + VERIFY_INTERVAL, str(e), now
+                        sql.record_follow_up, row.object_id, now + VERIFY_MAX, str(e), False, now
                     )
 
     # -- attempts ---------------------------------------------------------------------------
@@ -271,8 +271,14 @@ class DeliveryService(Service):
                     identifier=row.remote_identifier,
                 )
             else:
+                again = now + verify_delay(now, row.delivered_at)
                 await self._index.run(
-                    sql.record_follow_up, row.object_id, now + VERIFY_INTERVAL, check.detail, now
+                    sql.record_follow_up,
+                    row.object_id,
+                    again,
+                    check.detail,
+                    check.needs_operator,
+                    now,
                 )
             return
         if purge_is_due(row, now):
@@ -285,7 +291,12 @@ class DeliveryService(Service):
                     error=str(e),
                 )
                 await self._index.run(
-                    sql.record_follow_up, row.object_id, now + PURGE_RETRY, f"purge: {e}", now
+                    sql.record_follow_up,
+                    row.object_id,
+                    now + PURGE_RETRY,
+                    f"purge: {e}",
+                    False,
+                    now,
                 )
                 return
             await self._index.run(sql.record_purged, row.object_id, now)

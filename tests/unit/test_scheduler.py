@@ -241,3 +241,12 @@ def test_projects_without_a_sink_stay_pending(harness: Harness) -> None:
     harness.tick()
     assert harness.sink.pending == {}
     assert harness.row("f" * 32).state == "pending"
+
+
+def test_verification_backs_off_with_time_since_delivery() -> None:
+    """Remote checks start after 10 s and slow to every 10 minutes."""
+    from canner.delivery.queue import verify_delay
+
+    assert verify_delay(100.0, 100.0) == 10.0
+    assert verify_delay(160.0, 100.0) == 30.0
+    assert verify_delay(100_000.0, 100.0) == 600.0
