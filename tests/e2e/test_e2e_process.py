@@ -1,0 +1,162 @@
+"""Process-level behaviour: recovery of an upload whose acceptance a SIGKILL interrupted, the
+stale-upload sweep, graceful stop during a PATCH, two receivers sharing one data directory, and
+the ``Location`` a receiver hands out."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+from e2e_support import OBJECT_ID, Receiver, blake3_hex, read_http_response
+
+pytestmark = pytest.mark.e2e
+
+MiB = 1024 * 1024
+
+
+def crash_during_acceptance(rcv: Receiver, size: int = 8 * MiB) -> tuple[str, bytes]:
+    """Leave an upload complete on disk without a receipt, the way a real crash does: send the
+    last byte, and SIGKILL the receiver as soon as the data file is complete (acceptance then
+    runs: fsync, BLAKE3, receipt).  Retried a few times in case acceptance won the race."""
+    rng = random.Random(size)
+    for _attempt in range(8):
+        data = rng.randbytes(size)
+        oid = rcv.new_upload(data)
+        assert rcv.patch(oid, 0, data[:-1]).status_code == 204
+        path = rcv.uploads_dir / oid
+        with rcv.open_patch(oid, size - 1, 1, data[-1:]):
+            deadline = time.monotonic() + 5
+            while path.stat().st_size < size and time.monotonic() < deadline:
+                pass
+            rcv.kill()
+        rcv.start()
+        if path.stat().st_size == size and not (rcv.receipts_dir / f"{oid}.json").exists():
+            return oid, data
+    pytest.fail("could not SIGKILL the receiver between the last byte and the receipt")
+
+
+def test_head_after_crash_runs_acceptance_again(receiver: Receiver) -> None:
+    rcv = receiver
+    oid, data = crash_during_acceptance(rcv)
+    assert rcv.get_receipt(oid).status_code == 404
+    deadline = time.monotonic() + 15
+    while True:
+        head = rcv.head(oid)
+        assert head.status_code == 200, head.status_code
+        assert head.headers["Upload-Offset"] == str(len(data))
+        if head.headers.get("Artifact-Receipt") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    header = head.headers.get("Artifact-Receipt")
+    assert header, "HEAD on a complete, unaccepted upload never led to a receipt"
+    rcv.verify_receipt(header, oid, data)
+    final = rcv.patch_retrying_locked(oid, len(data), b"")
+    assert final.status_code == 204
+    assert final.headers.get("Artifact-Receipt") == header
+
+
+def test_final_patch_after_crash_runs_acceptance_again(receiver: Receiver) -> None:
+    rcv = receiver
+    oid, data = crash_during_acceptance(rcv)
+    final = rcv.patch_retrying_locked(oid, len(data), b"")
+    assert final.status_code == 204, f"{final.status_code} {final.text}"
+    rcv.verify_receipt(final.headers.get("Artifact-Receipt"), oid, data)
+
+
+def test_sweep_removes_idle_partial_uploads_only(make_receiver: Callable[..., Receiver]) -> None:
+    """``partial_upload_retention = "2s"``: an idle incomplete upload goes; an accepted one, and
+    a complete one whose acceptance a crash interrupted, stay (the latter can still get its
+    receipt)."""
+    rcv = make_receiver(partial_upload_retention="2s")
+    data = random.Random(1).randbytes(10_000)
+    accepted, receipt = rcv.upload_all(data)
+    complete, complete_data = crash_during_acceptance(rcv, size=2 * MiB)
+    partial = rcv.new_upload(data)
+    assert rcv.patch(partial, 0, data[:5000]).status_code == 204
+    # Without touching the uploads (a HEAD would start acceptance), wait until the sweep has
+    # removed the idle partial upload and had its chance at the others.
+    deadline = time.monotonic() + 12
+    while (rcv.uploads_dir / partial).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (rcv.uploads_dir / partial).exists(), "the idle partial upload was not swept"
+    time.sleep(1.5)  # at least one more sweep pass (interval: 1 s)
+    assert rcv.head(partial).status_code == 404
+    assert not (rcv.uploads_dir / f"{partial}.info").exists()
+
+    assert (rcv.uploads_dir / accepted).exists(), "the sweep removed an accepted upload"
+    head = rcv.head(accepted)
+    assert head.status_code == 200 and head.headers.get("Artifact-Receipt") == receipt
+    assert rcv.get_receipt(accepted).status_code == 200
+
+    assert (rcv.uploads_dir / complete).exists(), (
+        "the sweep removed a complete upload that had no receipt yet (its acceptance was "
+        "interrupted by a crash): it can now never be receipted"
+    )
+    final = rcv.patch_retrying_locked(complete, len(complete_data), b"")
+    assert final.status_code == 204, final.status_code
+    rcv.verify_receipt(final.headers.get("Artifact-Receipt"), complete, complete_data)
+
+
+def test_graceful_stop_during_patch_keeps_received_bytes(receiver: Receiver) -> None:
+    rcv = receiver
+    data = random.Random(2).randbytes(500_000)
+    oid = rcv.new_upload(data)
+    with rcv.open_patch(oid, 0, len(data), data[:123_457]):
+        assert rcv.wait_offset(oid, 123_457) == 123_457
+        started = time.monotonic()
+        rcv.stop()  # SIGTERM while the PATCH is open
+        assert time.monotonic() - started < 10, "SIGTERM waited for an open PATCH"
+    assert rcv.proc is not None and rcv.proc.returncode is not None
+    assert "Traceback" not in rcv.log_text(), rcv.log_tail()
+    rcv.start()
+    assert rcv.offset(oid) == 123_457
+    r = rcv.patch(oid, 123_457, data[123_457:])
+    assert r.status_code == 204
+    rcv.verify_receipt(r.headers.get("Artifact-Receipt"), oid, data)
+
+
+def test_two_receivers_on_one_data_dir_never_interleave(
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    first = make_receiver("first")
+    second = make_receiver("second", data_dir=first.data_dir)
+    data = random.Random(3).randbytes(300_000)
+    oid = first.new_upload(data)
+    with first.open_patch(oid, 0, len(data), data[:100_000]) as sock:
+        assert first.wait_offset(oid, 100_000) == 100_000
+        assert second.offset(oid) == 100_000
+        r = second.patch(oid, 100_000, bytes(200_000))
+        assert r.status_code in (409, 423), f"PATCH through the other process: {r.status_code}"
+        sock.sendall(data[100_000:])
+        status, headers, _ = read_http_response(sock, "PATCH")
+    assert status == 204
+    header = headers.get("Artifact-Receipt")
+    first.verify_receipt(header, oid, data)
+    second.verify_receipt(header, oid, data)
+    assert second.head(oid).headers.get("Artifact-Receipt") == header
+
+
+def test_location_ignores_forwarded_headers_unless_trusted(receiver: Receiver) -> None:
+    data = b"abc"
+    r = receiver.create(
+        len(data),
+        blake3_hex(data),
+        headers={"X-Forwarded-Host": "evil.example", "X-Forwarded-Proto": "https"},
+    )
+    assert r.status_code == 201
+    assert r.headers["Location"].startswith(receiver.files_url), r.headers["Location"]
+
+
+def test_location_uses_public_url(make_receiver: Callable[..., Receiver]) -> None:
+    rcv = make_receiver(public_url="https://uploads.canner.test/base")
+    data = b"abc"
+    r = rcv.create(len(data), blake3_hex(data))
+    assert r.status_code == 201
+    location = r.headers["Location"]
+    prefix = "https://uploads.canner.test/base/files/"
+    assert location.startswith(prefix), location
+    assert OBJECT_ID.fullmatch(location[len(prefix) :]), location
+    assert os.path.exists(rcv.uploads_dir / location[len(prefix) :])
