@@ -125,9 +125,7 @@ def receiver_service(config: Config, reactor: Any) -> IService:
         uploads, receipts, run, hashing, DirSyncer(run), reactor, config.issuer, enqueue
     )
     intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
-    tus = TusRoutes(
-        intake, config.public_url, config.trust_forwarded_headers, config.max_upload_bytes
-    )
+    tus = TusRoutes(intake, config.max_upload_bytes)
     site = receiver_site(intake, tus, receipts, config.object_ids, config.data_dir, run)
     strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
 

@@ -42,6 +42,7 @@ class Outcome:
     offset: int
     metadata: Mapping[str, str]
     receipt: Receipt | None = None
+    location: str | None = None
 
 
 def _not_found() -> TusError:
@@ -132,9 +133,21 @@ class UploadIntake:
             metadata=dict(creation.metadata),
             created_at=int(self._clock.seconds()),
         )
-        return self._run(self._create, info)
+        # Everything the answer needs is checked before anything exists on disk.
+        location = self._location(headers, info.upload_id)
+        return self._run(self._create, info, location)
 
-    def _create(self, info: UploadInfo) -> LockedUpload:
+    def _location(self, headers: Headers, upload_id: str) -> str:
+        forwarded: list[tuple[str, str]] = []
+        if self._config.trust_forwarded_headers:
+            for key in ("proto", "host"):
+                value = protocol.single_header(headers, f"X-Forwarded-{key}")
+                if value:
+                    forwarded.append((key, value.split(",")[0].strip()))
+        host = protocol.single_header(headers, "Host")
+        return protocol.location(self._config.public_url, host, False, forwarded, upload_id)
+
+    def _create(self, info: UploadInfo, location: str) -> LockedUpload:
         self._check_free_space()
         self._uploads.create(info)
         log.info(
@@ -143,7 +156,9 @@ class UploadIntake:
             project=info.project,
             size=info.size,
         )
-        return self._uploads.open_locked(info)
+        upload = self._uploads.open_locked(info)
+        upload.location = location
+        return upload
 
     def _admit_append(
         self, headers: Headers, upload_id: str, length: int | None
@@ -234,11 +249,11 @@ class UploadIntake:
     # -- after the body -------------------------------------------------------------------------
 
     def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
-        info = upload.info
+        info, location = upload.info, upload.location
         if upload.offset == info.size:
             return self._acceptance.accept(upload).addCallbacks(
                 lambda receipt: Outcome(
-                    info.upload_id, info.size, info.size, info.metadata, receipt
+                    info.upload_id, info.size, info.size, info.metadata, receipt, location
                 ),
                 _failure_status,
             )
@@ -250,7 +265,7 @@ class UploadIntake:
                 offset=offset,
             )
         return self._run(upload.close).addCallback(
-            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata)
+            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location)
         )
 
     # -- HEAD -----------------------------------------------------------------------------------

@@ -42,8 +42,6 @@ class TusRoutes:
 
     app: ClassVar[Klein] = Klein()
     _intake: UploadIntake
-    _public_url: str | None
-    _trust_forwarded: bool
     _max_upload_bytes: int
 
     @app.handle_errors(TusError)
@@ -62,9 +60,10 @@ class TusRoutes:
 
     @app.route("/", methods=["POST"])
     async def create(self, request: IRequest) -> bytes:
-        outcome: Outcome = await _stream(request).outcome
+        outcome: Outcome = await _stream(request).result()
         request.setResponseCode(201)
-        request.setHeader("Location", self._location(request, outcome.upload_id))
+        assert outcome.location is not None
+        request.setHeader("Location", outcome.location)
         _offset_headers(request, outcome)
         return b""
 
@@ -80,20 +79,10 @@ class TusRoutes:
 
     @app.route("/<upload_id>", methods=["PATCH"])
     async def append(self, request: IRequest, upload_id: str) -> bytes:
-        outcome: Outcome = await _stream(request).outcome
+        outcome: Outcome = await _stream(request).result()
         request.setResponseCode(204)
         _offset_headers(request, outcome)
         return b""
-
-    def _location(self, request: IRequest, upload_id: str) -> str:
-        forwarded: list[tuple[str, str]] = []
-        if self._trust_forwarded:
-            for key in ("proto", "host"):
-                value = protocol.single_header(request.requestHeaders, f"X-Forwarded-{key}")
-                if value:
-                    forwarded.append((key, value.split(",")[0].strip()))
-        host = protocol.single_header(request.requestHeaders, "Host")
-        return protocol.location(self._public_url, host, request.isSecure(), forwarded, upload_id)
 
 
 def _stream(request: IRequest) -> BodyStream:

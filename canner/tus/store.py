@@ -97,6 +97,8 @@ class LockedUpload:
     info: UploadInfo
     fd: int
     offset: int
+    # Where a just-created upload lives (the Location of its creation response).
+    location: str | None = None
 
     def write(self, chunks: list[bytes]) -> int:
         """Write ``chunks`` at the current offset; returns the new offset."""

@@ -21,6 +21,7 @@ from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
 from canner.blocking import BlockingRunner
@@ -55,8 +56,24 @@ class BodyRouter(Protocol):
     ) -> BodySink | None: ...
 
 
+class ReceiverChannel(HTTPChannel):
+    """HTTP/1.1 channel whose own protocol-error answers also carry ``Tus-Resumable``."""
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Twisted answers malformed framing (bad Content-Length, bad chunking, bad header
+        # bytes) with a bare 400 from here, before any Request exists.
+        self.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 400 Bad Request\r\nTus-Resumable: "
+            + TUS_VERSION.encode()
+            + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        self.loseConnection()
+
+
 class ReceiverSite(Site):
-    """A Site whose requests stream upload bodies through ``body_router``."""
+    """A Site whose requests stream upload bodies through ``body_router`` (HTTP/1.1 only)."""
+
+    protocol = ReceiverChannel  # type: ignore[assignment]
 
     def __init__(self, resource: Any, body_router: BodyRouter, **kwargs: Any) -> None:
         super().__init__(resource, requestFactory=ReceiverRequest, **kwargs)
@@ -144,14 +161,15 @@ class BodyStream:
     :meth:`answered` with the final result (a value, or a Failure such as a refusal) when the body
     is not to be written; chunks received before that wait, with the socket paused.  When the
     body has ended (or the connection dropped) and every chunk is written, ``finish(upload, lost)``
-    runs and its result becomes :attr:`outcome`.  A body that would run past the upload's length
-    is refused with 413 and the bytes it wrote are truncated away.
+    runs and its result is what :meth:`result` gives.  A body that would run past the upload's
+    length is refused with 413 and the bytes it wrote are truncated away.
     """
 
     _run: BlockingRunner
     _transport: _Transport
     _finish: Finish
-    outcome: Deferred[Any] = field(factory=Deferred)
+    _result: object = None
+    _waiters: list[Deferred[Any]] = field(factory=list)
     _upload: LockedUpload | None = None
     _start_offset: int = 0
     _answer: object | None = None
@@ -255,13 +273,32 @@ class BodyStream:
         assert upload is not None
         self._finish(upload, self._lost).addBoth(self._fire)
 
-    def _fire(self, result: object) -> None:
-        # After a dropped connection nobody listens: the route either never ran or was cancelled.
-        if self.outcome.called or self._lost:
-            if isinstance(result, Failure) and not result.check(TusError):
-                log.failure("upload stream ended badly", result)
-            return
-        if isinstance(result, Failure):
-            self.outcome.errback(result)
+    def result(self) -> Deferred[Any]:
+        """The stream's final result (now or later); cancelling it does not affect the stream.
+
+        The result is kept rather than pushed into one Deferred, so a request that never reaches
+        its route (a dropped connection, a path no route matches) leaves no failure unobserved.
+        """
+        waiter: Deferred[Any] = Deferred()
+        if self._result is not None:
+            _deliver(waiter, self._result)
         else:
-            self.outcome.callback(result)
+            self._waiters.append(waiter)
+        return waiter
+
+    def _fire(self, result: object) -> None:
+        if isinstance(result, Failure) and not result.check(TusError):
+            log.failure("upload stream ended badly", result)
+            result = Failure(TusError(500, "internal error"))
+        self._result = result
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.called:  # a waiter cancelled by its route (connection lost)
+                _deliver(waiter, result)
+
+
+def _deliver(waiter: Deferred[Any], result: object) -> None:
+    if isinstance(result, Failure):
+        waiter.errback(result)
+    else:
+        waiter.callback(result)

@@ -1,9 +1,10 @@
 """Removal of abandoned uploads and of temp files orphaned by a crash.
 
-An upload with no receipt whose files have not changed for ``partial_upload_retention`` is
-removed (data and sidecar), under its lock, so an upload being written is never touched.  Anything
-with a receipt is left alone: purging accepted payloads is the deliver process's job.  One bad
-entry is reported and skipped; it never stops the sweep.  Blocking; run it in a thread.
+An incomplete upload (or one rejected for its checksum) whose files have not changed for
+``partial_upload_retention`` is removed (data and sidecar), under its lock, so an upload being
+written is never touched.  A complete upload without a receipt stays: it can still be accepted.
+Anything with a receipt is left alone: purging accepted payloads is the deliver process's job.
+One bad entry is reported and skipped; it never stops the sweep.  Blocking; run it in a thread.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def sweep_stale(
             continue
         if info is None:  # data without a sidecar: a crash between the two creates
             info = UploadInfo(upload_id, 1, {}, 0)
+        elif info.rejected is None and uploads.offset(upload_id) >= info.size:
+            # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or PATCH
+            # from the worker still turns it into a receipt, so it is never swept.
+            continue
         try:
             locked = uploads.open_locked(info)
         except fs.Locked:
