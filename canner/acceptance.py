@@ -60,6 +60,10 @@ class Acceptance:
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
 
+    def is_running(self, upload_id: str) -> bool:
+        """True while an acceptance of ``upload_id`` runs in this process."""
+        return upload_id in self._waiters
+
     def in_flight(self, upload_id: str) -> Deferred[Receipt] | None:
         """A Deferred for the acceptance of ``upload_id`` running now, if any (safe to cancel)."""
         return self._join(upload_id) if upload_id in self._waiters else None

@@ -168,15 +168,20 @@ class UploadIntake:
         if not self._config.object_ids.is_valid(upload_id):
             raise _not_found()
         offset = protocol.upload_offset(headers)
-        running = self._acceptance.in_flight(upload_id)
-        if running is not None:
+        if self._acceptance.is_running(upload_id):
             # The upload is complete and being accepted: only an empty final PATCH may join.
             return self._run(self._join_check, upload_id, offset, length).addCallback(
-                lambda size: running.addCallback(
-                    lambda receipt: Outcome(upload_id, size, size, {}, receipt)
-                )
+                self._join, upload_id, offset, length
             )
         return self._run(self._open_for_append, upload_id, offset, length)
+
+    def _join(
+        self, size: int, upload_id: str, offset: int, length: int | None
+    ) -> Deferred[LockedUpload | Outcome]:
+        running = self._acceptance.in_flight(upload_id)
+        if running is None:  # it ended while we checked: answer as for any other PATCH
+            return self._run(self._open_for_append, upload_id, offset, length)
+        return running.addCallback(lambda receipt: Outcome(upload_id, size, size, {}, receipt))
 
     def _join_check(self, upload_id: str, offset: int, length: int | None) -> int:
         info = self._uploads.read_info(upload_id)
@@ -303,7 +308,7 @@ class UploadIntake:
         if (
             outcome.offset == outcome.size
             and outcome.receipt is None
-            and self._acceptance.in_flight(outcome.upload_id) is None
+            and not self._acceptance.is_running(outcome.upload_id)
         ):
             self._run(self._lock_complete, outcome.upload_id).addCallbacks(
                 self._accept_in_background,
