@@ -1,8 +1,9 @@
 """The acceptance commit sequence (DESIGN.md §4), run on the request that completes an upload.
 
-``sync_upload`` (data file, info sidecar, ``uploads/``) -> ``verify_checksum`` (BLAKE3 of the stored
-bytes, in the hash pool) -> ``commit_receipt`` (origin record, then the receipt published without
-overwriting, then ``receipts/`` fsynced: the commit point) -> ``enqueue_delivery`` (best effort).
+``sync_upload`` (data file, info sidecar, ``uploads/``; the origin record is written here too) ->
+``verify_checksum`` (BLAKE3 of the stored bytes, in the hash pool) -> ``commit_receipt`` (the
+receipt published without overwriting, then ``receipts/`` fsynced: the commit point) ->
+``enqueue_delivery`` (best effort).  Each step runs in as few thread hops as it can.
 
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
 already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
@@ -81,9 +82,10 @@ class Acceptance:
 
         def done(result: object) -> None:
             waiters = self._waiters.pop(upload_id)
-            self._run(upload.close).addErrback(
-                lambda f: log.failure("closing {object_id}", f, object_id=upload_id)
-            )
+            if upload.fd >= 0:
+                self._run(upload.close).addErrback(
+                    lambda f: log.failure("closing {object_id}", f, object_id=upload_id)
+                )
             for waiter in waiters:
                 if waiter.called:  # cancelled by its caller
                     continue
@@ -106,53 +108,61 @@ class Acceptance:
 
     async def _accept(self, upload: LockedUpload) -> Receipt:
         info = upload.info
-        oid = info.upload_id
         origin = Origin(info.project, info.filename)
         try:
-            existing = await self._run(self._receipts.read, oid)
-            if existing is not None:
-                await self._run(self._receipts.ensure_origin, oid, origin)
-                await self._dirs.sync(self._receipts.directory)
-                return existing
-            await self.sync_upload(upload)
-            await self.verify_checksum(upload)
-            receipt = await self.commit_receipt(upload, origin)
+            existing = await self._run(self._sync_upload, upload, origin)
+            await self._dirs.sync(self._uploads.directory)
+            if existing is None:
+                hash_seconds = await self.verify_checksum(upload)
+                receipt = await self._run(self._commit_receipt, upload)
+            await self._dirs.sync(self._receipts.directory)
         except HashCancelled:
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
         except OSError as e:
             log.error(
                 "acceptance of {object_id} failed, will be retried: {error}",
-                object_id=oid,
+                object_id=info.upload_id,
                 project=info.project,
                 error=str(e),
             )
             raise AcceptanceFailed(
                 f"storage failure: {e.strerror}", no_space=e.errno in (errno.ENOSPC, errno.EDQUOT)
             ) from None
+        if existing is not None:
+            return existing
+        log.info(
+            "accepted {object_id} ({size} bytes) for {project}",
+            object_id=receipt.object_id,
+            size=receipt.size_bytes,
+            project=origin.project,
+            hash_s=hash_seconds,
+        )
         self.enqueue_delivery(receipt, origin)
         return receipt
 
-    async def sync_upload(self, upload: LockedUpload) -> None:
-        await self._run(self._uploads.sync_upload, upload)
-        await self._dirs.sync(self._uploads.directory)
+    def _sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
+        """Step 2 in one thread hop: fsync data and sidecar, record the origin next to where the
+        receipt will go (fsynced; its name is made durable by the ``receipts/`` fsync that the
+        receipt needs anyway).  Returns the receipt when an earlier acceptance committed one."""
+        oid = upload.info.upload_id
+        existing = self._receipts.read(oid)
+        self._receipts.record_origin(oid, origin)
+        if existing is None:
+            self._uploads.sync_upload(upload)
+        return existing
 
-    async def verify_checksum(self, upload: LockedUpload) -> None:
+    async def verify_checksum(self, upload: LockedUpload) -> float:
+        """Step 3: BLAKE3 of the stored bytes; returns the seconds it took."""
         info = upload.info
         start = self._clock.seconds()
         path = self._uploads.data_path(info.upload_id)
         digest, count = await self._hash(blake3_file, path, info.size, self._stopping)
-        log.info(
-            "hashed {object_id}: {size} bytes in {duration_s:.3f}s",
-            object_id=info.upload_id,
-            size=count,
-            duration_s=self._clock.seconds() - start,
-        )
         if count != info.size:
             # The offset said complete, so bytes vanished underneath us: storage trouble.
             raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
         if digest != info.checksum:
             reason = f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
-            await self._run(self._uploads.reject, upload, reason)
+            await self._run(self._reject, upload, reason)
             log.warn(
                 "rejected {object_id}: {reason}",
                 object_id=info.upload_id,
@@ -160,8 +170,14 @@ class Acceptance:
                 reason=reason,
             )
             raise ChecksumMismatch(reason)
+        return self._clock.seconds() - start
 
-    async def commit_receipt(self, upload: LockedUpload, origin: Origin) -> Receipt:
+    def _reject(self, upload: LockedUpload, reason: str) -> None:
+        self._uploads.reject(upload, reason)
+        self._receipts.forget_origin(upload.info.upload_id)
+
+    def _commit_receipt(self, upload: LockedUpload) -> Receipt:
+        """Step 4 (before the ``receipts/`` fsync): publish the receipt, then release the lock."""
         info = upload.info
         receipt = Receipt(
             object_id=info.upload_id,
@@ -170,14 +186,8 @@ class Acceptance:
             size_bytes=info.size,
             accepted_at=max(1, int(self._clock.seconds())),
         )
-        stored = await self._run(self._receipts.commit, receipt, origin)
-        await self._dirs.sync(self._receipts.directory)
-        log.info(
-            "accepted {object_id} ({size_bytes} bytes) for {project}",
-            object_id=stored.object_id,
-            size_bytes=stored.size_bytes,
-            project=origin.project,
-        )
+        stored = self._receipts.commit(receipt)
+        upload.close()
         return stored
 
     def enqueue_delivery(self, receipt: Receipt, origin: Origin) -> None:

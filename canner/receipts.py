@@ -130,24 +130,28 @@ class ReceiptStore:
         except FileNotFoundError:
             return None
 
-    def commit(self, receipt: Receipt, origin: Origin) -> Receipt:
-        """Publish ``receipt`` (and first its origin record) without overwriting anything.
+    def record_origin(self, object_id: str, origin: Origin) -> None:
+        """Write the origin record (fsynced) unless it exists; fsync the directory before relying
+        on it."""
+        if not self.origin_path(object_id).exists():
+            fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
+
+    def forget_origin(self, object_id: str) -> None:
+        """Remove the origin record of an upload that will never have a receipt."""
+        self.origin_path(object_id).unlink(missing_ok=True)
+
+    def commit(self, receipt: Receipt) -> Receipt:
+        """Publish ``receipt`` without overwriting anything.
 
         Returns the receipt now on disk: ``receipt`` itself, or the one an earlier acceptance
         published.  The caller must fsync :attr:`directory` before answering with it.
         """
         oid = receipt.object_id
-        fs.publish_once(self.directory, f"{oid}.meta.json", origin.to_json(oid))
         if fs.publish_once(self.directory, f"{oid}.json", receipt.to_json()):
             return receipt
         existing = self.read(oid)
         assert existing is not None, "a published receipt is never removed"
         return existing
-
-    def ensure_origin(self, object_id: str, origin: Origin) -> None:
-        """Write the origin record if an interrupted acceptance left a receipt without one."""
-        if not self.origin_path(object_id).exists():
-            fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
 
     def object_ids(self) -> Iterator[str]:
         """Ids of every receipt on disk (in directory order)."""

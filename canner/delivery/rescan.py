@@ -30,7 +30,7 @@ def _origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Ori
     if info is None:
         return None
     origin = Origin(info.project, info.filename)
-    receipts.ensure_origin(object_id, origin)
+    receipts.record_origin(object_id, origin)
     return origin
 
 

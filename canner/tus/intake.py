@@ -150,12 +150,6 @@ class UploadIntake:
     def _create(self, info: UploadInfo, location: str) -> LockedUpload:
         self._check_free_space()
         self._uploads.create(info)
-        log.info(
-            "created {object_id} for {project}: {size} bytes",
-            object_id=info.upload_id,
-            project=info.project,
-            size=info.size,
-        )
         upload = self._uploads.open_locked(info)
         upload.location = location
         return upload

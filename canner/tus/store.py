@@ -22,6 +22,10 @@ from attrs import define, evolve, frozen
 from canner import fs
 from canner.checksum import Checksum, parse_checksum
 
+# Bytes a streaming upload writes before they are handed to the kernel's writeback.
+WRITE_BEHIND_WINDOW = 32 << 20
+_IOV_MAX = 512
+
 
 class CorruptInfo(Exception):
     """An info sidecar exists but cannot be read as one."""
@@ -99,18 +103,34 @@ class LockedUpload:
     offset: int
     # Where a just-created upload lives (the Location of its creation response).
     location: str | None = None
+    # Start of the range not yet handed to writeback (see fs.write_behind).
+    _written_back: int = -1
 
     def write(self, chunks: list[bytes]) -> int:
         """Write ``chunks`` at the current offset; returns the new offset."""
         pos = self.offset
-        for chunk in chunks:
-            view = memoryview(chunk)
-            while view:
-                written = os.pwrite(self.fd, view, pos)
-                pos += written
-                view = view[written:]
+        pending = [memoryview(chunk) for chunk in chunks]
+        while pending:
+            # At most _IOV_MAX buffers per call (the kernel's IOV_MAX is 1024).
+            written = os.pwritev(self.fd, pending[:_IOV_MAX], pos)
+            pos += written
+            while pending and written >= len(pending[0]):
+                written -= len(pending.pop(0))
+            if pending:
+                pending[0] = pending[0][written:]
         self.offset = pos
+        self._write_behind()
         return pos
+
+    def _write_behind(self) -> None:
+        if self._written_back < 0:
+            self._written_back = self.offset - (self.offset % WRITE_BEHIND_WINDOW)
+        if self.offset - self._written_back >= WRITE_BEHIND_WINDOW:
+            # Hand the new window to writeback and wait for the one before it: dirty pages stay
+            # under about two windows per upload, and the disk works while the socket streams.
+            settle = max(self._written_back - WRITE_BEHIND_WINDOW, 0)
+            fs.write_behind(self.fd, self._written_back, self.offset, settle)
+            self._written_back = self.offset
 
     def truncate(self, offset: int) -> None:
         """Drop everything after ``offset`` (undo a refused chunked PATCH)."""

@@ -81,6 +81,7 @@ def test_checksum_mismatch_rejects_for_good(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatch):
         result_of(env.acceptance.accept(upload))
     assert env.receipts.read(OID) is None
+    assert env.receipts.read_origin(OID) is None
     info = env.uploads.read_info(OID)
     assert info is not None and info.rejected is not None and "mismatch" in info.rejected
     assert env.uploads.offset(OID) == 0
@@ -116,8 +117,8 @@ class FailOnce:
 @pytest.mark.parametrize(
     ("target", "code", "no_space"),
     [
-        ("sync_upload", errno.EIO, False),
-        ("commit", errno.ENOSPC, True),
+        ("_sync_upload", errno.EIO, False),
+        ("_commit_receipt", errno.ENOSPC, True),
         ("fsync_dir", errno.EIO, False),
     ],
 )

@@ -76,10 +76,12 @@ def test_parse_refuses_anything_hq_would_refuse(mutate: object) -> None:
 
 
 def test_commit_never_overwrites_an_existing_receipt(tmp_path: Path) -> None:
-    """A second commit returns the first receipt, and the file keeps its bytes."""
+    """A second commit returns the first receipt; neither receipt nor origin is overwritten."""
     store = ReceiptStore(tmp_path)
-    first = store.commit(receipt(accepted_at=100), Origin("example", "a.warc"))
-    second = store.commit(receipt(accepted_at=200), Origin("example", "a.warc"))
+    store.record_origin(OID, Origin("example", "a.warc"))
+    first = store.commit(receipt(accepted_at=100))
+    store.record_origin(OID, Origin("other", None))
+    second = store.commit(receipt(accepted_at=200))
     assert first == second
     assert store.read_bytes(OID) == receipt(accepted_at=100).to_json()
     assert store.read_origin(OID) == Origin("example", "a.warc")

@@ -11,7 +11,7 @@ import pytest
 from canner import fs
 from canner.checksum import Checksum
 from canner.ids import ObjectIds
-from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.receipts import Receipt, ReceiptStore
 from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
 from canner.tus.sweep import sweep_stale
 
@@ -92,9 +92,7 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
         uploads.create(info(oid))
     uploads.info_path(corrupt).write_bytes(b"garbage")
     uploads.data_path(orphan).write_bytes(b"data without sidecar")
-    receipts.commit(
-        Receipt(accepted, "https://i", Checksum("cd" * 32), 10, 7), Origin("example", None)
-    )
+    receipts.commit(Receipt(accepted, "https://i", Checksum("cd" * 32), 10, 7))
     lock = uploads.open_locked(info(busy))
     now = 100_000.0
     for oid in (idle, accepted, busy, corrupt, orphan):
