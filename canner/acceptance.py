@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, blake3_file
-from canner.fs import DirSyncer
+from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import LockedUpload, UploadStore
 
@@ -54,7 +54,6 @@ class Acceptance:
     _receipts: ReceiptStore
     _run: BlockingRunner
     _hash: BlockingRunner
-    _dirs: DirSyncer
     _clock: IReactorTime
     _issuer: str
     _enqueue: Enqueue
@@ -111,11 +110,9 @@ class Acceptance:
         origin = Origin(info.project, info.filename)
         try:
             existing = await self._run(self._sync_upload, upload, origin)
-            await self._dirs.sync(self._uploads.directory)
             if existing is None:
                 hash_seconds = await self.verify_checksum(upload)
                 receipt = await self._run(self._commit_receipt, upload)
-            await self._dirs.sync(self._receipts.directory)
         except HashCancelled:
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
         except OSError as e:
@@ -141,14 +138,21 @@ class Acceptance:
         return receipt
 
     def _sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
-        """Step 2 in one thread hop: fsync data and sidecar, record the origin next to where the
-        receipt will go (fsynced; its name is made durable by the ``receipts/`` fsync that the
-        receipt needs anyway).  Returns the receipt when an earlier acceptance committed one."""
+        """Step 2 in one thread hop: fsync data, sidecar and ``uploads/``; record the origin next
+        to where the receipt will go (fsynced; its name is made durable by the ``receipts/``
+        fsync that the receipt needs anyway).
+
+        Returns the receipt when an earlier acceptance committed one (``receipts/`` is fsynced
+        again first, in case that acceptance failed before its own directory fsync).
+        """
         oid = upload.info.upload_id
         existing = self._receipts.read(oid)
         self._receipts.record_origin(oid, origin)
         if existing is None:
             self._uploads.sync_upload(upload)
+            fsync_dir(self._uploads.directory)
+        else:
+            fsync_dir(self._receipts.directory)
         return existing
 
     async def verify_checksum(self, upload: LockedUpload) -> float:
@@ -177,7 +181,7 @@ class Acceptance:
         self._receipts.forget_origin(upload.info.upload_id)
 
     def _commit_receipt(self, upload: LockedUpload) -> Receipt:
-        """Step 4 (before the ``receipts/`` fsync): publish the receipt, then release the lock."""
+        """Step 4: publish the receipt, fsync ``receipts/``, then release the lock."""
         info = upload.info
         receipt = Receipt(
             object_id=info.upload_id,
@@ -187,6 +191,7 @@ class Acceptance:
             accepted_at=max(1, int(self._clock.seconds())),
         )
         stored = self._receipts.commit(receipt)
+        fsync_dir(self._receipts.directory)  # the commit point
         upload.close()
         return stored
 

@@ -1,8 +1,8 @@
 """Durable file-system primitives: fsync of files and directories, publish-once files, free space.
 
 Every function here blocks; call it through a :class:`~canner.blocking.BlockingRunner`.
-:class:`DirSyncer` coalesces directory fsyncs across concurrent callers (group commit), which is
-what makes many small acceptances per second affordable.
+Directory fsyncs are not coalesced here: concurrent fsyncs on one filesystem already share
+journal commits in the kernel, and a separate group-commit thread hop cost more than it saved.
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
-from attrs import define, field
-from twisted.internet.defer import Deferred
-from twisted.python.failure import Failure
-
-from canner.blocking import BlockingRunner
+from attrs import define
 
 TEMP_PREFIX = ".tmp-"
 # A temp file lives for milliseconds; one older than this was orphaned by a crash.
@@ -191,46 +187,3 @@ class DataDirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-@define
-class _DirState:
-    running: bool = False
-    waiters: list[Deferred[None]] = field(factory=list)
-
-
-@define(eq=False)
-class DirSyncer:
-    """Group commit for directory fsyncs.
-
-    ``sync(path)`` fires once an fsync of ``path`` that *started after the call* has finished, so
-    every name created before the call is durable.  Concurrent callers share one fsync: while one
-    runs, new callers queue for the next.
-    """
-
-    _run: BlockingRunner
-    _dirs: dict[Path, _DirState] = field(factory=dict)
-
-    def sync(self, path: Path) -> Deferred[None]:
-        state = self._dirs.setdefault(path, _DirState())
-        waiter: Deferred[None] = Deferred()
-        state.waiters.append(waiter)
-        if not state.running:
-            self._start(path, state)
-        return waiter
-
-    def _start(self, path: Path, state: _DirState) -> None:
-        batch, state.waiters = state.waiters, []
-        state.running = True
-
-        def finished(result: object) -> None:
-            state.running = False
-            if state.waiters:
-                self._start(path, state)
-            for waiter in batch:
-                if isinstance(result, Failure):
-                    waiter.errback(result)
-                else:
-                    waiter.callback(None)
-
-        self._run(fsync_dir, path).addBoth(finished)

@@ -135,7 +135,7 @@ class UploadIntake:
         )
         # Everything the answer needs is checked before anything exists on disk.
         location = self._location(headers, info.upload_id)
-        return self._run(self._create, info, location)
+        return self._run(self._create, info, location, length != 0)
 
     def _location(self, headers: Headers, upload_id: str) -> str:
         forwarded: list[tuple[str, str]] = []
@@ -147,9 +147,11 @@ class UploadIntake:
         host = protocol.single_header(headers, "Host")
         return protocol.location(self._config.public_url, host, False, forwarded, upload_id)
 
-    def _create(self, info: UploadInfo, location: str) -> LockedUpload:
+    def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_free_space()
         self._uploads.create(info)
+        if not with_body:
+            return Outcome(info.upload_id, info.size, 0, info.metadata, None, location)
         upload = self._uploads.open_locked(info)
         upload.location = location
         return upload

@@ -16,7 +16,6 @@ from twisted.python.failure import Failure
 
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import run_inline
-from canner.fs import DirSyncer
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import LockedUpload, UploadInfo, UploadStore
 
@@ -37,7 +36,6 @@ class Env:
             self.receipts,
             runner,
             run_inline,
-            DirSyncer(runner),
             self.clock,
             "https://canner.example",
             lambda r, o: self.enqueued.append((r, o)),
@@ -119,7 +117,7 @@ class FailOnce:
     [
         ("_sync_upload", errno.EIO, False),
         ("_commit_receipt", errno.ENOSPC, True),
-        ("fsync_dir", errno.EIO, False),
+        ("_commit_receipt", errno.EIO, False),
     ],
 )
 def test_transient_failures_leave_the_upload_acceptable(

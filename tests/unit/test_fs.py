@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
 
 from canner import fs
 
@@ -55,57 +53,3 @@ def test_data_dir_lock_refuses_a_second_holder(tmp_path: Path) -> None:
     one.release()
     two.acquire()
     two.release()
-
-
-class ManualRunner:
-    """A BlockingRunner that runs jobs only when the test says so."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[Any, tuple[Any, ...], Deferred[Any]]] = []
-
-    def __call__(self, f: Any, *args: Any) -> Deferred[Any]:
-        d: Deferred[Any] = Deferred()
-        self.jobs.append((f, args, d))
-        return d
-
-    def run_next(self) -> None:
-        f, args, d = self.jobs.pop(0)
-        try:
-            result = f(*args)
-        except Exception:
-            d.errback()
-            return
-        d.callback(result)
-
-
-def test_dir_syncs_coalesce_and_never_cover_later_callers(tmp_path: Path) -> None:
-    """Callers during a running fsync share the next one; none is answered by an earlier one."""
-    runner = ManualRunner()
-    syncer = fs.DirSyncer(runner)
-    fired: list[str] = []
-    syncer.sync(tmp_path).addCallback(lambda _: fired.append("a"))
-    syncer.sync(tmp_path).addCallback(lambda _: fired.append("b"))
-    syncer.sync(tmp_path).addCallback(lambda _: fired.append("c"))
-    assert len(runner.jobs) == 1  # "a" started one fsync; "b" and "c" wait for the next
-    runner.run_next()
-    assert fired == ["a"]
-    assert len(runner.jobs) == 1
-    runner.run_next()
-    assert fired == ["a", "b", "c"]
-    assert runner.jobs == []
-
-
-def test_dir_sync_failure_reaches_every_waiter(tmp_path: Path) -> None:
-    """A failed fsync fails every caller it covered, and the next caller gets a fresh fsync."""
-    runner = ManualRunner()
-    syncer = fs.DirSyncer(runner)
-    missing = tmp_path / "missing"
-    errors: list[Any] = []
-    syncer.sync(missing).addErrback(errors.append)
-    runner.run_next()
-    assert len(errors) == 1 and errors[0].check(FileNotFoundError)
-    missing.mkdir()
-    done: list[object] = []
-    syncer.sync(missing).addCallback(done.append)
-    runner.run_next()
-    assert done == [None]
