@@ -28,7 +28,7 @@ from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_s
 from canner.delivery.rescan import missing_objects
 from canner.delivery.scheduler import DeliveryService, Sink
 from canner.delivery.sinks import internet_archive_sinks
-from canner.fs import DataDirLock, DirSyncer, Locked
+from canner.fs import DataDirLock, Locked
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.tus.intake import UploadIntake
@@ -121,9 +121,7 @@ def receiver_service(config: Config, reactor: Any) -> IService:
     hashing.setServiceParent(top)
     run: BlockingRunner = io
     enqueue, pool = _index_feed(config, reactor)
-    acceptance = Acceptance(
-        uploads, receipts, run, hashing, DirSyncer(run), reactor, config.issuer, enqueue
-    )
+    acceptance = Acceptance(uploads, receipts, run, hashing, reactor, config.issuer, enqueue)
     intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
     tus = TusRoutes(intake, config.max_upload_bytes)
     site = receiver_site(intake, tus, receipts, config.object_ids, config.data_dir, run)
