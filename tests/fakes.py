@@ -50,6 +50,7 @@ class FakeSink:
     pending: dict[str, Deferred[Delivered]] = field(factory=dict)
     delivered: list[str] = field(factory=list)
     checks: dict[str, RemoteCheck] = field(factory=dict)
+    hanging_verify: Deferred[RemoteCheck] | None = None
 
     def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
         d: Deferred[Delivered] = Deferred()
@@ -64,4 +65,6 @@ class FakeSink:
         self.pending.pop(object_id).errback(DeliveryFailed(reason, needs_operator=operator))
 
     def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        if self.hanging_verify is not None:
+            return self.hanging_verify
         return succeed(self.checks.get(row.object_id, RemoteCheck(False, "not listed yet")))

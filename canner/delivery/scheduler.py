@@ -36,7 +36,9 @@ log = Logger()
 
 ATTEMPT_LIMIT = 24 * 3600.0
 TICK_INTERVAL = 1.0
-FOLLOW_UPS_PER_TICK = 32
+# Verifications and purges running at once, and the bound on each.
+FOLLOW_UP_CONCURRENCY = 4
+FOLLOW_UP_LIMIT = 600.0
 
 
 @frozen
@@ -95,6 +97,7 @@ class DeliveryService(Service):
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
     _active: dict[str, Deferred[None]] = field(factory=dict)
+    _checking: dict[str, Deferred[None]] = field(factory=dict)
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
@@ -119,9 +122,10 @@ class DeliveryService(Service):
         self._stopping.set()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
-        for attempt in list(self._active.values()):
-            attempt.cancel()
-        waits = [d for d in (self._loop_done,) if d is not None] + list(self._active.values())
+        running = list(self._active.values()) + list(self._checking.values())
+        for work in running:
+            work.cancel()
+        waits = [d for d in (self._loop_done,) if d is not None] + running
         return DeferredList(waits, consumeErrors=True)
 
     @property
@@ -141,15 +145,45 @@ class DeliveryService(Service):
         if free > 0 and self._sinks:
             for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
                 self._start(row)
-        for row in await self._index.run(sql.follow_ups_due, now, FOLLOW_UPS_PER_TICK):
-            if row.project in self._sinks and not self._stopping.is_set():
-                try:
-                    await self._follow_up(row)
-                except Exception as e:
-                    log.failure("follow-up of {object_id}", object_id=row.object_id)
-                    await self._index.run(
-                        sql.record_follow_up, row.object_id, now + VERIFY_MAX, str(e), False, now
-                    )
+        free_checks = FOLLOW_UP_CONCURRENCY - len(self._checking)
+        if free_checks > 0 and self._sinks:
+            # Rows being checked still look due; ask for enough to find free_checks others.
+            limit = free_checks + len(self._checking)
+            for row in await self._index.run(sql.follow_ups_due, now, limit):
+                if len(self._checking) >= FOLLOW_UP_CONCURRENCY:
+                    break
+                if row.project in self._sinks and row.object_id not in self._checking:
+                    self._start_follow_up(row)
+
+    def _start_follow_up(self, row: QueueRow) -> None:
+        """Verify or purge ``row`` in the background: a slow metadata lookup never holds up the
+        tick, so new deliveries keep being claimed meanwhile."""
+        check = Deferred.fromCoroutine(self._follow_up(row))
+        check.addTimeout(FOLLOW_UP_LIMIT, self._clock)
+        self._checking[row.object_id] = check
+        check.addErrback(self._follow_up_failed, row)
+        check.addErrback(
+            lambda f: log.failure("recording follow-up of {object_id}", f, object_id=row.object_id)
+        )
+        check.addBoth(lambda _: self._forget_check(row.object_id))
+
+    def _forget_check(self, object_id: str) -> None:
+        del self._checking[object_id]
+
+    def _follow_up_failed(self, failure: Any, row: QueueRow) -> Deferred[None] | None:
+        if failure.check(CancelledError) and self._stopping.is_set():
+            return None  # shutdown: the row is simply still due
+        if not failure.check(CancelledError, TimeoutError):
+            log.failure("follow-up of {object_id}", failure, object_id=row.object_id)
+        now = self._clock.seconds()
+        return self._index.run(
+            sql.record_follow_up,
+            row.object_id,
+            now + VERIFY_MAX,
+            f"follow-up failed: {failure.getErrorMessage()}",
+            False,
+            now,
+        )
 
     # -- attempts ---------------------------------------------------------------------------
 

@@ -250,3 +250,22 @@ def test_verification_backs_off_with_time_since_delivery() -> None:
     assert verify_delay(100.0, 100.0) == 10.0
     assert verify_delay(160.0, 100.0) == 30.0
     assert verify_delay(100_000.0, 100.0) == 600.0
+
+
+def test_a_stalled_verification_does_not_hold_up_new_deliveries(tmp_path: Path) -> None:
+    """While a metadata lookup hangs, the tick still claims and starts new deliveries."""
+    from twisted.internet.defer import Deferred
+
+    h = Harness(tmp_path, concurrency=1)
+    [first] = h.accept(1)
+    h.tick()
+    h.sink.succeed(first)
+    hanging: Deferred[RemoteCheck] = Deferred()
+    h.sink.hanging_verify = hanging
+    h.tick()  # starts the (hanging) verification of the delivered row
+    [second] = h.accept(1)
+    h.tick()
+    assert list(h.sink.pending) == [second]
+    hanging.callback(RemoteCheck(True))
+    assert h.row(first).verified_at is not None
+    h.index.close()
