@@ -257,14 +257,13 @@ def test_a_stalled_verification_does_not_hold_up_new_deliveries(tmp_path: Path) 
     from twisted.internet.defer import Deferred
 
     h = Harness(tmp_path, concurrency=1)
-    [first] = h.accept(1)
+    first, second = h.accept(2)
     h.tick()
-    h.sink.succeed(first)
+    assert list(h.sink.pending) == [first]
     hanging: Deferred[RemoteCheck] = Deferred()
     h.sink.hanging_verify = hanging
-    h.tick()  # starts the (hanging) verification of the delivered row
-    [second] = h.accept(1)
-    h.tick()
+    h.sink.succeed(first)
+    h.tick()  # starts the (hanging) verification of first, and claims second
     assert list(h.sink.pending) == [second]
     hanging.callback(RemoteCheck(True))
     assert h.row(first).verified_at is not None
