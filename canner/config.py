@@ -7,6 +7,7 @@ frozen :class:`Config` or raises :class:`ConfigError` naming the key and the pro
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -90,6 +91,38 @@ class ProjectConfig:
 
 
 @frozen
+class MetricsConfig:
+    """``[metrics]``: Prometheus metrics (the receiver always serves ``/metrics`` on ``listen``)."""
+
+    # Where canner-deliver serves /metrics: a loopback TCP or a unix endpoint; None: not served.
+    deliver_listen: str | None = None
+    # How often the gauges that need I/O (free space, index counts) are recomputed, in seconds.
+    refresh: float = 15.0
+
+
+@frozen
+class ManholeConfig:
+    """``[manhole]``: the operator's SSH shell (absent: no manhole, the default).
+
+    Each daemon listens on its own unix socket (empty string: none) and, optionally, on a
+    loopback TCP port.  Both speak SSH and accept the keys in ``authorized_keys``.
+    """
+
+    authorized_keys: Path
+    host_key: Path
+    receiver_socket: Path | None
+    deliver_socket: Path | None
+    receiver_ssh: str | None = None
+    deliver_ssh: str | None = None
+
+    def socket_for(self, role: str) -> Path | None:
+        return self.receiver_socket if role == "receiver" else self.deliver_socket
+
+    def ssh_for(self, role: str) -> str | None:
+        return self.receiver_ssh if role == "receiver" else self.deliver_ssh
+
+
+@frozen
 class Config:
     """The whole validated configuration."""
 
@@ -104,6 +137,8 @@ class Config:
     node_prefix: str
     trust_forwarded_headers: bool
     projects: Mapping[str, ProjectConfig]
+    metrics: MetricsConfig = MetricsConfig()
+    manhole: ManholeConfig | None = None
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -122,6 +157,23 @@ _TOP_KEYS = {
     "node_prefix",
     "trust_forwarded_headers",
     "projects",
+    "metrics",
+    "manhole",
+}
+_METRICS_KEYS = {"deliver_listen", "refresh"}
+_MANHOLE_KEYS = {
+    "authorized_keys",
+    "host_key",
+    "receiver_socket",
+    "deliver_socket",
+    "receiver_ssh",
+    "deliver_ssh",
+}
+# A unix socket address (sun_path) holds 108 bytes including the terminating NUL.
+SOCKET_PATH_MAX = 107
+DEFAULT_SOCKETS = {
+    "receiver": "/run/canner/receiver/manhole.sock",
+    "deliver": "/run/canner/deliver/manhole.sock",
 }
 _DELIVERY_KEYS = {
     "sink",
@@ -233,6 +285,100 @@ def _parse_projects(raw: Any, base_dir: Path) -> dict[str, ProjectConfig]:
     return projects
 
 
+def _endpoint_parts(text: str) -> list[str]:
+    """Split a Twisted endpoint string at unescaped colons, unescaping ``\\:``."""
+    parts, current, escaped = [], "", False
+    for ch in text:
+        if escaped:
+            current, escaped = current + ch, False
+        elif ch == "\\":
+            escaped = True
+        elif ch == ":":
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def loopback_endpoint(text: str, name: str) -> str:
+    """Accept a ``tcp``/``tcp6`` endpoint whose ``interface`` is a loopback address, or ``unix``.
+
+    Operator surfaces (deliver metrics, the SSH manhole) must never listen on a public address.
+    """
+    parts = _endpoint_parts(text)
+    kind = parts[0]
+    if kind == "unix" and len(parts) > 1 and parts[1]:
+        return text
+    if kind not in ("tcp", "tcp6") or len(parts) < 2:
+        raise ConfigError(
+            name, f'must be "tcp:PORT:interface=127.0.0.1" (loopback) or "unix:PATH", not {text!r}'
+        )
+    options = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+    interface = options.get("interface")
+    try:
+        loopback = interface is not None and ipaddress.ip_address(interface).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(name, f"must listen on loopback only (interface=127.0.0.1), not {text!r}")
+    return text
+
+
+def _optional_string(mapping: Mapping[str, Any], key: str, name: str) -> str | None:
+    if key not in mapping:
+        return None
+    return _string(mapping, key, name)
+
+
+def _parse_metrics(raw: Any) -> MetricsConfig:
+    if raw is None:
+        return MetricsConfig()
+    if not isinstance(raw, Mapping):
+        raise ConfigError("metrics", "must be a table")
+    _unknown(raw, _METRICS_KEYS, "metrics.")
+    listen = _optional_string(raw, "deliver_listen", "metrics.deliver_listen")
+    if listen is not None:
+        listen = loopback_endpoint(listen, "metrics.deliver_listen")
+    refresh = _duration(raw, "refresh", "metrics.refresh", "15s")
+    if refresh < 1.0:
+        raise ConfigError("metrics.refresh", "must be at least 1s")
+    return MetricsConfig(deliver_listen=listen, refresh=refresh)
+
+
+def _parse_manhole(raw: Any, base_dir: Path, data_dir: Path) -> ManholeConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("manhole", "must be a table")
+    _unknown(raw, _MANHOLE_KEYS, "manhole.")
+    keys = _string(raw, "authorized_keys", "manhole.authorized_keys")
+    host_key = _optional_string(raw, "host_key", "manhole.host_key")
+    sockets: dict[str, Path | None] = {}
+    ssh: dict[str, str | None] = {}
+    for role, default in DEFAULT_SOCKETS.items():
+        path = _string(raw, f"{role}_socket", f"manhole.{role}_socket", default)
+        resolved = (base_dir / path).resolve() if path else None
+        if resolved is not None and len(str(resolved).encode()) > SOCKET_PATH_MAX:
+            raise ConfigError(
+                f"manhole.{role}_socket", f"must be at most {SOCKET_PATH_MAX} bytes long"
+            )
+        sockets[role] = resolved
+        listen = _optional_string(raw, f"{role}_ssh", f"manhole.{role}_ssh")
+        if listen is not None:
+            listen = loopback_endpoint(listen, f"manhole.{role}_ssh")
+        ssh[role] = listen
+    return ManholeConfig(
+        authorized_keys=(base_dir / keys).resolve(),
+        host_key=(base_dir / host_key).resolve() if host_key else data_dir / "manhole_host_key",
+        receiver_socket=sockets["receiver"],
+        deliver_socket=sockets["deliver"],
+        receiver_ssh=ssh["receiver"],
+        deliver_ssh=ssh["deliver"],
+    )
+
+
 def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     """Validate a parsed TOML mapping; relative paths are resolved against ``base_dir`` once."""
     _unknown(raw, _TOP_KEYS, "")
@@ -262,9 +408,10 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     retention = _duration(raw, "partial_upload_retention", "partial_upload_retention", "30m")
     if retention <= 0:
         raise ConfigError("partial_upload_retention", "must be positive")
+    resolved_data_dir = (base_dir / data_dir).resolve()
     return Config(
         issuer=issuer,
-        data_dir=(base_dir / data_dir).resolve(),
+        data_dir=resolved_data_dir,
         listen=listen,
         public_url=public_url,
         max_upload_bytes=_positive_int(raw, "max_upload_bytes", 107374182400, "max_upload_bytes"),
@@ -274,6 +421,8 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         node_prefix=node_prefix,
         trust_forwarded_headers=trust,
         projects=_parse_projects(raw.get("projects"), base_dir),
+        metrics=_parse_metrics(raw.get("metrics")),
+        manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
     )
 
 

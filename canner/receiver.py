@@ -1,8 +1,10 @@
-"""The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health.
+"""The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
 A small root resource hands ``/files...`` to :class:`TusRoutes` and everything else to
-:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``).
-:func:`receiver_site` builds the streaming :class:`~canner.tus.stream.ReceiverSite` around it.
+:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, the status page at
+``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site` builds the streaming
+:class:`~canner.tus.stream.ReceiverSite` around it, and reports every finished request to the
+metrics.
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ from typing import Any, ClassVar
 
 from attrs import define
 from klein import Klein
+from prometheus_client import CONTENT_TYPE_LATEST
+from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
+from canner.metrics import Metrics
 from canner.receipts import ReceiptStore
+from canner.status_page import StatusSource, render_status
 from canner.tus.intake import UploadIntake
-from canner.tus.protocol import TusError
+from canner.tus.protocol import TusError, method_override
 from canner.tus.routes import TusRoutes, render_error
-from canner.tus.stream import ReceiverSite
+from canner.tus.stream import BodyRouter, ReceiverSite
+
+log = Logger()
 
 # Idle connections are dropped after this long; a stalled upload body counts as idle.
 HTTP_IDLE_TIMEOUT = 300
@@ -31,13 +39,15 @@ HTTP_IDLE_TIMEOUT = 300
 
 @define(eq=False)
 class ReceiverRoutes:
-    """Receipt lookup and health."""
+    """Receipt lookup, health, the status page and metrics."""
 
     app: ClassVar[Klein] = Klein()
     _receipts: ReceiptStore
     _ids: ObjectIds
     _data_dir: Path
     _run: BlockingRunner
+    _metrics: Metrics
+    _status: StatusSource
 
     @app.handle_errors(TusError)
     def refusal(self, request: IRequest, failure: Any) -> bytes:
@@ -63,6 +73,23 @@ class ReceiverRoutes:
             return json.dumps({"status": "unhealthy", "error": e.strerror}).encode()
         return json.dumps({"status": "ok", "free_bytes": free}).encode()
 
+    @app.route("/", methods=["GET"])
+    async def status_page(self, request: IRequest) -> bytes:
+        view = await self._status.view()
+        request.setHeader("Content-Type", "text/html; charset=utf-8")
+        request.setHeader("Cache-Control", "no-store")
+        # The page loads nothing: no scripts, no external styles or images.
+        request.setHeader(
+            "Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"
+        )
+        request.setHeader("X-Content-Type-Options", "nosniff")
+        return render_status(view)
+
+    @app.route("/metrics", methods=["GET"])
+    def metrics(self, request: IRequest) -> bytes:
+        request.setHeader("Content-Type", CONTENT_TYPE_LATEST)
+        return self._metrics.render()
+
 
 class _Root(Resource):
     """Sends ``/files...`` to the tus app and everything else to :class:`ReceiverRoutes`."""
@@ -80,6 +107,34 @@ class _Root(Resource):
         return self._rest
 
 
+class MeteredSite(ReceiverSite):
+    """A :class:`ReceiverSite` that reports each finished request to :class:`Metrics`."""
+
+    def __init__(
+        self, resource: Any, body_router: BodyRouter, metrics: Metrics, **kwargs: Any
+    ) -> None:
+        super().__init__(resource, body_router, **kwargs)
+        self._metrics = metrics
+
+    def log(self, request: Any) -> None:
+        # Twisted calls this from Request.finish for every answered request (never for one
+        # whose connection dropped first).  ReceiverSite writes no access log; a few counter
+        # increments per request are all this adds.
+        super().log(request)
+        try:
+            method = method_override(request.method, request.requestHeaders)
+            self._metrics.observe_response(
+                method.decode("ascii", "replace"),
+                request.path,
+                request.code,
+                request.requestHeaders.getRawHeaders(b"upload-offset"),
+                request.responseHeaders.getRawHeaders(b"upload-offset"),
+                request.requestHeaders.getRawHeaders(b"upload-metadata"),
+            )
+        except Exception:
+            log.failure("counting a response")
+
+
 def receiver_site(
     intake: UploadIntake,
     tus: TusRoutes,
@@ -87,9 +142,11 @@ def receiver_site(
     ids: ObjectIds,
     data_dir: Path,
     run: BlockingRunner,
+    metrics: Metrics,
+    status: StatusSource,
 ) -> ReceiverSite:
-    routes = ReceiverRoutes(receipts, ids, data_dir, run)
+    routes = ReceiverRoutes(receipts, ids, data_dir, run, metrics, status)
     root = _Root(tus.app.resource(), routes.app.resource())
-    site = ReceiverSite(root, intake, timeout=HTTP_IDLE_TIMEOUT)
+    site = MeteredSite(root, intake, metrics, timeout=HTTP_IDLE_TIMEOUT)
     site.displayTracebacks = False
     return site

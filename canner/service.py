@@ -2,25 +2,27 @@
 
 ``receiver_service(config, reactor)`` and ``deliver_service(config, reactor)`` build each
 daemon's MultiService.  Work that can fail at
-start-up (directories, the delivery index schema) happens here, so a failure aborts the launch with
-a clear message.  Services stop in reverse order of addition: the listener first, the thread pools
-last.
+start-up (directories, the delivery index schema, the manhole's keys) happens here, so a failure
+aborts the launch with a clear message.  Services stop in reverse order of addition: the listener
+first, the thread pools last.  Metrics and the status page's recent errors are fed by log
+observers (:class:`LogObservers`) added to the process's log publisher while the daemon runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from attrs import define, field
 from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
+from twisted.web.server import Site
 
-from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
 from canner.delivery import index as sql
@@ -29,14 +31,28 @@ from canner.delivery.rescan import missing_objects
 from canner.delivery.scheduler import DeliveryService, Sink
 from canner.delivery.sinks import internet_archive_sinks
 from canner.fs import DataDirLock, Locked
+from canner.inventory import take_survey
+from canner.manhole import OperatorHelpers, manhole_service
+from canner.metrics import (
+    DELIVER,
+    RECEIVER,
+    Metrics,
+    MetricsPage,
+    SurveyCache,
+    SurveyCollector,
+    TimedAcceptance,
+)
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.status_page import RecentProblems, StatusSource
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import SweepReport, sweep_stale
 
 log = Logger()
+
+Observer = Callable[[Mapping[str, Any]], None]
 
 IO_THREADS = 16
 HASH_THREADS = 2
@@ -83,13 +99,60 @@ class ShutdownHook(Service):
         self._on_stop()
 
 
+@define(eq=False)
+class LogObservers(Service):
+    """Adds ``observers`` to ``publisher`` while running (add it early: it stops late)."""
+
+    _publisher: LogPublisher
+    _observers: Iterable[Observer]
+
+    def startService(self) -> None:
+        super().startService()
+        for observer in self._observers:
+            self._publisher.addObserver(cast(ILogObserver, observer))
+
+    def stopService(self) -> None:
+        super().stopService()
+        for observer in self._observers:
+            self._publisher.removeObserver(cast(ILogObserver, observer))
+
+
+def _operator_surfaces(
+    config: Config,
+    role: str,
+    top: MultiService,
+    run: BlockingRunner,
+    reactor: Any,
+    publisher: LogPublisher,
+    observers: Iterable[Observer] = (),
+) -> tuple[Metrics, SurveyCache]:
+    """Metrics fed by log events (observers added to ``top``) and the survey cache behind them."""
+    metrics = Metrics(role, config.projects)
+    LogObservers(publisher, [metrics.observe_event, *observers]).setServiceParent(top)
+    cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), reactor)
+    metrics.register(SurveyCollector(cache, config.min_free_bytes))
+    return metrics, cache
+
+
+def _add_manhole(
+    config: Config, role: str, namespace: dict[str, Any], run: BlockingRunner, reactor: Any
+) -> IService | None:
+    """The role's manhole (None when not configured); its helpers join ``namespace``."""
+    if config.manhole is None:
+        return None
+    helpers = OperatorHelpers(config.data_dir, config.object_ids, run, reactor)
+    return manhole_service(config.manhole, role, helpers.bind(namespace), reactor)
+
+
 def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
     for sub in ("uploads", "receipts"):
         (data_dir / sub).mkdir(parents=True, exist_ok=True)
     return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
 
 
-def _index_feed(config: Config, reactor: Any) -> tuple[Callable[[Receipt, Origin], None], Any]:
+def _index_feed(
+    config: Config, reactor: Any
+) -> tuple[Callable[[Receipt, Origin], None], Any, DeliveryIndex | None]:
     """The best-effort enqueue for acceptance; a broken index is logged, never fatal."""
     path = config.data_dir / "delivery.sqlite"
     try:
@@ -101,9 +164,10 @@ def _index_feed(config: Config, reactor: Any) -> tuple[Callable[[Receipt, Origin
             path=str(path),
             error=str(e),
         )
-        return (lambda receipt, origin: None), None
+        return (lambda receipt, origin: None), None, None
     pool = open_pool(path)
-    return IndexFeed(DeliveryIndex(pool, reactor)).enqueue, pool
+    index = DeliveryIndex(pool, reactor)
+    return IndexFeed(index).enqueue, pool, index
 
 
 def _report_sweep(report: SweepReport) -> None:
@@ -111,8 +175,11 @@ def _report_sweep(report: SweepReport) -> None:
         log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)
 
 
-def receiver_service(config: Config, reactor: Any) -> IService:
-    """The receiver process: tus, receipts, health, the stale-upload sweep."""
+def receiver_service(
+    config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
+) -> IService:
+    """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
+    metrics and (when configured) the manhole."""
     uploads, receipts = _prepare_data_dir(config.data_dir)
     top = MultiService()
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
@@ -120,11 +187,57 @@ def receiver_service(config: Config, reactor: Any) -> IService:
     io.setServiceParent(top)
     hashing.setServiceParent(top)
     run: BlockingRunner = io
-    enqueue, pool = _index_feed(config, reactor)
-    acceptance = Acceptance(uploads, receipts, run, hashing, reactor, config.issuer, enqueue)
+    problems = RecentProblems()
+    metrics, survey_cache = _operator_surfaces(
+        config, RECEIVER, top, run, reactor, log_publisher, [problems.observe]
+    )
+    enqueue, pool, index = _index_feed(config, reactor)
+    acceptance = TimedAcceptance(
+        uploads,
+        receipts,
+        run,
+        hashing,
+        reactor,
+        config.issuer,
+        enqueue,
+        observe=metrics.observe_acceptance,
+    )
     intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
     tus = TusRoutes(intake, config.max_upload_bytes)
-    site = receiver_site(intake, tus, receipts, config.object_ids, config.data_dir, run)
+    status = StatusSource(
+        run,
+        partial(take_survey, config.data_dir, config.object_ids),
+        reactor,
+        problems,
+        config.issuer,
+        config.min_free_bytes,
+    )
+    site = receiver_site(
+        intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status
+    )
+    PeriodicService(
+        reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
+    ).setServiceParent(top)
+    manhole = _add_manhole(
+        config,
+        RECEIVER,
+        {
+            "config": config,
+            "services": top,
+            "index": index,
+            "intake": intake,
+            "acceptance": acceptance,
+            "uploads": uploads,
+            "receipts": receipts,
+            "site": site,
+            "metrics": metrics,
+            "sql": sql,
+        },
+        run,
+        reactor,
+    )
+    if manhole is not None:
+        manhole.setServiceParent(top)
     strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
 
     def sweep() -> Deferred[Any]:
@@ -193,9 +306,13 @@ def _sinks(config: Config, reactor: Any) -> tuple[dict[str, Sink], dict[str, flo
 
 
 def deliver_service(
-    config: Config, reactor: Any, sinks: Mapping[str, Sink] | None = None
+    config: Config,
+    reactor: Any,
+    sinks: Mapping[str, Sink] | None = None,
+    log_publisher: LogPublisher = globalLogPublisher,
 ) -> IService:
-    """The deliver process: the queue, rescans, verification and purge.
+    """The deliver process: the queue, rescans, verification and purge; metrics on
+    ``[metrics] deliver_listen`` and the manhole when configured.
 
     Raises :class:`DeliverLocked` when another deliver process owns the data directory.
     ``sinks`` replaces the configured sinks (tests).
@@ -238,10 +355,38 @@ def deliver_service(
             added = await index.insert(missing)
             log.info("rescan added {count} receipts to the delivery index", count=added)
 
+    metrics, survey_cache = _operator_surfaces(config, DELIVER, top, io, reactor, log_publisher)
     PeriodicService(
         reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
     ).setServiceParent(top)
-    DeliveryService(
+    scheduler = DeliveryService(
         index, uploads, sinks, retention, io, hashing, reactor, config.delivery_concurrency
-    ).setServiceParent(top)
+    )
+    scheduler.setServiceParent(top)
+    if config.metrics.deliver_listen is not None:
+        PeriodicService(
+            reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
+        ).setServiceParent(top)
+        site = Site(MetricsPage(metrics).app.resource())
+        site.displayTracebacks = False
+        strports.service(config.metrics.deliver_listen, site, reactor=reactor).setServiceParent(top)
+    manhole = _add_manhole(
+        config,
+        DELIVER,
+        {
+            "config": config,
+            "services": top,
+            "index": index,
+            "scheduler": scheduler,
+            "sinks": sinks,
+            "uploads": uploads,
+            "receipts": receipts,
+            "metrics": metrics,
+            "sql": sql,
+        },
+        io,
+        reactor,
+    )
+    if manhole is not None:
+        manhole.setServiceParent(top)
     return top

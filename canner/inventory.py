@@ -1,0 +1,377 @@
+"""What an operator wants to know about a data directory: the survey, stuck rows, one object.
+
+:func:`take_survey` looks at the disk (free space, uploads still coming in) and at the delivery
+index (objects by project and state, the oldest undelivered object, overdue purges, recent
+failures).  The index is read through its own short-lived read-only connection
+(:func:`open_read_only`), never through a daemon's writer connection, so a survey never delays a
+delivery transaction and works the same in both daemons, the manhole and the ``canner`` command.
+Everything here blocks: daemons call it through their blocking runner.  The SQL lives in cursor
+functions (:func:`summarize_index`, :func:`stuck_rows`) that unit tests run on a ``sqlite3``
+cursor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import field, frozen
+
+from canner import fs
+from canner.delivery import index as sql
+from canner.delivery.index import QueueRow
+from canner.delivery.queue import State
+from canner.ids import ObjectIds
+from canner.receipts import ReceiptStore
+from canner.tus.store import CorruptInfo, UploadStore
+
+INDEX_NAME = "delivery.sqlite"
+# Rows in retry_wait with more attempts than this count as stuck (as do those needing an operator).
+STUCK_ATTEMPTS = 5
+RECENT_FAILURES = 10
+_SELECT = "SELECT " + ", ".join(sql.COLUMNS) + " FROM objects"
+
+
+@frozen
+class ActiveUpload:
+    """An upload on disk that has no receipt yet (still coming in, or awaiting acceptance)."""
+
+    upload_id: str
+    project: str
+    offset: int
+    size: int
+    idle_s: float
+
+    @property
+    def complete(self) -> bool:
+        return self.offset >= self.size
+
+
+@frozen
+class ProjectTotals:
+    """Objects and bytes of one project in the index."""
+
+    project: str
+    accepted_objects: int = 0
+    accepted_bytes: int = 0
+    pending_objects: int = 0  # accepted, not yet delivered
+    pending_bytes: int = 0
+    delivered_objects: int = 0
+    delivered_bytes: int = 0
+
+
+@frozen
+class IndexSummary:
+    """Counts from ``delivery.sqlite``."""
+
+    states: Mapping[str, int]
+    state_bytes: Mapping[str, int]
+    projects: tuple[ProjectTotals, ...]
+    oldest_undelivered_at: float | None
+    needs_operator: int
+    purge_overdue: int
+    oldest_purge_due: float | None
+    recent_failures: tuple[QueueRow, ...] = ()
+
+    @property
+    def pending_objects(self) -> int:
+        return sum(n for s, n in self.states.items() if s != State.DELIVERED)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(n for s, n in self.state_bytes.items() if s != State.DELIVERED)
+
+    @property
+    def delivered_bytes(self) -> int:
+        return self.state_bytes.get(State.DELIVERED, 0)
+
+
+@frozen
+class Survey:
+    """One look at a data directory at ``taken_at``; errors are recorded, never raised."""
+
+    taken_at: float
+    free_bytes: int | None
+    active_uploads: tuple[ActiveUpload, ...]
+    index: IndexSummary | None
+    free_error: str | None = None
+    index_error: str | None = None
+    unreadable_uploads: int = 0
+
+    @property
+    def active_upload_bytes(self) -> int:
+        return sum(u.offset for u in self.active_uploads)
+
+    @property
+    def oldest_undelivered_age(self) -> float | None:
+        if self.index is None or self.index.oldest_undelivered_at is None:
+            return None
+        return max(0.0, self.taken_at - self.index.oldest_undelivered_at)
+
+    @property
+    def purge_lag(self) -> float:
+        """Seconds the most overdue local purge is late (0 when none is)."""
+        if self.index is None or self.index.oldest_purge_due is None:
+            return 0.0
+        return max(0.0, self.taken_at - self.index.oldest_purge_due)
+
+
+# -- the index ---------------------------------------------------------------------------------
+
+
+def open_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to the delivery index; FileNotFoundError when there is none."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (has canner run on this data directory?)")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout={sql.BUSY_TIMEOUT_MS}")
+    return conn
+
+
+def summarize_index(
+    cur: sqlite3.Cursor, now: float, failures: int = RECENT_FAILURES
+) -> IndexSummary:
+    """Counts by project and state, oldest undelivered object, overdue purges, recent failures."""
+    cur.execute(
+        "SELECT project, state, count(*), coalesce(sum(size_bytes), 0), min(accepted_at),"
+        " coalesce(sum(needs_operator), 0) FROM objects GROUP BY project, state"
+    )
+    states = {s.value: 0 for s in State}
+    state_bytes = {s.value: 0 for s in State}
+    totals: dict[str, dict[str, int]] = {}
+    oldest: float | None = None
+    needs_operator = 0
+    for project, state, count, size, first, operator in cur.fetchall():
+        states[state] = states.get(state, 0) + count
+        state_bytes[state] = state_bytes.get(state, 0) + size
+        needs_operator += operator
+        t = totals.setdefault(project, {"accepted_objects": 0, "accepted_bytes": 0})
+        t["accepted_objects"] += count
+        t["accepted_bytes"] += size
+        kind = "delivered" if state == State.DELIVERED else "pending"
+        t[f"{kind}_objects"] = t.get(f"{kind}_objects", 0) + count
+        t[f"{kind}_bytes"] = t.get(f"{kind}_bytes", 0) + size
+        if state != State.DELIVERED and first is not None:
+            oldest = first if oldest is None else min(oldest, first)
+    cur.execute(
+        "SELECT count(*), min(purge_after) FROM objects WHERE state = 'delivered'"
+        " AND purged_at IS NULL AND purge_after IS NOT NULL AND purge_after <= ?",
+        (now,),
+    )
+    overdue, first_due = cur.fetchone()
+    cur.execute(
+        _SELECT + " WHERE state = 'retry_wait' OR (state = 'delivered' AND last_error IS NOT NULL"
+        " AND purged_at IS NULL) ORDER BY updated_at DESC LIMIT ?",
+        (failures,),
+    )
+    recent = tuple(QueueRow(*row) for row in cur.fetchall())
+    return IndexSummary(
+        states=states,
+        state_bytes=state_bytes,
+        projects=tuple(ProjectTotals(p, **t) for p, t in sorted(totals.items())),
+        oldest_undelivered_at=float(oldest) if oldest is not None else None,
+        needs_operator=needs_operator,
+        purge_overdue=overdue,
+        oldest_purge_due=first_due,
+        recent_failures=recent,
+    )
+
+
+def stuck_rows(cur: sqlite3.Cursor, attempts_over: int = STUCK_ATTEMPTS) -> list[QueueRow]:
+    """Rows in ``retry_wait`` that need an operator or have failed more than ``attempts_over``."""
+    cur.execute(
+        _SELECT + " WHERE state = 'retry_wait' AND (needs_operator != 0 OR attempts > ?)"
+        " ORDER BY accepted_at, object_id",
+        (attempts_over,),
+    )
+    return [QueueRow(*row) for row in cur.fetchall()]
+
+
+def read_index(path: Path, f: Any, *args: Any) -> Any:
+    """Run the cursor function ``f`` on a read-only connection to the index at ``path``."""
+    conn = open_read_only(path)
+    try:
+        return f(conn.cursor(), *args)
+    finally:
+        conn.close()
+
+
+# -- the disk ----------------------------------------------------------------------------------
+
+
+def scan_uploads(
+    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds, now: float
+) -> tuple[list[ActiveUpload], int]:
+    """Uploads without a receipt (not rejected), and how many sidecars could not be read."""
+    active, unreadable = [], 0
+    for upload_id, _mtime in uploads.entries():
+        if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
+            continue
+        try:
+            info = uploads.read_info(upload_id)
+        except CorruptInfo:
+            unreadable += 1
+            continue
+        if info is None or info.rejected is not None:
+            continue
+        offset = uploads.offset(upload_id)
+        idle = max(0.0, now - uploads.idle_since(upload_id))
+        project = info.metadata.get("project", "")
+        active.append(ActiveUpload(upload_id, project, offset, info.size, idle))
+    active.sort(key=lambda u: (u.idle_s, u.upload_id))
+    return active, unreadable
+
+
+def take_survey(data_dir: Path, ids: ObjectIds, now: float) -> Survey:
+    """Look at ``data_dir`` and its index (blocking); failures become ``*_error`` fields."""
+    free: int | None = None
+    free_error = index_error = None
+    try:
+        free = fs.free_bytes(data_dir)
+    except OSError as e:
+        free_error = e.strerror or str(e)
+    uploads, receipts = UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
+    try:
+        active, unreadable = scan_uploads(uploads, receipts, ids, now)
+    except OSError:
+        active, unreadable = [], 0
+    summary = None
+    try:
+        summary = read_index(data_dir / INDEX_NAME, summarize_index, now)
+    except (OSError, sqlite3.Error) as e:
+        index_error = str(e)
+    return Survey(
+        taken_at=now,
+        free_bytes=free,
+        active_uploads=tuple(active),
+        index=summary,
+        free_error=free_error,
+        index_error=index_error,
+        unreadable_uploads=unreadable,
+    )
+
+
+def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, Any]:
+    """The survey as the JSON of ``canner status --json`` (and what the status page shows)."""
+    index = survey.index
+    doc: dict[str, Any] = {
+        "taken_at": survey.taken_at,
+        "free_bytes": survey.free_bytes,
+        "min_free_bytes": min_free_bytes,
+        "active_uploads": len(survey.active_uploads),
+        "active_upload_bytes": survey.active_upload_bytes,
+        "awaiting_acceptance": sum(1 for u in survey.active_uploads if u.complete),
+        "states": dict(index.states) if index else None,
+        "pending_objects": index.pending_objects if index else None,
+        "pending_bytes": index.pending_bytes if index else None,
+        "delivered_bytes": index.delivered_bytes if index else None,
+        "oldest_pending_accepted_at": index.oldest_undelivered_at if index else None,
+        "oldest_pending_age_s": survey.oldest_undelivered_age,
+        "needs_operator": index.needs_operator if index else None,
+        "purge_overdue": index.purge_overdue if index else None,
+        "purge_lag_s": survey.purge_lag,
+        "projects": (
+            {
+                p.project: {
+                    "accepted_objects": p.accepted_objects,
+                    "accepted_bytes": p.accepted_bytes,
+                    "pending_objects": p.pending_objects,
+                    "pending_bytes": p.pending_bytes,
+                    "delivered_objects": p.delivered_objects,
+                    "delivered_bytes": p.delivered_bytes,
+                }
+                for p in index.projects
+            }
+            if index
+            else None
+        ),
+        "free_error": survey.free_error,
+        "index_error": survey.index_error,
+    }
+    return doc
+
+
+# -- one object --------------------------------------------------------------------------------
+
+
+@frozen
+class LocalRecord:
+    """What the data directory holds about one object."""
+
+    object_id: str
+    receipt: Mapping[str, Any] | None
+    origin: Mapping[str, Any] | None
+    upload: Mapping[str, Any] | None
+    payload_present: bool
+    problems: tuple[str, ...] = field(default=())
+
+
+def _json_file(path: Path) -> Mapping[str, Any] | None:
+    try:
+        loaded: Mapping[str, Any] = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    return loaded
+
+
+def local_record(data_dir: Path, object_id: str) -> LocalRecord:
+    """Receipt, origin record, tus sidecar and payload presence of ``object_id`` (blocking).
+
+    ``object_id`` must already be validated (it becomes a file name).
+    """
+    uploads, receipts = UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
+    problems = []
+    receipt = origin = upload = None
+    try:
+        receipt = _json_file(receipts.receipt_path(object_id))
+        origin = _json_file(receipts.origin_path(object_id))
+    except ValueError as e:
+        problems.append(f"unreadable receipt or origin record: {e}")
+    try:
+        info = uploads.read_info(object_id)
+    except CorruptInfo as e:
+        problems.append(str(e))
+        info = None
+    if info is not None:
+        upload = {
+            "project": info.metadata.get("project"),
+            "filename": info.filename,
+            "size": info.size,
+            "offset": uploads.offset(object_id),
+            "created_at": info.created_at,
+            "rejected": info.rejected,
+        }
+    present = os.path.exists(uploads.data_path(object_id))
+    return LocalRecord(object_id, receipt, origin, upload, present, tuple(problems))
+
+
+def describe_object(local: LocalRecord, row: QueueRow | None) -> dict[str, Any]:
+    """``canner show`` and the manhole's ``lookup()``: everything known about one object."""
+    return {
+        "object_id": local.object_id,
+        "receipt": local.receipt,
+        "origin": local.origin,
+        "upload": local.upload,
+        "payload_present": local.payload_present,
+        "delivery": row.as_dict() if row is not None else None,
+        "problems": list(local.problems),
+    }
+
+
+def lookup_object(data_dir: Path, object_id: str) -> dict[str, Any]:
+    """:func:`describe_object` for ``object_id`` from the disk and the index (blocking)."""
+    local = local_record(data_dir, object_id)
+    try:
+        row = read_index(data_dir / INDEX_NAME, sql.get_row, object_id)
+    except FileNotFoundError:
+        row = None
+    return describe_object(local, row)
+
+
+def known(description: Mapping[str, Any]) -> bool:
+    """True when anything at all is known about the described object."""
+    return any(description[k] is not None for k in ("receipt", "upload", "delivery"))

@@ -1,0 +1,453 @@
+"""Prometheus metrics of one canner process, in a private registry.
+
+Two sources feed them, and neither does I/O when Prometheus scrapes:
+
+* **Log events.**  :meth:`Metrics.observe_event` is a ``twisted.logger`` observer that counts the
+  events named in :data:`canner.logs.EVENTS` (uploads created, accepted, rejected; hashing time;
+  delivery attempts, retries and failures; bytes sent to IA; purges; stale uploads removed).  The
+  receiver also reports each finished HTTP request (:meth:`Metrics.observe_response`), which
+  gives refused creations by reason and the bytes each PATCH stored.
+* **The survey.**  Gauges that need the disk or the index (free bytes, deliveries by state,
+  oldest undelivered object, purge lag, ...) are read from the latest :class:`SurveyCache` value,
+  which a periodic job recomputes in a thread.
+
+Uploads created and bytes received come from the receiver's finished HTTP requests: a creation is
+a ``201`` to ``POST /files/`` (its project read from ``Upload-Metadata``), and bytes received are
+``Upload-Offset`` of the response minus that of the request (0 for a creation).  That is exact
+for every request that finished; a PATCH whose connection dropped is not counted (its bytes are
+kept, and the next PATCH starts after them).  Acceptance time is measured around
+``Acceptance.accept`` by :class:`TimedAcceptance`, from the last byte to the durable receipt;
+hashing time is the ``hash_s`` field of the ``accepted`` event.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from attrs import define, field
+from klein import Klein
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from canner.acceptance import Acceptance
+from canner.blocking import BlockingRunner
+from canner.delivery.queue import State
+from canner.inventory import Survey
+from canner.logs import event_kind
+from canner.receipts import Receipt
+from canner.tus.store import LockedUpload
+
+log = Logger()
+
+RECEIVER = "receiver"
+DELIVER = "deliver"
+
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# HTTP answers to an upload creation (POST /files/) that refuse it, by reason.
+CREATION_REFUSALS = {
+    400: "invalid_request",
+    412: "unsupported_tus_version",
+    413: "too_large",
+    415: "unsupported_media_type",
+    429: "insufficient_storage",
+    503: "storage_unavailable",
+}
+CHECKSUM_MISMATCH = "checksum_mismatch"
+# Label values come from clients: anything else is counted as "other", bounding the series.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PATCH", "OPTIONS", "DELETE", "PUT"})
+
+
+def _header_int(values: list[bytes] | None) -> int | None:
+    if not values or len(values) != 1 or not values[0].isdigit():
+        return None
+    return int(values[0])
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+@define(eq=False, slots=False)
+class Metrics:
+    """The metrics of one process (``role`` is ``"receiver"`` or ``"deliver"``).
+
+    Both roles count every event they see; only their own families are registered, so each
+    process exports what it can know.
+    """
+
+    role: str
+    projects: Iterable[str] = ()
+    registry: CollectorRegistry = field(factory=CollectorRegistry)
+    _known_projects: frozenset[str] = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.projects = tuple(self.projects)
+        self._known_projects = frozenset(self.projects)
+        rcv = self.registry if self.role == RECEIVER else None
+        dlv = self.registry if self.role == DELIVER else None
+        self.uploads_created = Counter(
+            "canner_uploads_created", "Uploads created (tus POST)", ["project"], registry=rcv
+        )
+        self.uploads_accepted = Counter(
+            "canner_uploads_accepted",
+            "Uploads accepted (receipt committed)",
+            ["project"],
+            registry=rcv,
+        )
+        self.accepted_bytes = Counter(
+            "canner_accepted_bytes", "Bytes of accepted uploads", ["project"], registry=rcv
+        )
+        self.uploads_rejected = Counter(
+            "canner_uploads_rejected",
+            "Uploads refused at creation (by HTTP meaning) or rejected for their checksum",
+            ["reason"],
+            registry=rcv,
+        )
+        self.received_bytes = Counter(
+            "canner_received_bytes",
+            "Bytes stored by completed tus requests (response minus request Upload-Offset)",
+            registry=rcv,
+        )
+        self.http_responses = Counter(
+            "canner_http_responses",
+            "HTTP responses of the receiver",
+            ["method", "code"],
+            registry=rcv,
+        )
+        self.acceptance_seconds = Histogram(
+            "canner_acceptance_seconds",
+            "Seconds from an upload's last byte to its durable receipt",
+            buckets=SECONDS_BUCKETS,
+            registry=rcv,
+        )
+        self.hash_seconds = Histogram(
+            "canner_hash_seconds",
+            "Seconds spent hashing an upload (BLAKE3)",
+            buckets=SECONDS_BUCKETS,
+            registry=rcv,
+        )
+        self.acceptance_failures = Counter(
+            "canner_acceptance_failures",
+            "Acceptances that failed on storage and will be retried",
+            registry=rcv,
+        )
+        self.stale_uploads_removed = Counter(
+            "canner_stale_uploads_removed", "Abandoned partial uploads removed", registry=rcv
+        )
+        self.delivery_attempts = Counter(
+            "canner_delivery_attempts", "Delivery attempts started", ["project"], registry=dlv
+        )
+        self.delivery_retries = Counter(
+            "canner_delivery_retries",
+            "Delivery attempts after the first for the same object",
+            ["project"],
+            registry=dlv,
+        )
+        self.delivery_failures = Counter(
+            "canner_delivery_failures",
+            "Failed delivery attempts",
+            ["project", "needs_operator"],
+            registry=dlv,
+        )
+        self.deliveries_completed = Counter(
+            "canner_deliveries_completed", "Objects delivered", ["project"], registry=dlv
+        )
+        self.ia_sent_bytes = Counter(
+            "canner_ia_sent_bytes", "Payload bytes uploaded to the Internet Archive", registry=dlv
+        )
+        self.verified = Counter(
+            "canner_deliveries_verified", "Deliveries verified at IA", registry=dlv
+        )
+        self.purged = Counter(
+            "canner_purged", "Local payloads purged after verified delivery", registry=dlv
+        )
+        for project in self.projects:
+            for family in (self.uploads_created, self.uploads_accepted, self.accepted_bytes):
+                family.labels(project)
+            for family in (self.delivery_attempts, self.delivery_retries):
+                family.labels(project)
+            self.deliveries_completed.labels(project)
+        for reason in (*CREATION_REFUSALS.values(), CHECKSUM_MISMATCH):
+            self.uploads_rejected.labels(reason)
+
+    def register(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        """The text exposition format of every registered metric."""
+        return _generate_latest(self.registry)
+
+    # -- log events --------------------------------------------------------------------------
+
+    def observe_event(self, event: Mapping[str, Any]) -> None:
+        """An ``ILogObserver``: count the events of :data:`canner.logs.EVENTS`.
+
+        Called from whichever thread logged; prometheus_client's metrics are thread-safe.
+        """
+        kind = event_kind(event)
+        if kind is None:
+            return
+        handler = self._HANDLERS.get(kind)
+        if handler is not None:
+            handler(self, event)
+
+    def _project(self, event: Mapping[str, Any]) -> str:
+        project = event.get("project")
+        return project if isinstance(project, str) else ""
+
+    def _accepted(self, event: Mapping[str, Any]) -> None:
+        project = self._project(event)
+        self.uploads_accepted.labels(project).inc()
+        size = _number(event.get("size", event.get("size_bytes")))
+        if size is not None:
+            self.accepted_bytes.labels(project).inc(size)
+        hashing = _number(event.get("hash_s"))
+        if hashing is not None:
+            self.hash_seconds.observe(hashing)
+
+    def _rejected(self, event: Mapping[str, Any]) -> None:
+        self.uploads_rejected.labels(CHECKSUM_MISMATCH).inc()
+
+    def _acceptance_failed(self, event: Mapping[str, Any]) -> None:
+        self.acceptance_failures.inc()
+
+    def _stale_removed(self, event: Mapping[str, Any]) -> None:
+        count = _number(event.get("count"))
+        if count is not None:
+            self.stale_uploads_removed.inc(count)
+
+    def _attempt(self, event: Mapping[str, Any]) -> None:
+        project = self._project(event)
+        self.delivery_attempts.labels(project).inc()
+        attempt = _number(event.get("attempt"))
+        if attempt is not None and attempt > 1:
+            self.delivery_retries.labels(project).inc()
+
+    def _delivered(self, event: Mapping[str, Any]) -> None:
+        self.deliveries_completed.labels(self._project(event)).inc()
+
+    def _delivery_failed(self, event: Mapping[str, Any]) -> None:
+        operator = "true" if event.get("needs_operator") else "false"
+        self.delivery_failures.labels(self._project(event), operator).inc()
+
+    def _uploaded(self, event: Mapping[str, Any]) -> None:
+        size = _number(event.get("size"))
+        if size is not None:
+            self.ia_sent_bytes.inc(size)
+
+    def _verified(self, event: Mapping[str, Any]) -> None:
+        self.verified.inc()
+
+    def _purged(self, event: Mapping[str, Any]) -> None:
+        self.purged.inc()
+
+    _HANDLERS: ClassVar[dict[str, Callable[[Metrics, Mapping[str, Any]], None]]] = {
+        "accepted": _accepted,
+        "rejected": _rejected,
+        "acceptance_failed": _acceptance_failed,
+        "stale_removed": _stale_removed,
+        "attempt": _attempt,
+        "delivered": _delivered,
+        "delivery_failed": _delivery_failed,
+        "uploaded": _uploaded,
+        "verified": _verified,
+        "purged": _purged,
+    }
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def observe_acceptance(self, seconds: float) -> None:
+        """One acceptance finished with a receipt after ``seconds``."""
+        self.acceptance_seconds.observe(seconds)
+
+    def observe_response(
+        self,
+        method: str,
+        path: bytes,
+        code: int,
+        request_offset: list[bytes] | None,
+        response_offset: list[bytes] | None,
+        metadata: list[bytes] | None = None,
+    ) -> None:
+        """Count one finished receiver request (``method`` after tus's method override)."""
+        label = method if method in HTTP_METHODS else "other"
+        self.http_responses.labels(label, str(code) if 100 <= code <= 599 else "other").inc()
+        creation = method == "POST" and path.split(b"?", 1)[0] in (b"/files", b"/files/")
+        if creation and code == 201:
+            self.uploads_created.labels(self._metadata_project(metadata)).inc()
+        elif creation and code >= 400:
+            self.uploads_rejected.labels(CREATION_REFUSALS.get(code, f"http_{code}")).inc()
+        if method in ("POST", "PATCH") and code in (201, 204):
+            after = _header_int(response_offset)
+            before = 0 if method == "POST" else _header_int(request_offset)
+            if after is not None and before is not None and after > before:
+                self.received_bytes.inc(after - before)
+
+    def _metadata_project(self, values: list[bytes] | None) -> str:
+        """The configured project named by ``Upload-Metadata`` ("" for anything else)."""
+        for pair in values[0].split(b",") if values and len(values) == 1 else ():
+            key, _, value = pair.strip().partition(b" ")
+            if key == b"project":
+                try:
+                    project = base64.b64decode(value, validate=True).decode("utf-8")
+                except (binascii.Error, UnicodeDecodeError):
+                    return ""
+                return project if project in self._known_projects else ""
+        return ""
+
+
+@define(eq=False)
+class TimedAcceptance(Acceptance):
+    """:class:`~canner.acceptance.Acceptance` that reports how long each successful run took
+    (from the call, which the last byte of an upload triggers, to the durable receipt)."""
+
+    _observe: Callable[[float], None] = field(kw_only=True)
+
+    def accept(self, upload: LockedUpload) -> Deferred[Receipt]:
+        start = self._clock.seconds()
+
+        def timed(receipt: Receipt) -> Receipt:
+            self._observe(self._clock.seconds() - start)
+            return receipt
+
+        return super().accept(upload).addCallback(timed)
+
+
+# -- the survey gauges ----------------------------------------------------------------------
+
+
+@define(eq=False)
+class SurveyCache:
+    """The latest :class:`~canner.inventory.Survey`, recomputed in a thread by :meth:`refresh`."""
+
+    _run: BlockingRunner
+    _take: Callable[[float], Survey]
+    _clock: IReactorTime
+    latest: Survey | None = None
+
+    def refresh(self) -> Deferred[None]:
+        """Take a new survey off the reactor thread and keep it (a periodic job's body)."""
+
+        def keep(survey: Survey) -> None:
+            self.latest = survey
+
+        return self._run(self._take, self._clock.seconds()).addCallback(keep)
+
+
+def _gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
+    if value is None:
+        return []
+    return [GaugeMetricFamily(name, doc, value=value)]
+
+
+@define(eq=False)
+class SurveyCollector(Collector):
+    """Gauges from the cached survey; a scrape reads memory only."""
+
+    _cache: SurveyCache
+    _min_free_bytes: int
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "canner_min_free_bytes", "Configured free-space floor", value=self._min_free_bytes
+        )
+        survey = self._cache.latest
+        if survey is None:
+            return
+        yield GaugeMetricFamily(
+            "canner_survey_timestamp_seconds",
+            "When the gauges below were computed",
+            value=survey.taken_at,
+        )
+        yield from _gauge(
+            "canner_data_free_bytes", "Bytes available on the data filesystem", survey.free_bytes
+        )
+        yield GaugeMetricFamily(
+            "canner_active_uploads",
+            "Uploads on disk without a receipt",
+            value=len(survey.active_uploads),
+        )
+        yield GaugeMetricFamily(
+            "canner_active_upload_bytes",
+            "Bytes stored so far of uploads without a receipt",
+            value=survey.active_upload_bytes,
+        )
+        index = survey.index
+        yield GaugeMetricFamily(
+            "canner_index_readable",
+            "1 when the last survey could read delivery.sqlite",
+            value=0 if index is None else 1,
+        )
+        if index is None:
+            return
+        by_state = GaugeMetricFamily(
+            "canner_deliveries", "Objects in the delivery index by state", labels=["state"]
+        )
+        bytes_by_state = GaugeMetricFamily(
+            "canner_deliveries_bytes",
+            "Bytes of objects in the delivery index by state",
+            labels=["state"],
+        )
+        for state in State:
+            by_state.add_metric([state.value], index.states.get(state.value, 0))
+            bytes_by_state.add_metric([state.value], index.state_bytes.get(state.value, 0))
+        yield by_state
+        yield bytes_by_state
+        pending = GaugeMetricFamily(
+            "canner_pending_bytes",
+            "Bytes accepted and not yet delivered, by project",
+            labels=["project"],
+        )
+        for totals in index.projects:
+            pending.add_metric([totals.project], totals.pending_bytes)
+        yield pending
+        yield GaugeMetricFamily(
+            "canner_delivered_bytes",
+            "Bytes of delivered objects (sent to IA)",
+            value=index.delivered_bytes,
+        )
+        yield GaugeMetricFamily(
+            "canner_oldest_undelivered_age_seconds",
+            "Age of the oldest accepted object not yet delivered (0: none)",
+            value=survey.oldest_undelivered_age or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "canner_deliveries_needing_operator",
+            "Deliveries flagged for an operator",
+            value=index.needs_operator,
+        )
+        yield GaugeMetricFamily(
+            "canner_purge_overdue",
+            "Delivered objects whose local purge is overdue",
+            value=index.purge_overdue,
+        )
+        yield GaugeMetricFamily(
+            "canner_purge_lag_seconds",
+            "How late the most overdue local purge is (0: none)",
+            value=survey.purge_lag,
+        )
+
+
+@define(eq=False)
+class MetricsPage:
+    """``GET /metrics`` on its own listener (canner-deliver's ``[metrics] deliver_listen``)."""
+
+    app: ClassVar[Klein] = Klein()
+    _metrics: Metrics
+
+    @app.route("/metrics", methods=["GET"])
+    def metrics(self, request: IRequest) -> bytes:
+        request.setHeader("Content-Type", CONTENT_TYPE_LATEST)
+        return self._metrics.render()

@@ -1,0 +1,521 @@
+"""Operating canner, end to end: the status page in headless Chromium against ``canner status
+--json`` and ``/metrics``; the SSH manhole of each daemon through a real ``ssh`` client (over the
+loopback TCP port and over the unix socket); deliver's metrics listener; operator retries and
+``rebuild-index`` refusing while deliver runs.
+
+Needs the Debian packages ``chromium`` and ``openssh-client`` (``ssh``, ``ssh-keygen``); the
+tests install nothing and fail with a hint when they are missing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from deliver_support import (
+    PROJECT,
+    Deliver,
+    DeliveryReceiver,
+    FakeIA,
+    venv_bin,
+    wait_for,
+)
+from e2e_support import REPO, Receiver, blake3_hex, free_port
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.e2e
+
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][0-9A-Za-z]|\r")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Free space moves while tests write elsewhere on the same filesystem.
+FREE_SPACE_SLACK = 256 * 1024 * 1024
+RELAY = """
+import os, socket, sys, threading
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+def up():
+    while data := os.read(0, 65536):
+        sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+threading.Thread(target=up, daemon=True).start()
+while data := sock.recv(65536):
+    os.write(1, data)
+"""
+
+
+def need(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is missing: apt-get install {package} (the e2e suite needs it)")
+    return path
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path, for unix sockets (sun_path holds 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="cn-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- helpers: metrics, the canner command, Chromium ------------------------------------------
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = requests.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def canner(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [venv_bin("canner"), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    binary = need("chromium", "chromium")
+    return subprocess.run(
+        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def cell(dom: str, name: str, within: str | None = None) -> int:
+    """The number shown in the page cell labelled ``data-field=name``."""
+    scope = dom
+    if within is not None:
+        match = re.search(within, dom, re.S)
+        assert match, f"no {within!r} in the page"
+        scope = match.group(0)
+    found = re.search(rf'data-field="{name}"><b>([0-9,]+)</b>', scope)
+    assert found, f"no {name} cell in the page"
+    return int(found.group(1).replace(",", ""))
+
+
+def png_facts(path: Path) -> tuple[int, int, int]:
+    """Width, height and the number of distinct byte values of a PNG's pixel data."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    pos, idat = 8, b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        if kind == b"IDAT":
+            idat += data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+    return width, height, len(set(zlib.decompress(idat)))
+
+
+# -- helpers: SSH into a manhole -----------------------------------------------------------------
+
+
+class Shell:
+    """``ssh`` on a pseudo-terminal, talking to a manhole's Python prompt."""
+
+    def __init__(self, argv: list[str]) -> None:
+        master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
+        )
+        os.close(slave)
+        self.fd = master
+        self.seen = b""
+
+    def text(self) -> str:
+        return ANSI.sub(b"", self.seen).decode("utf-8", "replace")
+
+    def read_until(self, pattern: str, timeout: float = 15.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text()):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise AssertionError(f"no {pattern!r} from the manhole; it said:\n{self.text()}")
+            ready, _, _ = select.select([self.fd], [], [], min(left, 0.2))
+            if ready:
+                try:
+                    self.seen += os.read(self.fd, 65536)
+                except OSError:
+                    break
+        return self.text()
+
+    def resize(self, rows: int, columns: int) -> None:
+        """Change the terminal size and tell ssh, as a resized terminal window does."""
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        self.proc.send_signal(signal.SIGWINCH)
+
+    def eval(self, expression: str, expect: str, timeout: float = 15.0) -> str:
+        self.seen = b""
+        os.write(self.fd, expression.encode() + b"\r")
+        return self.read_until(expect, timeout)
+
+    def close(self) -> int:
+        try:
+            os.write(self.fd, b"\x04")
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+        finally:
+            os.close(self.fd)
+        return self.proc.returncode
+
+
+def ssh_argv(key: Path, known_hosts: Path, *target: str) -> list[str]:
+    return [
+        need("ssh", "openssh-client"),
+        "-F",
+        "/dev/null",
+        "-i",
+        str(key),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={known_hosts}",
+        "-o",
+        "ConnectTimeout=10",
+        *target,
+    ]
+
+
+def user_key(root: Path, name: str = "operator") -> Path:
+    key = root / name
+    subprocess.run(
+        [need("ssh-keygen", "openssh-client"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+        check=True,
+        timeout=30,
+    )
+    return key
+
+
+def known_hosts(root: Path, host_key: Path, *names: str) -> Path:
+    """A known_hosts file trusting the daemon's generated host key under ``names``."""
+    kind, blob = host_key.with_name(host_key.name + ".pub").read_text().split()[:2]
+    path = root / "known_hosts"
+    path.write_text("".join(f"{name} {kind} {blob}\n" for name in names))
+    return path
+
+
+def tcp_shell(key: Path, hosts: Path, port: int) -> Shell:
+    return Shell(ssh_argv(key, hosts, "-p", str(port), "operator@127.0.0.1"))
+
+
+def unix_shell(key: Path, hosts: Path, relay: Path, socket: Path, alias: str) -> Shell:
+    proxy = f"ProxyCommand={sys.executable} {relay} {socket}"
+    return Shell(ssh_argv(key, hosts, "-o", proxy, "-o", f"HostKeyAlias={alias}", "operator@x"))
+
+
+def manhole_toml(root: Path, keys: Path, **settings: str) -> str:
+    lines = ["", "[manhole]", f"authorized_keys = {json.dumps(str(keys))}"]
+    lines.append(f"host_key = {json.dumps(str(root / 'manhole_host_key'))}")
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def append(config: Path, text: str) -> None:
+    with open(config, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+# -- the receiver --------------------------------------------------------------------------------
+
+
+def test_status_page_matches_status_json_and_metrics(tmp_path: Path) -> None:
+    """Headless Chromium renders the status page; the numbers it shows equal ``canner status
+    --json`` and ``/metrics``, the page refreshes itself, and a checksum rejection shows up among
+    the recent errors with its id shortened."""
+    rcv = Receiver.in_dir(tmp_path / "receiver")
+    append(rcv.config_path, '\n[metrics]\nrefresh = "1s"\n')
+    rcv.start()
+    try:
+        rcv.upload_all(os.urandom(150_000), filename="a.warc")
+        rcv.upload_all(os.urandom(70_000), filename="b.warc")
+        rcv.upload_all(os.urandom(33_000), project="other")
+        partial = rcv.new_upload(b"p" * 10_000)
+        assert rcv.patch(partial, 0, b"p" * 3_000).status_code == 204
+        bad = rcv.new_upload(b"x" * 500, checksum=blake3_hex(b"y" * 500))
+        assert rcv.patch(bad, 0, b"x" * 500).status_code == 422
+        assert rcv.create(10, blake3_hex(b"q"), project="nobody").status_code == 400
+        since = time.time()
+
+        samples = wait_for(
+            lambda: (
+                s
+                if (s := scrape(rcv.base_url + "/metrics"))[
+                    ("canner_survey_timestamp_seconds", frozenset())
+                ]
+                > since
+                else None
+            ),
+            10,
+            "a survey after the uploads",
+        )
+        status = canner("status", "--json", "--config", str(rcv.config_path))
+        assert status.returncode == 0, status.stderr
+        doc = json.loads(status.stdout)
+
+        profile = tmp_path / "chromium"
+        dump = chromium("--dump-dom", rcv.base_url + "/", profile=profile)
+        assert dump.returncode == 0, dump.stderr[-2000:]
+        dom = dump.stdout
+        shot = tmp_path / "status.png"
+        taken = chromium(
+            f"--screenshot={shot}", "--window-size=1200,900", rcv.base_url + "/", profile=profile
+        )
+        assert taken.returncode == 0 and shot.exists(), taken.stderr[-2000:]
+    finally:
+        rcv.close()
+
+    # The page against `canner status --json`.
+    assert '<meta http-equiv="refresh" content="10">' in dom
+    assert abs(cell(dom, "free_bytes") - doc["free_bytes"]) < FREE_SPACE_SLACK
+    assert cell(dom, "active_uploads") == doc["active_uploads"] == 1
+    assert cell(dom, "active_upload_bytes") == doc["active_upload_bytes"] == 3_000
+    for project, totals in doc["projects"].items():
+        row = rf'<tr data-project="{project}">.*?</tr>'
+        for field in ("accepted_objects", "accepted_bytes", "pending_objects", "pending_bytes"):
+            assert cell(dom, field, row) == totals[field], (project, field)
+    for state, count in doc["states"].items():
+        assert cell(dom, f"state_{state}") == count, state
+    summary = r'<table id="delivery-summary">.*?</table>'
+    assert cell(dom, "pending_bytes", summary) == doc["pending_bytes"] == 253_000
+    assert "rejected " + bad[:8] + "…" in dom and bad not in dom and partial not in dom
+
+    # The page against /metrics.
+    assert cell(dom, "state_pending") == metric(samples, "canner_deliveries", state="pending") == 3
+    assert cell(dom, "active_upload_bytes") == metric(samples, "canner_active_upload_bytes")
+    other = r'<tr data-project="other">.*?</tr>'
+    assert cell(dom, "pending_bytes", other) == metric(
+        samples, "canner_pending_bytes", project="other"
+    )
+    assert (
+        abs(cell(dom, "free_bytes") - metric(samples, "canner_data_free_bytes")) < FREE_SPACE_SLACK
+    )
+    assert metric(samples, "canner_uploads_created_total", project="example") == 4
+    assert metric(samples, "canner_uploads_accepted_total", project="example") == 2
+    assert metric(samples, "canner_accepted_bytes_total", project="other") == 33_000
+    assert metric(samples, "canner_uploads_rejected_total", reason="checksum_mismatch") == 1
+    assert metric(samples, "canner_uploads_rejected_total", reason="invalid_request") == 1
+    assert metric(samples, "canner_received_bytes_total") == 253_000 + 3_000
+    assert metric(samples, "canner_acceptance_seconds_count") == 3
+    assert metric(samples, "canner_hash_seconds_count") == 3
+    assert metric(samples, "canner_oldest_undelivered_age_seconds") >= 0
+
+    # The screenshot is the page at the requested size, not a blank frame.
+    width, height, distinct = png_facts(shot)
+    assert (width, height) == (1200, 900)
+    assert distinct > 16, "the screenshot is (nearly) uniform"
+
+
+def test_receiver_manhole_over_tcp_ssh_and_the_unix_socket(tmp_path: Path, short_dir: Path) -> None:
+    """An operator key gets a Python prompt in the receiver over loopback SSH and over the
+    0600 unix socket (in a 0750 directory); an unknown key is refused."""
+    key, stranger = user_key(tmp_path), user_key(tmp_path, "stranger")
+    keys = tmp_path / "authorized_keys"
+    keys.write_text(key.with_suffix(".pub").read_text())
+    socket = short_dir / "receiver" / "manhole.sock"
+    port = free_port()
+    rcv = Receiver.in_dir(tmp_path / "receiver")
+    append(
+        rcv.config_path,
+        manhole_toml(
+            tmp_path,
+            keys,
+            receiver_socket=str(socket),
+            receiver_ssh=f"tcp:{port}:interface=127.0.0.1",
+        ),
+    )
+    relay = tmp_path / "relay.py"
+    relay.write_text(RELAY)
+    rcv.start()
+    shells: list[Shell] = []
+    try:
+        data = os.urandom(12_345)
+        oid, _receipt = rcv.upload_all(data, filename="m.warc")
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o600 and stat.S_ISSOCK(socket.stat().st_mode)
+        assert stat.S_IMODE(socket.parent.stat().st_mode) == 0o750
+        hosts = known_hosts(
+            tmp_path, tmp_path / "manhole_host_key", f"[127.0.0.1]:{port}", "canner-receiver"
+        )
+
+        tcp = tcp_shell(key, hosts, port)
+        shells.append(tcp)
+        tcp.read_until(">>> ")
+        tcp.resize(50, 160)
+        assert "2007" in tcp.eval("len(config.projects) * 1000 + 7", r"\n2007\n")
+        found = tcp.eval(f"lookup({oid!r})", r"Deferred #0 called back: \{.*\}\n")
+        assert "'size_bytes': 12345" in found and "'state': 'pending'" in found
+        assert "'payload_present': True" in found
+
+        local = unix_shell(key, hosts, relay, socket, "canner-receiver")
+        shells.append(local)
+        local.read_until(">>> ")
+        said = local.eval(f"receipts.read({oid!r}).size_bytes + 1", r"\n12346\n")
+        assert "12346" in said
+        stuck = local.eval("stuck()", r"Deferred #0 called back: \[\]")
+        assert "called back: []" in stuck
+
+        refused = subprocess.run(
+            ssh_argv(stranger, hosts, "-p", str(port), "operator@127.0.0.1", "true"),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert refused.returncode == 255 and "Permission denied" in refused.stderr
+    finally:
+        for shell in shells:
+            shell.close()
+        rcv.close()
+    assert "Traceback" not in rcv.log_text()
+
+
+# -- canner-deliver ------------------------------------------------------------------------------
+
+
+def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_dir: Path) -> None:
+    """A delivery refused with 403 is stuck (manhole ``stuck()``) and counted (deliver's
+    /metrics); ``canner retry`` after the fault clears delivers it; ``rebuild-index`` refuses
+    while deliver runs; ``check-config`` shows where objects go."""
+    fake = FakeIA(tmp_path / "fake")
+    fake.start()
+    rcv = DeliveryReceiver.configured(tmp_path / "canner", fake.url, retention="1h")
+    metrics_port, ssh_port = free_port(), free_port()
+    key = user_key(tmp_path)
+    keys = tmp_path / "authorized_keys"
+    keys.write_text(key.with_suffix(".pub").read_text())
+    socket = short_dir / "deliver" / "manhole.sock"
+    append(
+        rcv.config_path,
+        f'\n[metrics]\ndeliver_listen = "tcp:{metrics_port}:interface=127.0.0.1"\nrefresh = "1s"\n'
+        + manhole_toml(
+            tmp_path,
+            keys,
+            receiver_socket="",
+            deliver_socket=str(socket),
+            deliver_ssh=f"tcp:{ssh_port}:interface=127.0.0.1",
+        ),
+    )
+    deliver = Deliver(rcv.config_path, rcv.data_dir, tmp_path / "canner" / "deliver.log")
+    config = str(rcv.config_path)
+    shell: Shell | None = None
+    try:
+        checked = canner("check-config", "--config", config)
+        assert checked.returncode == 0, checked.stderr
+        example = json.loads(checked.stdout)["delivery_examples"][PROJECT]
+        assert re.fullmatch(
+            r"example-\d{14}-0123456789abcdef0123456789abcdef", example["identifier"]
+        )
+
+        rcv.start()
+        deliver.start()
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o600
+        fake.add_fault("forbidden", count=1000)
+        data = os.urandom(200_000)
+        oid, _ = rcv.upload_all(data, filename="denied.warc")
+
+        def row() -> dict[str, Any]:
+            out = canner("show", oid, "--config", config)
+            assert out.returncode == 0, out.stderr
+            return dict(json.loads(out.stdout)["delivery"] or {})
+
+        wait_for(lambda: row().get("needs_operator") == 1, 20, "the 403 flagged for an operator")
+        hosts = known_hosts(tmp_path, tmp_path / "manhole_host_key", f"[127.0.0.1]:{ssh_port}")
+        shell = tcp_shell(key, hosts, ssh_port)
+        shell.read_until(">>> ")
+        stuck = shell.eval("stuck()", r"Deferred #0 called back: \[.*\]\n")
+        assert oid in stuck and "403" in stuck
+        assert "[]" in shell.eval("scheduler.active", r"\[\]")
+
+        busy = canner("rebuild-index", "--config", config)
+        assert busy.returncode == 1 and "canner-deliver is running" in busy.stderr
+
+        fake.clear_faults()
+        retried = canner("retry", oid, "--config", config)
+        assert retried.returncode == 0, retried.stderr
+        wait_for(lambda: row().get("state") == "delivered", 20, "delivery after the retry")
+        again = canner("retry", oid, "--config", config)
+        assert again.returncode == 1 and "is delivered, not retry_wait" in again.stderr
+
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        samples = wait_for(
+            lambda: (
+                s
+                if (s := scrape(url)).get(
+                    ("canner_deliveries", frozenset({("state", "delivered")}))
+                )
+                == 1
+                else None
+            ),
+            10,
+            "deliver's gauges to show the delivery",
+        )
+        assert metric(samples, "canner_ia_sent_bytes_total") == 200_000
+        assert metric(samples, "canner_delivered_bytes") == 200_000
+        assert metric(samples, "canner_deliveries_completed_total", project=PROJECT) == 1
+        assert metric(samples, "canner_delivery_retries_total", project=PROJECT) >= 1
+        failures = metric(
+            samples, "canner_delivery_failures_total", project=PROJECT, needs_operator="true"
+        )
+        assert failures >= 1
+        assert metric(samples, "canner_deliveries_needing_operator") == 0
+        assert ("canner_uploads_accepted_total", frozenset({("project", PROJECT)})) not in samples
+    finally:
+        if shell is not None:
+            shell.close()
+        code = deliver.stop()
+        rcv.close()
+        fake.stop()
+    assert code in (0, -signal.SIGTERM), deliver.log_tail()
+    assert "Traceback" not in deliver.log_text(), deliver.log_tail()

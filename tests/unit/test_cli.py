@@ -1,0 +1,341 @@
+"""The ``canner`` command, on a temporary data directory (in process, and as a subprocess where
+the process boundary matters: exit codes, privilege dropping)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from canner.checksum import parse_checksum
+from canner.cli import Io, main
+from canner.delivery import index as sql
+from canner.delivery.index import AcceptedObject
+from canner.fs import DataDirLock
+from canner.receipts import Origin, Receipt, ReceiptStore
+from tests.fakes import SyncIndex
+
+NOW = 1_784_764_800.0
+CHECKSUM = "blake3:" + "ab" * 32
+REPO = Path(__file__).resolve().parents[2]
+
+
+def oid(n: int) -> str:
+    return f"{n:032x}"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class Run:
+    """A config file and data directory, and the command run against them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        for sub in ("uploads", "receipts"):
+            (self.data_dir / sub).mkdir(parents=True)
+        self.config = root / "canner.toml"
+        self.write_config()
+
+    def write_config(self, extra: str = "") -> None:
+        self.config.write_text(
+            'issuer = "https://canner.test"\n'
+            f'data_dir = "{self.data_dir}"\n'
+            "min_free_bytes = 1\n\n[projects.example]\n[projects.other]\n" + extra,
+            encoding="utf-8",
+        )
+
+    def __call__(self, *argv: str, err: io.StringIO | None = None) -> tuple[int, str, str]:
+        out, err = io.StringIO(), err or io.StringIO()
+        code = main([*argv, "--config", str(self.config)], Io(out, err, lambda: NOW))
+        return code, out.getvalue(), err.getvalue()
+
+    def receipt(self, n: int, size: int = 10, project: str = "example") -> None:
+        store = ReceiptStore(self.data_dir / "receipts")
+        store.record_origin(oid(n), Origin(project, f"f{n}.warc"))
+        store.commit(Receipt(oid(n), "https://canner.test", parse_checksum(CHECKSUM), size, 1000))
+
+    def index(self) -> SyncIndex:
+        return SyncIndex(self.data_dir / "delivery.sqlite")
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    return Run(tmp_path)
+
+
+@pytest.fixture
+def indexed(run: Run) -> Iterator[SyncIndex]:
+    """Objects 1 (pending, 10 B), 2 (retry_wait, 20 B), 3 (delivered, 30 B, project other)."""
+    index = run.index()
+    objects = [
+        AcceptedObject(oid(1), "example", None, 10, CHECKSUM, 500),
+        AcceptedObject(oid(2), "example", None, 20, CHECKSUM, 700),
+        AcceptedObject(oid(3), "other", None, 30, CHECKSUM, 900),
+    ]
+    index.run(sql.insert_objects, objects, NOW - 100)
+    index.query(
+        "UPDATE objects SET state = 'retry_wait', attempts = 3, next_attempt_at = ?,"
+        " last_error = 'slow down' WHERE object_id = ?",
+        NOW + 3600,
+        oid(2),
+    )
+    index.query("UPDATE objects SET state = 'delivered' WHERE object_id = ?", oid(3))
+    yield index
+    index.close()
+
+
+# -- check-config ------------------------------------------------------------------------------
+
+DELIVERY = """
+[projects.example.delivery]
+sink = "internet_archive"
+credentials = "keys"
+identifier = "{identifier}"
+local_artifact_retention = "1h"
+[projects.example.delivery.metadata]
+collection = ["test"]
+"""
+
+
+def test_check_config_prints_resolved_config_and_example_destinations(run: Run) -> None:
+    """The resolved config (absolute paths, seconds) and where an object would go at IA."""
+    (run.root / "keys").write_text("access\nsecret\n")
+    run.write_config(DELIVERY.replace("{identifier}", "example-{date}-{object_id}"))
+    code, out, err = run("check-config")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["config"]["data_dir"] == str(run.data_dir)
+    assert doc["config"]["partial_upload_retention"] == 1800.0
+    delivery = doc["config"]["projects"]["example"]["delivery"]
+    assert delivery["credentials"] == str(run.root / "keys")
+    example = doc["delivery_examples"]["example"]
+    assert example["identifier"] == f"example-20260723000000-{example['object_id']}"
+    assert example["remote_name"] == "example.warc.gz"
+    assert doc["delivery_examples"]["other"] is None
+    assert "secret" not in out
+    assert "projects.other: no delivery table" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ("colour = 1\n", "projects.other.colour"),
+        (DELIVERY.replace("{identifier}", "static-name"), "projects.example.delivery.identifier"),
+        (
+            DELIVERY.replace("{identifier}", "x-{object_id}").replace('"keys"', '"missing"'),
+            "projects.example.delivery.credentials",
+        ),
+        ("[manhole]\nreceiver_ssh = 'tcp:22'\n", "manhole.authorized_keys"),
+    ],
+)
+def test_check_config_errors_name_the_key(run: Run, extra: str, key: str) -> None:
+    """Unknown keys, unusable templates and unreadable credentials: exit 1, key named."""
+    run.write_config(extra)
+    code, out, err = run("check-config")
+    assert code == 1 and out == ""
+    assert err.startswith(f"canner: config key {key!r}"), err
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def test_status_json_counts_states_bytes_and_oldest(run: Run, indexed: SyncIndex) -> None:
+    """Counts by state, pending bytes, oldest pending and free space, as JSON."""
+    code, out, err = run("status", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["states"] == {"pending": 1, "delivering": 0, "retry_wait": 1, "delivered": 1}
+    assert doc["pending_bytes"] == 30 and doc["pending_objects"] == 2
+    assert doc["oldest_pending_accepted_at"] == 500 and doc["oldest_pending_age_s"] == NOW - 500
+    assert doc["free_bytes"] > 0 and doc["min_free_bytes"] == 1
+    assert doc["projects"]["other"]["delivered_objects"] == 1
+
+
+def test_status_text(run: Run, indexed: SyncIndex) -> None:
+    """The human form says the same in lines."""
+    code, out, _ = run("status")
+    assert code == 0
+    assert "deliveries       pending 1, delivering 0, retry_wait 1, delivered 1" in out
+    assert "pending          2 objects, 30 B (30 bytes)" in out
+
+
+def test_status_without_index_or_data_dir_fails_clearly(run: Run) -> None:
+    """No index yet: the rest is shown, exit 1; no data directory: exit 1, named."""
+    code, out, err = run("status")
+    assert code == 1 and "delivery index   unreadable" in out
+    assert "delivery.sqlite does not exist" in err
+    shutil.rmtree(run.data_dir)
+    code, out, err = run("status")
+    assert code == 1 and out == ""
+    assert err == f"canner: data directory {run.data_dir} does not exist\n"
+
+
+# -- show --------------------------------------------------------------------------------------
+
+
+def test_show_joins_receipt_payload_and_row(run: Run, indexed: SyncIndex) -> None:
+    """Receipt, origin, local payload presence and the delivery row of one object."""
+    run.receipt(2, size=20)
+    (run.data_dir / "uploads" / oid(2)).write_bytes(b"x" * 20)
+    code, out, err = run("show", oid(2))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["receipt"]["size_bytes"] == 20
+    assert doc["origin"]["filename"] == "f2.warc"
+    assert doc["payload_present"] is True
+    assert doc["delivery"]["state"] == "retry_wait" and doc["delivery"]["attempts"] == 3
+
+
+@pytest.mark.parametrize(
+    ("object_id", "message"),
+    [(oid(9), "no object"), ("../receipts/x", "is not an object id of this node")],
+)
+def test_show_unknown_or_invalid_ids(
+    run: Run, indexed: SyncIndex, object_id: str, message: str
+) -> None:
+    """An id nothing is known about, or not an id at all: exit 1 with a message."""
+    code, out, err = run("show", object_id)
+    assert code == 1 and out == "" and message in err
+
+
+# -- deliveries and retry ----------------------------------------------------------------------
+
+
+def test_deliveries_prints_one_json_line_per_object(run: Run, indexed: SyncIndex) -> None:
+    """JSONL of every row, oldest accepted first."""
+    code, out, _ = run("deliveries")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["object_id"] for r in rows] == [oid(1), oid(2), oid(3)]
+
+
+def test_retry_makes_a_waiting_row_due_now(run: Run, indexed: SyncIndex) -> None:
+    """A retry_wait row becomes due now; its state and attempts are left to the scheduler."""
+    code, out, err = run("retry", oid(2))
+    assert code == 0, err
+    assert f"{oid(2)} is due now" in out and "attempt 4" in out and "slow down" in out
+    [(state, due, attempts)] = indexed.query(
+        "SELECT state, next_attempt_at, attempts FROM objects WHERE object_id = ?", oid(2)
+    )
+    assert (state, due, attempts) == ("retry_wait", NOW, 3)
+
+
+@pytest.mark.parametrize(
+    ("n", "message"),
+    [
+        (1, "is pending, not retry_wait"),
+        (3, "is delivered, not retry_wait"),
+        (9, "not in the delivery index"),
+    ],
+)
+def test_retry_refuses_rows_not_waiting(run: Run, indexed: SyncIndex, n: int, message: str) -> None:
+    """Only retry_wait rows can be retried; nothing changes otherwise."""
+    before = indexed.query("SELECT * FROM objects ORDER BY object_id")
+    code, out, err = run("retry", oid(n))
+    assert code == 1 and out == "" and message in err
+    assert indexed.query("SELECT * FROM objects ORDER BY object_id") == before
+
+
+# -- rebuild-index -----------------------------------------------------------------------------
+
+
+def test_rebuild_index_adds_missing_receipts(run: Run, indexed: SyncIndex) -> None:
+    """Receipts the index lacks become pending rows; known rows are left alone."""
+    run.receipt(2, size=20)
+    run.receipt(4, size=40)
+    run.receipt(5, size=50, project="other")
+    code, out, err = run("rebuild-index")
+    assert code == 0, err
+    assert "3 objects were indexed, 2 added" in out
+    assert err == "", "no progress display without a terminal"
+    rows = dict(indexed.query("SELECT object_id, state FROM objects"))
+    assert rows[oid(4)] == "pending" and rows[oid(5)] == "pending"
+    assert rows[oid(2)] == "retry_wait"
+
+
+def test_rebuild_index_creates_a_missing_index_and_shows_progress(run: Run) -> None:
+    """From receipts alone, with progress on a terminal."""
+    for n in range(1, 6):
+        run.receipt(n)
+    terminal = Terminal()
+    code, out, _ = run("rebuild-index", err=terminal)
+    assert code == 0 and "0 objects were indexed, 5 added" in out
+    shown = terminal.getvalue()
+    assert "\rreading receipts: 5/5\n" in shown and "\radding to the index: 5/5\n" in shown
+    index = run.index()
+    try:
+        assert index.query("SELECT count(*) FROM objects") == [(5,)]
+    finally:
+        index.close()
+
+
+def test_rebuild_index_refuses_while_deliver_holds_the_lock(run: Run) -> None:
+    """A running canner-deliver (its deliver.lock held) makes rebuild-index refuse."""
+    run.receipt(1)
+    lock = DataDirLock(run.data_dir / "deliver.lock")
+    lock.acquire()
+    try:
+        code, out, err = run("rebuild-index")
+    finally:
+        lock.release()
+    assert code == 1 and out == ""
+    assert "canner-deliver is running" in err and "deliver.lock" in err
+    assert not (run.data_dir / "delivery.sqlite").exists()
+
+
+# -- as a process ------------------------------------------------------------------------------
+
+
+def canner(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "canner.cli", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_usage_errors_exit_2_and_config_errors_exit_1(run: Run) -> None:
+    """argparse's usage errors exit 2; a missing config file exits 1 naming it."""
+    assert canner().returncode == 2
+    assert canner("retry", "--config", str(run.config)).returncode == 2
+    missing = canner("status", "--config", str(run.root / "nope.toml"))
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("canner: config key '<file>': cannot read")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch users")
+def test_root_becomes_the_data_directory_owner() -> None:
+    """Run as root, files SQLite creates in the data directory belong to its owner."""
+    # pytest's tmp_path is private to root; the other user must be able to reach this one.
+    root = Path(tempfile.mkdtemp(prefix="canner-cli-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        run = Run(root)
+        run.index().close()
+        for name in ("delivery.sqlite-wal", "delivery.sqlite-shm"):
+            (run.data_dir / name).unlink(missing_ok=True)
+        for path in (run.data_dir, *run.data_dir.rglob("*")):
+            os.chown(path, 65534, 65534)
+        done = canner("status", "--json", "--config", str(run.config))
+        assert done.returncode == 0, done.stderr
+        created = [p for p in run.data_dir.iterdir() if p.name.startswith("delivery.sqlite-")]
+        assert created, "a read-only open creates -wal/-shm"
+        assert {p.stat().st_uid for p in created} == {65534}
+    finally:
+        shutil.rmtree(root)

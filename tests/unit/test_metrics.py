@@ -1,0 +1,662 @@
+"""Metrics, the survey behind the gauges, the status page and the log observers that feed them."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import inspect
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from prometheus_client import CollectorRegistry
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import Logger, LogLevel, LogPublisher, globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyRequest
+
+from canner import inventory
+from canner.blocking import run_inline
+from canner.delivery import index as sql
+from canner.delivery.index import AcceptedObject
+from canner.ids import ObjectIds
+from canner.inventory import Survey, take_survey
+from canner.logs import EVENTS, event_kind
+from canner.metrics import (
+    DELIVER,
+    RECEIVER,
+    Metrics,
+    MetricsPage,
+    SurveyCache,
+    SurveyCollector,
+    TimedAcceptance,
+)
+from canner.receipts import Receipt, ReceiptStore
+from canner.receiver import MeteredSite, ReceiverRoutes
+from canner.service import LogObservers, PeriodicService
+from canner.status_page import (
+    RecentProblems,
+    StatusSource,
+    StatusView,
+    human_bytes,
+    human_duration,
+    render_status,
+    shorten_ids,
+)
+from canner.tus.store import UploadInfo, UploadStore
+from tests.fakes import SyncIndex
+
+NOW = 1_784_764_800.0
+IDS = ObjectIds()
+
+
+def oid(n: int) -> str:
+    return f"{n:032x}"
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def succeeded(d: Deferred[Any]) -> Any:
+    results: list[Any] = []
+    d.addBoth(results.append)
+    assert results, "the Deferred has not fired"
+    if isinstance(results[0], Failure):
+        results[0].raiseException()
+    return results[0]
+
+
+def event(kind: str, **fields: Any) -> dict[str, Any]:
+    namespace, prefix = EVENTS[kind]
+    return {"log_namespace": namespace, "log_format": prefix + "...", "log_time": NOW, **fields}
+
+
+# -- the event vocabulary ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(EVENTS))
+def test_counted_event_templates_exist_in_their_modules(kind: str) -> None:
+    """Every template that metrics count is still emitted, verbatim, by its module."""
+    namespace, prefix = EVENTS[kind]
+    source = inspect.getsource(importlib.import_module(namespace))
+    assert f'"{prefix}' in source, f"{namespace} no longer logs {prefix!r}: update canner.logs"
+
+
+def test_event_kind_needs_namespace_and_template() -> None:
+    """An event is classified by its emitting module and the start of its template only."""
+    assert event_kind(event("accepted")) == "accepted"
+    assert event_kind({**event("accepted"), "log_namespace": "elsewhere"}) is None
+    assert event_kind({"log_namespace": "canner.acceptance", "log_format": "other"}) is None
+    assert event_kind({"log_namespace": "canner.acceptance"}) is None
+
+
+# -- counters from events ----------------------------------------------------------------------
+
+
+def test_receiver_events_are_counted_by_project_and_reason() -> None:
+    """Accepted objects and bytes per project, hash time, checksum rejections, sweeps."""
+    m = Metrics(RECEIVER, ["example"])
+    m.observe_event(event("accepted", project="example", size=100, hash_s=0.25))
+    m.observe_event(event("accepted", project="example", size=50, hash_s=0.5))
+    m.observe_event(event("rejected", project="example", reason="checksum mismatch"))
+    m.observe_event(event("acceptance_failed", project="example", error="EIO"))
+    m.observe_event(event("stale_removed", count=3, ids=[]))
+    m.observe_event({"log_namespace": "canner.acceptance", "log_format": "unrelated"})
+    assert sample(m, "canner_uploads_accepted_total", project="example") == 2
+    assert sample(m, "canner_accepted_bytes_total", project="example") == 150
+    assert sample(m, "canner_hash_seconds_count") == 2
+    assert sample(m, "canner_hash_seconds_sum") == 0.75
+    assert sample(m, "canner_uploads_rejected_total", reason="checksum_mismatch") == 1
+    assert sample(m, "canner_acceptance_failures_total") == 1
+    assert sample(m, "canner_stale_uploads_removed_total") == 3
+
+
+def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None:
+    """Attempts after the first are retries; IA bytes come from the upload events."""
+    m = Metrics(DELIVER, ["example"])
+    m.observe_event(event("attempt", project="example", attempt=1))
+    m.observe_event(event("delivery_failed", project="example", attempt=1, needs_operator=True))
+    m.observe_event(event("attempt", project="example", attempt=2))
+    m.observe_event(event("uploaded", size=1234, identifier="x"))
+    m.observe_event(event("delivered", project="example", identifier="x"))
+    m.observe_event(event("verified", identifier="x"))
+    m.observe_event(event("purged", identifier="x"))
+    assert sample(m, "canner_delivery_attempts_total", project="example") == 2
+    assert sample(m, "canner_delivery_retries_total", project="example") == 1
+    failures = sample(m, "canner_delivery_failures_total", project="example", needs_operator="true")
+    assert failures == 1
+    assert sample(m, "canner_ia_sent_bytes_total") == 1234
+    assert sample(m, "canner_deliveries_completed_total", project="example") == 1
+    assert sample(m, "canner_deliveries_verified_total") == 1
+    assert sample(m, "canner_purged_total") == 1
+
+
+def test_each_role_exports_only_its_own_families() -> None:
+    """The receiver has no delivery counters and the deliver process no upload counters."""
+    receiver = Metrics(RECEIVER, ["example"]).render().decode()
+    deliver = Metrics(DELIVER, ["example"]).render().decode()
+    assert "canner_uploads_accepted_total" in receiver
+    assert "canner_delivery_attempts_total" not in receiver
+    assert "canner_delivery_attempts_total" in deliver
+    assert "canner_uploads_accepted_total" not in deliver
+
+
+def test_events_with_odd_fields_are_ignored_not_fatal() -> None:
+    """Missing or non-numeric fields never raise from the observer."""
+    m = Metrics(RECEIVER, ["example"])
+    m.observe_event(event("accepted", project=None, size="big", hash_s=True))
+    m.observe_event(event("stale_removed", count=None))
+    assert sample(m, "canner_uploads_accepted_total", project="") == 1
+    assert sample(m, "canner_accepted_bytes_total", project="") == 0
+    assert sample(m, "canner_hash_seconds_count") == 0
+
+
+def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
+    """Driving the real acceptance code updates the accepted, hash, timing and rejection series
+    (so a renamed event or field breaks this test, not production dashboards)."""
+    (tmp_path / "uploads").mkdir()
+    (tmp_path / "receipts").mkdir()
+    uploads, receipts = UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
+    clock = Clock()
+    clock.advance(NOW)
+    m = Metrics(RECEIVER, ["example"])
+    acceptance = TimedAcceptance(
+        uploads,
+        receipts,
+        run_inline,
+        run_inline,
+        clock,
+        "https://canner.test",
+        lambda r, o: None,
+        observe=m.observe_acceptance,
+    )
+
+    def complete(object_id: str, data: bytes, declared: bytes) -> Any:
+        digest = blake3.blake3(declared).hexdigest()
+        meta = {"project": "example", "checksum": f"blake3:{digest}"}
+        info = UploadInfo(object_id, len(data), meta, 1)
+        uploads.create(info)
+        upload = uploads.open_locked(info)
+        upload.write([data])
+        return upload
+
+    globalLogPublisher.addObserver(m.observe_event)
+    try:
+        receipt = succeeded(acceptance.accept(complete(oid(1), b"hello", b"hello")))
+        bad = acceptance.accept(complete(oid(2), b"hello", b"other"))
+        bad.addErrback(lambda f: None)
+    finally:
+        globalLogPublisher.removeObserver(m.observe_event)
+    assert isinstance(receipt, Receipt)
+    assert sample(m, "canner_uploads_accepted_total", project="example") == 1
+    assert sample(m, "canner_accepted_bytes_total", project="example") == 5
+    assert sample(m, "canner_hash_seconds_count") == 1
+    assert sample(m, "canner_acceptance_seconds_count") == 1
+    assert sample(m, "canner_uploads_rejected_total", reason="checksum_mismatch") == 1
+
+
+# -- HTTP responses ----------------------------------------------------------------------------
+
+
+def metadata(project: str) -> list[bytes]:
+    value = base64.b64encode(project.encode()).decode()
+    return [f"checksum Zm9v,project {value}".encode()]
+
+
+def test_responses_count_creations_refusals_and_bytes_received() -> None:
+    """201 to POST /files/ is a creation (of a configured project); 4xx/5xx a refusal by reason;
+    bytes received are the offset a request moved."""
+    m = Metrics(RECEIVER, ["example"])
+    m.observe_response("POST", b"/files/", 201, None, [b"0"], metadata("example"))
+    m.observe_response("POST", b"/files", 201, None, [b"100"], metadata("example"))
+    m.observe_response("POST", b"/files/", 201, None, [b"0"], metadata("unknown"))
+    m.observe_response("POST", b"/files/", 400, None, None, metadata("unknown"))
+    m.observe_response("POST", b"/files/", 429, None, None, None)
+    m.observe_response("POST", b"/files/", 418, None, None, None)
+    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 204, [b"100"], [b"350"])
+    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 409, [b"0"], None)
+    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 204, [b"x"], [b"400"])
+    m.observe_response("BREW", b"/", 405, None, None)
+    assert sample(m, "canner_uploads_created_total", project="example") == 2
+    assert sample(m, "canner_uploads_created_total", project="") == 1
+    assert sample(m, "canner_uploads_rejected_total", reason="invalid_request") == 1
+    assert sample(m, "canner_uploads_rejected_total", reason="insufficient_storage") == 1
+    assert sample(m, "canner_uploads_rejected_total", reason="http_418") == 1
+    assert sample(m, "canner_received_bytes_total") == 100 + 250
+    assert sample(m, "canner_http_responses_total", method="PATCH", code="204") == 2
+    assert sample(m, "canner_http_responses_total", method="other", code="405") == 1
+
+
+def test_metered_site_reports_finished_requests() -> None:
+    """The receiver's site hands each finished request, method override applied, to metrics."""
+    m = Metrics(RECEIVER, ["example"])
+    site = MeteredSite(Resource(), object(), m)  # type: ignore[arg-type]
+    request = DummyRequest([b"files", oid(1).encode()])
+    request.method = b"POST"
+    request.path = b"/files/" + oid(1).encode()
+    request.requestHeaders.setRawHeaders(b"X-HTTP-Method-Override", [b"PATCH"])
+    request.requestHeaders.setRawHeaders(b"Upload-Offset", [b"10"])
+    request.responseHeaders.setRawHeaders(b"Upload-Offset", [b"30"])
+    request.code = 204  # a real Request's attribute (DummyRequest has responseCode)
+    site.log(request)
+    assert sample(m, "canner_http_responses_total", method="PATCH", code="204") == 1
+    assert sample(m, "canner_received_bytes_total") == 20
+
+
+# -- the survey --------------------------------------------------------------------------------
+
+
+def accepted(n: int, project: str = "example", size: int = 100, at: int = 1000) -> AcceptedObject:
+    return AcceptedObject(oid(n), project, None, size, "blake3:" + "0" * 64, at)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    for sub in ("uploads", "receipts"):
+        (tmp_path / sub).mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+def index(data_dir: Path) -> Any:
+    idx = SyncIndex(data_dir / "delivery.sqlite")
+    yield idx
+    idx.close()
+
+
+def populate(index: SyncIndex) -> None:
+    """Six objects: 2 pending, 1 delivering, 2 in retry_wait (one stuck), 1 delivered."""
+    objects = [
+        accepted(1, size=10, at=500),
+        accepted(2, size=20, at=900),
+        accepted(3, size=30),
+        accepted(4, size=40),
+        accepted(5, project="other", size=50, at=400),
+        accepted(6, size=60, at=100),
+    ]
+    succeeded(index.run(sql.insert_objects, objects, NOW - 100))
+    index.query("UPDATE objects SET state = 'delivering' WHERE object_id = ?", oid(3))
+    index.query(
+        "UPDATE objects SET state = 'retry_wait', attempts = 2, last_error = 'boom'"
+        " WHERE object_id = ?",
+        oid(4),
+    )
+    index.query(
+        "UPDATE objects SET state = 'retry_wait', attempts = 9, last_error = '403',"
+        " needs_operator = 1 WHERE object_id = ?",
+        oid(5),
+    )
+    index.query(
+        "UPDATE objects SET state = 'delivered', delivered_at = ?, purge_after = ?"
+        " WHERE object_id = ?",
+        NOW - 50,
+        NOW - 30,
+        oid(6),
+    )
+    index.conn.commit()
+
+
+def test_index_summary_counts_states_projects_and_lags(data_dir: Path, index: SyncIndex) -> None:
+    """Counts and bytes by state and project, the oldest undelivered object, overdue purges."""
+    populate(index)
+    summary = inventory.read_index(data_dir / "delivery.sqlite", inventory.summarize_index, NOW)
+    assert dict(summary.states) == {"pending": 2, "delivering": 1, "retry_wait": 2, "delivered": 1}
+    assert summary.pending_objects == 5
+    assert summary.pending_bytes == 10 + 20 + 30 + 40 + 50
+    assert summary.delivered_bytes == 60
+    assert summary.oldest_undelivered_at == 400.0
+    assert summary.needs_operator == 1
+    assert summary.purge_overdue == 1 and summary.oldest_purge_due == NOW - 30
+    projects = {p.project: p for p in summary.projects}
+    assert projects["example"].accepted_objects == 5
+    assert projects["example"].pending_bytes == 100
+    assert projects["example"].delivered_objects == 1
+    assert projects["other"].pending_bytes == 50
+    assert {r.object_id for r in summary.recent_failures} == {oid(4), oid(5)}
+
+
+def test_stuck_rows_are_flagged_or_retried_too_often(data_dir: Path, index: SyncIndex) -> None:
+    """Only retry_wait rows needing an operator or past the attempt threshold are stuck."""
+    populate(index)
+    path = data_dir / "delivery.sqlite"
+    assert [r.object_id for r in inventory.read_index(path, inventory.stuck_rows)] == [oid(5)]
+    found = inventory.read_index(path, inventory.stuck_rows, 1)
+    assert {r.object_id for r in found} == {oid(4), oid(5)}
+
+
+def make_upload(uploads: UploadStore, n: int, size: int, stored: int, **extra: Any) -> None:
+    info = UploadInfo(oid(n), size, {"project": "example", "checksum": "blake3:" + "0" * 64}, 1)
+    uploads.create(info)
+    upload = uploads.open_locked(info)
+    upload.write([b"x" * stored])
+    upload.close()
+    if extra.get("rejected"):
+        locked = uploads.open_locked(info)
+        uploads.reject(locked, "mismatch")
+        locked.close()
+
+
+def test_survey_lists_uploads_without_receipts(data_dir: Path, index: SyncIndex) -> None:
+    """Partial and complete-but-unaccepted uploads are active; accepted, rejected and unreadable
+    ones are not (the last are counted)."""
+    uploads, receipts = UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
+    make_upload(uploads, 1, 100, 40)
+    make_upload(uploads, 2, 10, 10)
+    make_upload(uploads, 3, 10, 10)
+    receipts.receipt_path(oid(3)).write_text("{}")
+    make_upload(uploads, 4, 10, 10, rejected=True)
+    (data_dir / "uploads" / f"{oid(5)}.info").write_text("not json")
+    survey = take_survey(data_dir, IDS, NOW)
+    assert {u.upload_id: (u.offset, u.complete) for u in survey.active_uploads} == {
+        oid(1): (40, False),
+        oid(2): (10, True),
+    }
+    assert survey.active_upload_bytes == 50
+    assert survey.unreadable_uploads == 1
+    assert survey.free_bytes is not None and survey.free_bytes > 0
+    assert survey.index is not None and survey.index_error is None
+
+
+def test_survey_without_an_index_reports_the_error(tmp_path: Path) -> None:
+    """A data directory without delivery.sqlite still gives free space, and says why no counts."""
+    survey = take_survey(tmp_path, IDS, NOW)
+    assert survey.index is None and "does not exist" in (survey.index_error or "")
+    assert survey.free_bytes is not None
+    doc = inventory.survey_json(survey)
+    assert doc["states"] is None and doc["index_error"]
+
+
+# -- gauges ------------------------------------------------------------------------------------
+
+
+def test_gauges_read_the_cached_survey_refreshed_periodically(
+    data_dir: Path, index: SyncIndex
+) -> None:
+    """The periodic job refreshes the cache through the blocking runner; scrapes only read it."""
+    populate(index)
+    clock = Clock()
+    clock.advance(NOW)
+    taken: list[float] = []
+
+    def take(now: float) -> Survey:
+        taken.append(now)
+        return take_survey(data_dir, IDS, now)
+
+    cache = SurveyCache(run_inline, take, clock)
+    m = Metrics(DELIVER, ["example", "other"])
+    m.register(SurveyCollector(cache, 1234))
+    assert sample(m, "canner_min_free_bytes") == 1234
+    assert m.registry.get_sample_value("canner_deliveries", {"state": "pending"}) is None
+    job = PeriodicService(clock, 15.0, cache.refresh, "metrics survey")
+    job.startService()
+    assert taken == [NOW]
+    m.render()
+    m.render()
+    assert taken == [NOW], "a scrape never surveys"
+    assert sample(m, "canner_deliveries", state="retry_wait") == 2
+    assert sample(m, "canner_deliveries_bytes", state="pending") == 30
+    assert sample(m, "canner_pending_bytes", project="other") == 50
+    assert sample(m, "canner_delivered_bytes") == 60
+    assert sample(m, "canner_oldest_undelivered_age_seconds") == NOW - 400
+    assert sample(m, "canner_purge_lag_seconds") == 30
+    assert sample(m, "canner_deliveries_needing_operator") == 1
+    assert sample(m, "canner_index_readable") == 1
+    assert sample(m, "canner_data_free_bytes") > 0
+    clock.advance(15)
+    assert taken == [NOW, NOW + 15]
+    succeeded(job.stopService())
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_failing_refresh_is_logged_and_keeps_the_last_survey(data_dir: Path) -> None:
+    """A survey that raises leaves the previous values and the loop alive."""
+    clock = Clock()
+    calls: list[float] = []
+
+    def take(now: float) -> Survey:
+        calls.append(now)
+        if len(calls) > 1:
+            raise OSError("disk gone")
+        return take_survey(data_dir, IDS, now)
+
+    cache = SurveyCache(run_inline, take, clock)
+    events: list[dict[str, Any]] = []
+    globalLogPublisher.addObserver(events.append)
+    job = PeriodicService(clock, 1.0, cache.refresh, "metrics survey")
+    try:
+        job.startService()
+        first = cache.latest
+        clock.advance(1)
+        clock.advance(1)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+        job.stopService()
+    assert cache.latest is first and len(calls) == 3
+    assert any(e.get("label") == "metrics survey" and "log_failure" in e for e in events)
+
+
+def test_deliver_metrics_page_serves_the_exposition_format() -> None:
+    """GET /metrics on the deliver listener answers in Prometheus text format."""
+    m = Metrics(DELIVER, ["example"])
+    treq = StubTreq(MetricsPage(m).app.resource())
+    response = succeeded(treq.get("http://localhost/metrics"))
+    assert response.code == 200
+    assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
+    body = succeeded(response.text())
+    assert 'canner_delivery_attempts_total{project="example"} 0.0' in body
+
+
+def test_metrics_use_a_private_registry() -> None:
+    """Two Metrics objects never share series (nor touch prometheus_client's global registry)."""
+    a, b = Metrics(RECEIVER, ["example"]), Metrics(RECEIVER, ["example"])
+    a.observe_event(event("accepted", project="example", size=1))
+    assert sample(a, "canner_uploads_accepted_total", project="example") == 1
+    assert sample(b, "canner_uploads_accepted_total", project="example") == 0
+    assert isinstance(a.registry, CollectorRegistry)
+
+
+# -- log observers -----------------------------------------------------------------------------
+
+
+def test_log_observers_are_attached_only_while_running() -> None:
+    """The service adds its observers on start and removes them on stop."""
+    publisher = LogPublisher()
+    seen: list[Any] = []
+    service = LogObservers(publisher, [seen.append])
+    logger = Logger(namespace="canner.test", observer=publisher)
+    logger.info("before")
+    service.startService()
+    logger.info("during")
+    service.stopService()
+    logger.info("after")
+    assert [e["log_format"] for e in seen] == ["during"]
+
+
+def test_recent_problems_keep_the_latest_warnings_and_errors() -> None:
+    """Info is ignored; warnings, errors and failures are kept newest first, bounded."""
+    publisher = LogPublisher()
+    problems = RecentProblems(size=3)
+    publisher.addObserver(problems.observe)
+    logger = Logger(namespace="canner.test", observer=publisher)
+    logger.info("fine {n}", n=0)
+    for n in range(1, 5):
+        logger.warn("careful {n}", n=n)
+    try:
+        raise ValueError("bad value")
+    except ValueError:
+        logger.failure("crashed {what}", what="tick")
+    latest = problems.latest()
+    assert [p.text for p in latest[1:]] == ["careful 4", "careful 3"]
+    assert latest[0].level == "critical"
+    assert latest[0].text == "crashed tick: ValueError: bad value"
+    assert latest[0].namespace == "canner.test"
+
+
+# -- the status page ---------------------------------------------------------------------------
+
+
+def test_status_page_shows_the_survey_numbers(data_dir: Path, index: SyncIndex) -> None:
+    """The page carries the survey's numbers in labelled cells, refreshes itself and loads
+    nothing from elsewhere."""
+    populate(index)
+    make_upload(UploadStore(data_dir / "uploads"), 7, 1000, 400)
+    survey = take_survey(data_dir, IDS, NOW)
+    page = render_status(StatusView("https://canner.test", survey, 1, ())).decode()
+
+    def cell(name: str, within: str = page) -> int:
+        match = re.search(rf'data-field="{name}"><b>([0-9,]+)</b>', within)
+        assert match, f"no cell {name}"
+        return int(match.group(1).replace(",", ""))
+
+    assert '<meta http-equiv="refresh" content="10">' in page
+    assert cell("free_bytes") == survey.free_bytes
+    assert cell("active_uploads") == 1 and cell("active_upload_bytes") == 400
+    summary = re.search(r'<table id="delivery-summary">.*?</table>', page)
+    assert summary and cell("pending_bytes", summary.group(0)) == 150
+    assert cell("state_retry_wait") == 2
+    row = re.search(r'<tr data-project="other">.*?</tr>', page)
+    assert row and cell("pending_bytes", row.group(0)) == 50
+    assert oid(7) not in page and oid(7)[:8] + "…" in page
+    assert not re.search(r"<script|<link|<img|src=|@import|url\(", page)
+
+
+def test_status_page_escapes_log_text_and_shortens_ids(data_dir: Path) -> None:
+    """Log messages are HTML-escaped and upload ids in them cut to 8 characters."""
+    survey = take_survey(data_dir, IDS, NOW)
+    problems = RecentProblems()
+    problems.observe(
+        {
+            "log_level": LogLevel.error,
+            "log_format": "writing {object_id} failed: {error}",
+            "object_id": oid(9),
+            "error": "<script>alert(1)</script>",
+            "log_time": NOW,
+            "log_namespace": "canner.tus.stream",
+        }
+    )
+    page = render_status(StatusView("i", survey, 1, problems.latest())).decode()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert oid(9) not in page and oid(9)[:8] in page
+    assert "delivery index is unreadable" in page
+
+
+def test_receiver_serves_status_page_and_metrics(data_dir: Path, index: SyncIndex) -> None:
+    """GET / renders a fresh survey (taken through the runner); GET /metrics the registry."""
+    populate(index)
+    clock = Clock()
+    clock.advance(NOW)
+    m = Metrics(RECEIVER, ["example"])
+    status = StatusSource(
+        run_inline,
+        lambda now: take_survey(data_dir, IDS, now),
+        clock,
+        RecentProblems(),
+        "https://canner.test",
+        10,
+    )
+    routes = ReceiverRoutes(
+        ReceiptStore(data_dir / "receipts"), IDS, data_dir, run_inline, m, status
+    )
+    treq = StubTreq(routes.app.resource())
+    page = succeeded(treq.get("http://localhost/"))
+    assert page.code == 200
+    assert page.headers.getRawHeaders("content-type") == ["text/html; charset=utf-8"]
+    assert "default-src 'none'" in page.headers.getRawHeaders("content-security-policy")[0]
+    body = succeeded(page.text())
+    assert 'data-field="state_pending"><b>2</b>' in body
+    metrics = succeeded(treq.get("http://localhost/metrics"))
+    assert "canner_uploads_accepted_total" in succeeded(metrics.text())
+
+
+def test_human_units() -> None:
+    """Byte counts and durations read naturally."""
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(5 * 1024**4) == "5.0 TiB"
+    assert human_duration(None) == "-"
+    assert human_duration(59) == "59s"
+    assert human_duration(3 * 3600 + 120) == "3h 2m"
+    assert human_duration(3 * 86400) == "3d 0h"
+    assert shorten_ids(f"x {oid(1)} y") == "x 00000000… y"
+    assert shorten_ids("a" * 40) == "a" * 40
+
+
+def test_take_survey_records_unreadable_free_space(tmp_path: Path) -> None:
+    """A data directory that vanished gives errors, not exceptions."""
+    survey = take_survey(tmp_path / "missing", IDS, NOW)
+    assert survey.free_bytes is None and survey.free_error
+    assert survey.active_uploads == ()
+
+
+def test_accept_records_nothing_for_a_failed_acceptance(tmp_path: Path) -> None:
+    """Only acceptances that end with a receipt are timed."""
+    (tmp_path / "uploads").mkdir()
+    (tmp_path / "receipts").mkdir()
+    uploads = UploadStore(tmp_path / "uploads")
+    seen: list[float] = []
+    acceptance = TimedAcceptance(
+        uploads,
+        ReceiptStore(tmp_path / "receipts"),
+        run_inline,
+        run_inline,
+        Clock(),
+        "https://canner.test",
+        lambda r, o: None,
+        observe=seen.append,
+    )
+    digest = blake3.blake3(b"other").hexdigest()
+    info = UploadInfo(oid(1), 5, {"project": "example", "checksum": f"blake3:{digest}"}, 1)
+    uploads.create(info)
+    upload = uploads.open_locked(info)
+    upload.write([b"hello"])
+    failed: list[Failure] = []
+    acceptance.accept(upload).addErrback(failed.append)
+    assert failed and seen == []
+    assert os.path.exists(uploads.info_path(oid(1)))
+
+
+def test_status_requests_share_surveys(data_dir: Path) -> None:
+    """Concurrent requests wait for one survey; a survey younger than 2 s is reused; a failed
+    survey fails every waiting request and the next request tries again."""
+    clock = Clock()
+    clock.advance(NOW)
+    runs: list[Deferred[Any]] = []
+
+    def run_later(f: Any, *args: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        runs.append(d)
+        d.addCallback(lambda _: f(*args))
+        return d
+
+    source = StatusSource(
+        run_later,
+        lambda now: take_survey(data_dir, IDS, now),
+        clock,
+        RecentProblems(),
+        "https://canner.test",
+        1,
+    )
+    first, second = source.view(), source.view()
+    assert len(runs) == 1 and not first.called
+    runs[0].callback(None)
+    survey = succeeded(first).survey
+    assert succeeded(second).survey is survey
+    clock.advance(1.5)
+    assert succeeded(source.view()).survey is survey and len(runs) == 1
+    clock.advance(1.0)
+    failing, waiting = source.view(), source.view()
+    assert len(runs) == 2
+    runs[1].errback(OSError("disk gone"))
+    for d in (failing, waiting):
+        with pytest.raises(OSError):
+            succeeded(d)
+    source.view()
+    assert len(runs) == 3
