@@ -4,7 +4,9 @@ The value half is pure: :class:`Receipt` is SavewebHQ's six-field ``ArtifactRece
 :meth:`Receipt.to_json` its exact wire form.  :class:`ReceiptStore` owns ``receipts/``:
 ``{id}.json`` is the receipt (its existence is the acceptance commit point) and ``{id}.meta.json``
 records the project and filename, so the delivery index can be rebuilt from this directory alone.
-All store methods block; call them through a blocking runner.
+Once a delivered payload is purged, ``{id}.delivery.json`` records where it went, so a lost index
+is rebuilt with that object delivered.  All store methods block; call them through a blocking
+runner.
 """
 
 from __future__ import annotations
@@ -93,6 +95,40 @@ class Origin:
         ).encode("utf-8")
 
 
+@frozen
+class DeliveryRecord:
+    """Where and when an object was delivered and verified, kept next to its receipt once its
+    local payload is purged, so a rebuilt index still knows it was delivered."""
+
+    identifier: str
+    remote_name: str
+    content_md5: str
+    delivered_at: float
+    verified_at: float
+    purge_after: float
+    purged_at: float
+
+    def to_json(self, object_id: str) -> bytes:
+        doc = {"object_id": object_id, **{k: getattr(self, k) for k in _DELIVERY_FIELDS}}
+        return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+_DELIVERY_FIELDS = (
+    "identifier",
+    "remote_name",
+    "content_md5",
+    "delivered_at",
+    "verified_at",
+    "purge_after",
+    "purged_at",
+)
+
+
+def parse_delivery(data: bytes) -> DeliveryRecord:
+    raw: Any = json.loads(data)
+    return DeliveryRecord(*(raw[k] for k in _DELIVERY_FIELDS))
+
+
 def parse_origin(data: bytes) -> Origin:
     raw: Any = json.loads(data)
     project, filename = raw["project"], raw.get("filename")
@@ -136,6 +172,21 @@ class ReceiptStore:
         if not self.origin_path(object_id).exists():
             fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
 
+    def delivery_path(self, object_id: str) -> Path:
+        return self.directory / f"{object_id}.delivery.json"
+
+    def record_delivery(self, object_id: str, record: DeliveryRecord) -> None:
+        """Durably record a verified delivery (before its payload is purged); idempotent."""
+        if not self.delivery_path(object_id).exists():
+            fs.publish_once(self.directory, f"{object_id}.delivery.json", record.to_json(object_id))
+            fs.fsync_dir(self.directory)
+
+    def read_delivery(self, object_id: str) -> DeliveryRecord | None:
+        try:
+            return parse_delivery(self.delivery_path(object_id).read_bytes())
+        except FileNotFoundError:
+            return None
+
     def forget_origin(self, object_id: str) -> None:
         """Remove the origin record of an upload that will never have a receipt."""
         self.origin_path(object_id).unlink(missing_ok=True)
@@ -158,6 +209,6 @@ class ReceiptStore:
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 name = entry.name
-                if name.endswith(".json") and not name.endswith(".meta.json"):
-                    if not name.startswith(fs.TEMP_PREFIX):
-                        yield name[: -len(".json")]
+                stem = name.removesuffix(".json")
+                if stem != name and "." not in stem and not name.startswith(fs.TEMP_PREFIX):
+                    yield stem

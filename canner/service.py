@@ -360,7 +360,15 @@ def deliver_service(
         reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
     ).setServiceParent(top)
     scheduler = DeliveryService(
-        index, uploads, sinks, retention, io, hashing, reactor, config.delivery_concurrency
+        index,
+        uploads,
+        receipts,
+        sinks,
+        retention,
+        io,
+        hashing,
+        reactor,
+        config.delivery_concurrency,
     )
     scheduler.setServiceParent(top)
     if config.metrics.deliver_listen is not None:

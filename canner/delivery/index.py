@@ -21,7 +21,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from canner.receipts import Origin, Receipt
+from canner.receipts import DeliveryRecord, Origin, Receipt
 
 log = Logger()
 
@@ -39,9 +39,13 @@ class AcceptedObject:
     size_bytes: int
     checksum: str
     accepted_at: int
+    # Set when the payload was purged after a verified delivery (rebuilding a lost index).
+    delivery: DeliveryRecord | None = None
 
     @classmethod
-    def of(cls, receipt: Receipt, origin: Origin) -> AcceptedObject:
+    def of(
+        cls, receipt: Receipt, origin: Origin, delivery: DeliveryRecord | None = None
+    ) -> AcceptedObject:
         return cls(
             receipt.object_id,
             origin.project,
@@ -49,6 +53,7 @@ class AcceptedObject:
             receipt.size_bytes,
             str(receipt.checksum),
             receipt.accepted_at,
+            delivery,
         )
 
 
@@ -119,16 +124,35 @@ def upgrade_schema(path: Path) -> int:
 
 
 def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: float) -> int:
-    """Insert rows for objects not yet in the index (state ``pending``); return how many."""
+    """Insert rows for objects not yet in the index; return how many.
+
+    New objects are ``pending``; an object with a delivery record (its payload was purged after
+    a verified delivery) comes back ``delivered``, with where, when and ``purged_at``.
+    """
     before = cur.connection.total_changes
+    fresh, delivered = [], []
+    for o in objects:
+        row = (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at)
+        if o.delivery is None:
+            fresh.append((*row, now, now))
+        else:
+            d = o.delivery
+            delivered.append(
+                (*row, d.content_md5, d.identifier, d.remote_name, d.delivered_at,
+                 d.verified_at, d.purge_after, d.purged_at, now)
+            )  # fmt: skip
     cur.executemany(
         "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
         " accepted_at, state, next_attempt_at, updated_at)"
         " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-        [
-            (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at, now, now)
-            for o in objects
-        ],
+        fresh,
+    )
+    cur.executemany(
+        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
+        " accepted_at, state, content_md5, remote_identifier, remote_name, delivered_at,"
+        " verified_at, purge_after, purged_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?)",
+        delivered,
     )
     return cur.connection.total_changes - before
 

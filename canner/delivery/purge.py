@@ -2,13 +2,15 @@
 
 A delivered object's payload may go once IA's metadata shows the remote file with the right size
 and MD5 (``verified_at``) and its project's retention has passed since delivery.  Deleting is
-idempotent: a file already gone counts as deleted.  The receipt always stays.
+idempotent: a file already gone counts as deleted.  The receipt always stays, and a delivery record
+joins it first, so a rebuilt index knows the purged object was delivered.
 """
 
 from __future__ import annotations
 
 from canner import fs
 from canner.delivery.index import QueueRow
+from canner.receipts import DeliveryRecord, ReceiptStore
 from canner.tus.store import UploadStore
 
 
@@ -23,8 +25,27 @@ def purge_is_due(row: QueueRow, now: float) -> bool:
     )
 
 
-def delete_payload(uploads: UploadStore, object_id: str) -> None:
-    """Delete the artifact, its tus info sidecar and any tus temp files; missing is done."""
+def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
+    """What the receipts directory keeps about ``row``'s delivery once its payload is gone."""
+    assert row.remote_identifier and row.remote_name and row.content_md5
+    assert row.delivered_at is not None and row.verified_at is not None
+    assert row.purge_after is not None
+    return DeliveryRecord(
+        row.remote_identifier,
+        row.remote_name,
+        row.content_md5,
+        row.delivered_at,
+        row.verified_at,
+        row.purge_after,
+        now,
+    )
+
+
+def delete_payload(uploads: UploadStore, receipts: ReceiptStore, row: QueueRow, now: float) -> None:
+    """Record the delivery next to the receipt (durably), then delete the artifact, its tus info
+    sidecar and any tus temp files; missing is done."""
+    object_id = row.object_id
+    receipts.record_delivery(object_id, delivery_record(row, now))
     uploads.remove(object_id)
     prefix = f"{fs.TEMP_PREFIX}{object_id}"
     for entry in uploads.directory.iterdir():

@@ -2,7 +2,8 @@
 
 ``receipts/`` is the source of truth for what was accepted.  :func:`missing_objects` lists the
 receipts the index does not know and reads each one with its origin record (or, for a receipt
-whose origin record was never written, the upload's info sidecar).  Blocking; run in a thread.
+whose origin record was never written, the upload's info sidecar) and, for an object whose payload
+was purged after delivery, its delivery record.  Blocking; run in a thread.
 """
 
 from __future__ import annotations
@@ -61,5 +62,5 @@ def missing_objects(
                 object_id=object_id,
             )
             continue
-        found.append(AcceptedObject.of(receipt, origin))
+        found.append(AcceptedObject.of(receipt, origin, receipts.read_delivery(object_id)))
     return found

@@ -30,6 +30,7 @@ from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
+from canner.receipts import ReceiptStore
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -88,6 +89,7 @@ class DeliveryService(Service):
 
     _index: Index
     _uploads: UploadStore
+    _receipts: ReceiptStore
     _sinks: Mapping[str, Sink]
     _retention: Mapping[str, float]
     _run: BlockingRunner
@@ -302,6 +304,7 @@ class DeliveryService(Service):
                 log.info(
                     "verified {object_id} at IA",
                     object_id=row.object_id,
+                    project=row.project,
                     identifier=row.remote_identifier,
                 )
             else:
@@ -317,7 +320,7 @@ class DeliveryService(Service):
             return
         if purge_is_due(row, now):
             try:
-                await self._run(delete_payload, self._uploads, row.object_id)
+                await self._run(delete_payload, self._uploads, self._receipts, row, now)
             except OSError as e:
                 log.error(
                     "purging {object_id} failed, retrying in a minute: {error}",
@@ -337,5 +340,6 @@ class DeliveryService(Service):
             log.info(
                 "purged local payload of {object_id}",
                 object_id=row.object_id,
+                project=row.project,
                 identifier=row.remote_identifier,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,4 +29,8 @@ def makeService(options: Options) -> IService:
 
     from canner.service import receiver_service
 
-    return receiver_service(options.loaded, reactor)
+    try:
+        return receiver_service(options.loaded, reactor)
+    except ConfigError as e:  # e.g. a manhole key file that cannot be read
+        sys.stderr.write(f"canner-receiver: {e}\n")
+        raise SystemExit(1) from None

@@ -17,6 +17,7 @@ from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.queue import ALLOWED, MAX_RETRY, PURGE_RETRY, State, can_move, retry_delay
 from canner.delivery.scheduler import DeliveryService, RemoteCheck
+from canner.receipts import ReceiptStore
 from canner.tus.store import UploadStore
 from tests.fakes import FakeSink, SyncIndex
 
@@ -49,7 +50,9 @@ def test_transition_table() -> None:
 class Harness:
     def __init__(self, tmp_path: Path, concurrency: int = 2) -> None:
         (tmp_path / "uploads").mkdir()
+        (tmp_path / "receipts").mkdir()
         self.uploads = UploadStore(tmp_path / "uploads")
+        self.receipts = ReceiptStore(tmp_path / "receipts")
         self.index = SyncIndex(tmp_path / "delivery.sqlite")
         self.clock = Clock()
         self.clock.advance(1_000_000)
@@ -57,6 +60,7 @@ class Harness:
         self.service = DeliveryService(
             self.index,
             self.uploads,
+            self.receipts,
             {"example": self.sink},
             {"example": RETENTION},
             run_inline,
@@ -186,6 +190,40 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
     assert not harness.uploads.info_path(oid).exists()
     row = harness.row(oid)
     assert row.state == "delivered" and row.purged_at == harness.clock.seconds()
+    record = harness.receipts.read_delivery(oid)
+    assert record is not None
+    assert (record.identifier, record.purged_at) == (f"item-{oid}", row.purged_at)
+
+
+def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
+    """After purge, a rescan into an empty index brings the object back delivered, not pending."""
+    from canner.checksum import Checksum
+    from canner.delivery.rescan import missing_objects
+    from canner.ids import ObjectIds
+    from canner.receipts import Origin, Receipt
+
+    h = Harness(tmp_path)
+    [oid] = h.accept(1)
+    h.receipts.record_origin(oid, Origin("example", None))
+    row = h.row(oid)
+    h.receipts.commit(Receipt(oid, "https://i", Checksum(row.checksum[7:]), 7, 1))
+    h.tick()
+    h.sink.succeed(oid)
+    h.sink.checks[oid] = RemoteCheck(True)
+    h.tick()
+    h.clock.advance(RETENTION)
+    h.tick()
+    h.index.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
+    rebuilt = SyncIndex(tmp_path / "rebuilt.sqlite")
+    found = missing_objects(h.receipts, h.uploads, ObjectIds(), set())
+    rebuilt.run(sql.insert_objects, found, h.clock.seconds())
+    again = rebuilt.run(sql.get_row, oid).result
+    assert again.state == "delivered" and again.purged_at is not None
+    assert again.remote_identifier == f"item-{oid}"
+    assert rebuilt.run(sql.claim_due, h.clock.seconds() + 10**6, 10, ["example"]).result == []
+    rebuilt.close()
 
 
 def test_failed_purge_retries_after_a_minute(harness: Harness) -> None:
