@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList, Timeo
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
@@ -160,17 +161,28 @@ class DeliveryService(Service):
     def _start_follow_up(self, row: QueueRow) -> None:
         """Verify or purge ``row`` in the background: a slow metadata lookup never holds up the
         tick, so new deliveries keep being claimed meanwhile."""
-        check = Deferred.fromCoroutine(self._follow_up(row))
-        check.addTimeout(FOLLOW_UP_LIMIT, self._clock)
-        self._checking[row.object_id] = check
-        check.addErrback(self._follow_up_failed, row)
-        check.addErrback(
-            lambda f: log.failure("recording follow-up of {object_id}", f, object_id=row.object_id)
+        self._launch(
+            self._checking, row, self._follow_up(row), FOLLOW_UP_LIMIT, self._follow_up_failed
         )
-        check.addBoth(lambda _: self._forget_check(row.object_id))
 
-    def _forget_check(self, object_id: str) -> None:
-        del self._checking[object_id]
+    def _launch(
+        self,
+        running: dict[str, Deferred[None]],
+        row: QueueRow,
+        work: Coroutine[Any, Any, None],
+        limit: float,
+        on_failure: Callable[[Failure, QueueRow], Deferred[None] | None],
+    ) -> None:
+        """Run ``work`` for ``row`` in the background, listed in ``running`` until it ends,
+        cut off after ``limit`` seconds; ``on_failure`` records whatever went wrong."""
+        d = Deferred.fromCoroutine(work)
+        d.addTimeout(limit, self._clock)
+        running[row.object_id] = d
+        d.addErrback(on_failure, row)
+        d.addErrback(
+            lambda f: log.failure("recording work on {object_id}", f, object_id=row.object_id)
+        )
+        d.addBoth(lambda _: _discard(running, row.object_id))
 
     def _follow_up_failed(self, failure: Any, row: QueueRow) -> Deferred[None] | None:
         if failure.check(CancelledError) and self._stopping.is_set():
@@ -190,17 +202,9 @@ class DeliveryService(Service):
     # -- attempts ---------------------------------------------------------------------------
 
     def _start(self, row: QueueRow) -> None:
-        attempt = Deferred.fromCoroutine(self._attempt(row))
-        attempt.addTimeout(ATTEMPT_LIMIT, self._clock)
-        self._active[row.object_id] = attempt
-        attempt.addErrback(self._record_interruption, row)
-        attempt.addErrback(
-            lambda f: log.failure("recording attempt on {object_id}", f, object_id=row.object_id)
+        self._launch(
+            self._active, row, self._attempt(row), ATTEMPT_LIMIT, self._record_interruption
         )
-        attempt.addBoth(lambda _: self._forget(row.object_id))
-
-    def _forget(self, object_id: str) -> None:
-        del self._active[object_id]
 
     async def _attempt(self, row: QueueRow) -> None:
         log.info(
@@ -343,3 +347,7 @@ class DeliveryService(Service):
                 project=row.project,
                 identifier=row.remote_identifier,
             )
+
+
+def _discard(running: dict[str, Deferred[None]], object_id: str) -> None:
+    del running[object_id]
