@@ -1,0 +1,578 @@
+"""Machinery of the delivery end-to-end tests: a fake Internet Archive process, a receiver whose
+config delivers to it, and ``twistd canner-deliver`` processes on the same data directory.
+
+Nothing is mocked.  The fake IA is ``tests/fake_ia.py`` run as its own process on a loopback port;
+the tests talk to it through its admin API (``/_fake/objects``, ``/_fake/faults``,
+``/_fake/requests``) and read its stored files.  The deliver process is observed the way an
+operator would: ``canner deliveries --config FILE`` (JSONL), the data directory, and its log.
+
+Two test-only techniques fast-forward time in ``delivery.sqlite`` (see :func:`make_due_now` and
+:func:`make_checks_due_now`): canner's retry backoff starts at 60 s and its verification re-check
+at 10 s, too slow for a test; an operator retry does the same thing by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import requests
+from e2e_support import REPO, Receiver, free_port, twistd_command
+
+FAKE_IA = REPO / "tests" / "fake_ia.py"
+ACCESS = "e2e-access"
+SECRET = "e2e-secret-not-in-logs"
+PROJECT = "example"
+IDENTIFIER_TEMPLATE = "example-{date}-{object_id}"
+START_TIMEOUT = 20.0
+
+T = TypeVar("T")
+
+
+def venv_bin(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    if not candidate.exists():
+        candidate = REPO / ".venv" / "bin" / name
+    return str(candidate)
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    describe: Callable[[], str] | None = None,
+) -> T:
+    """Poll ``predicate`` until it returns something truthy (bounded); return that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = "\n" + describe() if describe is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+def md5_hex(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def file_md5(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- the fake Internet Archive ---------------------------------------------------------------
+
+
+@dataclass
+class FakeIA:
+    """``tests/fake_ia.py`` as a separate process."""
+
+    root: Path
+    metadata_lag: float = 0.0
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    session: requests.Session = field(default_factory=requests.Session)
+
+    @property
+    def store_dir(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "fake_ia.log"
+
+    def start(self, *faults: str) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        port_file = self.root / "port"
+        port_file.unlink(missing_ok=True)
+        args = [
+            sys.executable,
+            str(FAKE_IA),
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.store_dir),
+            "--port-file",
+            str(port_file),
+            "--metadata-lag",
+            str(self.metadata_lag),
+            "--access",
+            ACCESS,
+            "--secret",
+            SECRET,
+        ]
+        for fault in faults:
+            args += ["--fault", fault]
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("the fake IA did not start:\n" + self.log_tail())
+            time.sleep(0.02)
+        self.port = int(port_file.read_text().strip())
+        wait_for(self._healthy, START_TIMEOUT, "the fake IA's health endpoint")
+
+    def _healthy(self) -> bool:
+        try:
+            return self.session.get(self.url + "/_fake/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.session.close()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _get(self, what: str) -> Any:
+        r = self.session.get(f"{self.url}/_fake/{what}", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def objects(self) -> list[dict[str, Any]]:
+        return list(self._get("objects"))
+
+    def object(self, identifier: str, name: str) -> dict[str, Any] | None:
+        for o in self.objects():
+            if o["identifier"] == identifier and o["name"] == name:
+                return o
+        return None
+
+    def items(self) -> dict[str, Any]:
+        return dict(self._get("items"))
+
+    def requests(self) -> list[dict[str, Any]]:
+        return list(self._get("requests"))
+
+    def puts(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests() if r["method"] == "PUT"]
+
+    def faults(self) -> list[dict[str, Any]]:
+        return list(self._get("faults"))
+
+    def add_fault(self, kind: str, count: int = 1, target: str = "", **extra: Any) -> None:
+        body = {"kind": kind, "count": count, "target": target, **extra}
+        r = self.session.post(f"{self.url}/_fake/faults", data=json.dumps(body), timeout=10)
+        assert r.status_code == 200, f"adding fault {body}: {r.status_code} {r.text}"
+
+    def clear_faults(self) -> None:
+        r = self.session.delete(f"{self.url}/_fake/faults", timeout=10)
+        assert r.status_code == 200
+
+    def set_metadata_lag(self, seconds: float) -> None:
+        r = self.session.post(
+            f"{self.url}/_fake/settings", data=json.dumps({"metadata_lag": seconds}), timeout=10
+        )
+        assert r.status_code == 200
+
+    def incoming(self) -> dict[str, int]:
+        """PUT bodies being received right now: temp file name -> bytes so far."""
+        found = {}
+        folder = self.store_dir / "incoming"
+        for entry in folder.iterdir() if folder.exists() else ():
+            try:
+                found[entry.name] = entry.stat().st_size
+            except FileNotFoundError:
+                continue
+        return found
+
+
+# -- the receiver, configured to deliver to the fake -------------------------------------------
+
+
+@dataclass
+class DeliveryReceiver(Receiver):
+    """A receiver whose config file also carries ``[projects.example.delivery]`` (same file for
+    canner-deliver).  ``other`` stays a project without delivery."""
+
+    fake_url: str = ""
+    retention: str = "2s"
+    concurrency: int = 2
+    metadata: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def configured(
+        cls,
+        root: Path,
+        fake_url: str,
+        retention: str = "2s",
+        concurrency: int = 2,
+        **config: Any,
+    ) -> DeliveryReceiver:
+        root.mkdir(parents=True, exist_ok=True)
+        rcv = cls(
+            root=root,
+            port=free_port(),
+            data_dir=root / "srv" / "canner" / "data",
+            config_path=root / "canner.toml",
+            log_path=root / "receiver.log",
+            fake_url=fake_url,
+            retention=retention,
+            concurrency=concurrency,
+            metadata={"collection": ["test"], "title": ["Artifact {object_id}"]},
+        )
+        (root / "keys").write_text(f"{ACCESS}\n{SECRET}\n", encoding="utf-8")
+        config.setdefault("max_upload_bytes", 512 * 1024 * 1024)
+        rcv.write_config(**config)
+        return rcv
+
+    def write_config(self, **overrides: Any) -> None:
+        overrides.setdefault("delivery_concurrency", self.concurrency)
+        super().write_config(**overrides)
+        if not self.fake_url:
+            return
+        lines = [
+            "",
+            f"[projects.{PROJECT}.delivery]",
+            'sink = "internet_archive"',
+            f"credentials = {json.dumps(str(self.root / 'keys'))}",
+            f"identifier = {json.dumps(IDENTIFIER_TEMPLATE)}",
+            'remote_name = "{filename}"',
+            f"local_artifact_retention = {json.dumps(self.retention)}",
+            f"s3_url = {json.dumps(self.fake_url)}",
+            f"metadata_url = {json.dumps(self.fake_url)}",
+            "",
+            f"[projects.{PROJECT}.delivery.metadata]",
+            *(f"{key} = {json.dumps(values)}" for key, values in self.metadata.items()),
+            "",
+        ]
+        with open(self.config_path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "delivery.sqlite"
+
+
+# -- canner-deliver ----------------------------------------------------------------------------
+
+
+@dataclass
+class Deliver:
+    """One ``twistd canner-deliver`` process."""
+
+    config_path: Path
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    twistd_args: list[str] = field(default_factory=list)  # e.g. a --logger
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start the process without waiting for anything."""
+        self.starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start #{self.starts} =====\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                [
+                    *twistd_command(),
+                    "--nodaemon",
+                    "--pidfile=",
+                    *self.twistd_args,
+                    "canner-deliver",
+                    "--config",
+                    str(self.config_path),
+                ],
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return proc
+
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        """Start and wait until the process holds the data directory lock (it writes its pid)."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.proc = self.spawn()
+        lock = self.data_dir / "deliver.lock"
+        pid = str(self.proc.pid)
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"canner-deliver exited with {self.proc.returncode} during start-up:\n"
+                    + self.log_tail()
+                )
+            try:
+                locked = lock.read_text().strip() == pid
+            except FileNotFoundError:
+                return False
+            return locked and "reactor class" in self.current_log()
+
+        wait_for(ready, timeout, "canner-deliver to take its lock", 0.05, self.log_tail)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        return proc.returncode
+
+    def stop(self) -> int | None:
+        return self.kill(signal.SIGTERM)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def current_log(self) -> str:
+        """The log of the latest start only."""
+        return self.log_text().rpartition(f"===== start #{self.starts} =====")[2]
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:]) or "(no log)"
+
+
+# -- inspecting and fast-forwarding the delivery index ----------------------------------------
+
+
+def deliveries(config_path: Path) -> dict[str, dict[str, Any]]:
+    """``canner deliveries --config FILE``, by object id."""
+    out = subprocess.run(
+        [venv_bin("canner"), "deliveries", "--config", str(config_path)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 0, f"canner deliveries failed: {out.stderr.decode()}"
+    rows = [json.loads(line) for line in out.stdout.decode().splitlines() if line.strip()]
+    return {row["object_id"]: row for row in rows}
+
+
+@contextmanager
+def _db(db: Path) -> Iterator[sqlite3.Connection]:
+    conn = sqlite3.connect(db, timeout=10, isolation_level=None)
+    try:
+        conn.execute("PRAGMA busy_timeout=10000")
+        yield conn
+    finally:
+        conn.close()
+
+
+def make_due_now(db: Path) -> int:
+    """Test-only fast-forward: every ``retry_wait`` row becomes due at once.
+
+    canner retries a failed attempt after 60 s, 120 s, ... (an operator error after an hour):
+    too slow for a test.  This is what an operator retry does by hand (``next_attempt_at`` is the
+    only column touched; the state machine is left alone, so the scheduler still claims the row
+    with its guarded update).  Returns the number of rows made due.
+    """
+    with _db(db) as conn:
+        return conn.execute(
+            "UPDATE objects SET next_attempt_at = 0 WHERE state = 'retry_wait'"
+        ).rowcount
+
+
+def make_checks_due_now(db: Path) -> int:
+    """Test-only fast-forward of verification/purge follow-ups (``next_check_at``)."""
+    with _db(db) as conn:
+        return conn.execute(
+            "UPDATE objects SET next_check_at = 0 WHERE state = 'delivered' AND purged_at IS NULL"
+        ).rowcount
+
+
+def remove_index(data_dir: Path) -> list[str]:
+    """Delete ``delivery.sqlite`` and its WAL/SHM files; returns what was there."""
+    removed = []
+    for name in ("delivery.sqlite", "delivery.sqlite-wal", "delivery.sqlite-shm"):
+        path = data_dir / name
+        if path.exists():
+            path.unlink()
+            removed.append(name)
+    return removed
+
+
+# -- a test environment: fake IA + receiver + deliver -----------------------------------------
+
+
+@dataclass
+class Env:
+    fake: FakeIA
+    receiver: DeliveryReceiver
+    deliver: Deliver
+
+    @property
+    def config(self) -> Path:
+        return self.receiver.config_path
+
+    @property
+    def db(self) -> Path:
+        return self.receiver.db_path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.receiver.data_dir
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        return deliveries(self.config)
+
+    def row(self, object_id: str) -> dict[str, Any]:
+        return self.rows()[object_id]
+
+    def upload(self, data: bytes, filename: str | None = None) -> str:
+        oid, _receipt = self.receiver.upload_all(data, filename=filename)
+        return oid
+
+    def describe(self) -> str:
+        rows = json.dumps(list(self.rows().values()), indent=1)[-4000:]
+        return (
+            f"deliveries:\n{rows}\n--- deliver log ---\n{self.deliver.log_tail(40)}"
+            f"\n--- fake objects ---\n{json.dumps(self.fake.objects(), indent=1)[-2000:]}"
+        )
+
+    def wait_rows(
+        self,
+        predicate: Callable[[dict[str, dict[str, Any]]], bool],
+        timeout: float,
+        what: str,
+        interval: float = 0.2,
+    ) -> dict[str, dict[str, Any]]:
+        def check() -> dict[str, dict[str, Any]] | None:
+            rows = self.rows()
+            return rows if predicate(rows) else None
+
+        result = wait_for(check, timeout, what, interval, self.describe)
+        assert result is not None
+        return result
+
+    def wait_state(
+        self, object_ids: list[str], timeout: float, what: str = "", **expected: Any
+    ) -> dict[str, dict[str, Any]]:
+        def ok(rows: dict[str, dict[str, Any]]) -> bool:
+            return all(
+                oid in rows
+                and all(
+                    (rows[oid][k] is not None) if v is ... else rows[oid][k] == v
+                    for k, v in expected.items()
+                )
+                for oid in object_ids
+            )
+
+        return self.wait_rows(ok, timeout, what or f"{object_ids} to reach {expected}")
+
+    def close(self) -> None:
+        # A deliver that ignores SIGTERM (a bug some tests expose) is killed after 5 s.
+        def stop_deliver() -> None:
+            self.deliver.kill(signal.SIGTERM, timeout=5)
+
+        for stop in (stop_deliver, self.receiver.close, self.fake.stop):
+            try:
+                stop()
+            except Exception:  # tear everything down, whatever fails
+                pass
+
+
+def make_env(
+    root: Path,
+    *,
+    metadata_lag: float = 0.0,
+    retention: str = "2s",
+    concurrency: int = 2,
+    start_deliver: bool = True,
+    **config: Any,
+) -> Env:
+    fake = FakeIA(root / "fake", metadata_lag=metadata_lag)
+    fake.start()
+    receiver = DeliveryReceiver.configured(
+        root / "canner", fake.url, retention=retention, concurrency=concurrency, **config
+    )
+    deliver = Deliver(receiver.config_path, receiver.data_dir, root / "canner" / "deliver.log")
+    env = Env(fake, receiver, deliver)
+    try:
+        receiver.start()
+        if start_deliver:
+            deliver.start()
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+def envs(tmp_path: Path) -> Iterator[Callable[..., Env]]:
+    """The body of an ``env_factory`` fixture: ``env_factory(**options)`` -> a started
+    :class:`Env` in ``tmp_path``; everything is stopped afterwards.  A test module registers it
+    with ``pytest.fixture(name="env_factory")(envs)``."""
+    made: list[Env] = []
+
+    def make(**options: Any) -> Env:
+        env = make_env(tmp_path / f"env{len(made)}", **options)
+        made.append(env)
+        return env
+
+    try:
+        yield make
+    finally:
+        for env in made:
+            env.close()
+
+
+def identifier_for(row: dict[str, Any]) -> str:
+    return str(row["remote_identifier"])
+
+
+def data_files(data_dir: Path, object_id: str) -> dict[str, bool]:
+    uploads = data_dir / "uploads"
+    return {
+        "payload": (uploads / object_id).exists(),
+        "info": (uploads / f"{object_id}.info").exists(),
+        "receipt": (data_dir / "receipts" / f"{object_id}.json").exists(),
+    }
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
