@@ -30,7 +30,7 @@ from canner.checksum import HashCancelled, delivery_digests
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.purge import delete_payload, purge_is_due
-from canner.delivery.queue import PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
+from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
 from canner.receipts import ReceiptStore
 from canner.tus.store import UploadStore
 
@@ -101,6 +101,8 @@ class DeliveryService(Service):
     _interval: float = TICK_INTERVAL
     _active: dict[str, Deferred[None]] = field(factory=dict)
     _checking: dict[str, Deferred[None]] = field(factory=dict)
+    _claiming: bool = False
+    _claim_again: bool = False
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
@@ -143,11 +145,8 @@ class DeliveryService(Service):
         return Deferred.fromCoroutine(self._tick())
 
     async def _tick(self) -> None:
+        await self._claim()
         now = self._clock.seconds()
-        free = self._concurrency - len(self._active)
-        if free > 0 and self._sinks:
-            for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
-                self._start(row)
         free_checks = FOLLOW_UP_CONCURRENCY - len(self._checking)
         if free_checks > 0 and self._sinks:
             # Rows being checked still look due; ask for enough to find free_checks others.
@@ -157,6 +156,33 @@ class DeliveryService(Service):
                     break
                 if row.project in self._sinks and row.object_id not in self._checking:
                     self._start_follow_up(row)
+
+    async def _claim(self) -> None:
+        """Fill free delivery slots with due rows.  Runs from the tick and whenever an attempt
+        ends, so a freed slot never idles until the next tick; one claim runs at a time, so
+        slots are never over-filled, and a request during a claim runs it again after."""
+        if self._claiming:
+            self._claim_again = True
+            return
+        self._claiming = True
+        try:
+            while True:
+                self._claim_again = False
+                free = self._concurrency - len(self._active)
+                if free > 0 and self._sinks and not self._stopping.is_set():
+                    now = self._clock.seconds()
+                    for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
+                        self._start(row)
+                if not self._claim_again:
+                    break
+        finally:
+            self._claiming = False
+
+    def _refill(self) -> None:
+        if self.running and not self._stopping.is_set():
+            Deferred.fromCoroutine(self._claim()).addErrback(
+                lambda f: log.failure("claiming deliveries", f)
+            )
 
     def _start_follow_up(self, row: QueueRow) -> None:
         """Verify or purge ``row`` in the background: a slow metadata lookup never holds up the
@@ -172,7 +198,7 @@ class DeliveryService(Service):
         work: Coroutine[Any, Any, None],
         limit: float,
         on_failure: Callable[[Failure, QueueRow], Deferred[None] | None],
-    ) -> None:
+    ) -> Deferred[None]:
         """Run ``work`` for ``row`` in the background, listed in ``running`` until it ends,
         cut off after ``limit`` seconds; ``on_failure`` records whatever went wrong."""
         d = Deferred.fromCoroutine(work)
@@ -183,6 +209,7 @@ class DeliveryService(Service):
             lambda f: log.failure("recording work on {object_id}", f, object_id=row.object_id)
         )
         d.addBoth(lambda _: _discard(running, row.object_id))
+        return d
 
     def _follow_up_failed(self, failure: Any, row: QueueRow) -> Deferred[None] | None:
         if failure.check(CancelledError) and self._stopping.is_set():
@@ -202,9 +229,10 @@ class DeliveryService(Service):
     # -- attempts ---------------------------------------------------------------------------
 
     def _start(self, row: QueueRow) -> None:
-        self._launch(
+        attempt = self._launch(
             self._active, row, self._attempt(row), ATTEMPT_LIMIT, self._record_interruption
         )
+        attempt.addBoth(lambda _: self._refill())
 
     async def _attempt(self, row: QueueRow) -> None:
         log.info(
@@ -268,7 +296,7 @@ class DeliveryService(Service):
         """``retry_wait`` with backoff; ``at_least`` is the sink's Retry-After, if any."""
         now = self._clock.seconds()
         delay = retry_delay(row.attempts, self._random(), needs_operator=needs_operator)
-        delay = max(delay, at_least)
+        delay = max(delay, min(at_least, MAX_RETRY))  # a sink's Retry-After, within the cap
         await self._index.run(
             sql.record_failure, row.object_id, reason, now + delay, needs_operator, now
         )

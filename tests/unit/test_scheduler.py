@@ -306,3 +306,17 @@ def test_a_stalled_verification_does_not_hold_up_new_deliveries(tmp_path: Path) 
     hanging.callback(RemoteCheck(True))
     assert h.row(first).verified_at is not None
     h.index.close()
+
+
+def test_a_finished_attempt_frees_its_slot_at_once(tmp_path: Path) -> None:
+    """When an attempt ends, the next due row starts without waiting for the next tick."""
+    h = Harness(tmp_path, concurrency=1)
+    first, second, third = h.accept(3)
+    h.service.startService()
+    assert list(h.sink.pending) == [first]
+    h.sink.succeed(first)
+    assert list(h.sink.pending) == [second]
+    h.sink.fail(second)
+    assert list(h.sink.pending) == [third]
+    h.service.stopService()
+    h.index.close()
