@@ -45,3 +45,43 @@ def test_inserts_are_idempotent_and_pending(tmp_path: Path) -> None:
         assert rows == [("a" * 32, "pending", 0), ("b" * 32, "pending", 0)]
     finally:
         conn.close()
+
+
+class FlakyPool:
+    """An adbapi-shaped pool whose first ``failures`` interactions raise 'database is locked'."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def runInteraction(self, f: object, *args: object) -> object:
+        from twisted.internet.defer import fail, succeed
+
+        self.calls += 1
+        if self.calls <= self.failures:
+            return fail(sqlite3.OperationalError("database is locked"))
+        return succeed("done")
+
+
+def test_transient_sqlite_errors_are_retried_then_reported() -> None:
+    """Busy errors are retried with pauses; past the last pause the error reaches the caller."""
+    from twisted.internet.task import Clock
+
+    from canner.delivery.index import RETRY_PAUSES, DeliveryIndex
+
+    clock = Clock()
+    results: list[object] = []
+    index = DeliveryIndex(FlakyPool(2), clock)  # type: ignore[arg-type]
+    index.run(lambda cur: None).addBoth(results.append)
+    assert results == []
+    clock.advance(RETRY_PAUSES[0])
+    clock.advance(RETRY_PAUSES[1])
+    assert results == ["done"]
+
+    failing: list[object] = []
+    index = DeliveryIndex(FlakyPool(100), clock)  # type: ignore[arg-type]
+    index.run(lambda cur: None).addErrback(failing.append)
+    for pause in RETRY_PAUSES:
+        clock.advance(pause)
+    assert len(failing) == 1
+    assert clock.getDelayedCalls() == []
