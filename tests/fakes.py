@@ -8,6 +8,7 @@ from typing import Any
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.python.failure import Failure
 
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
 from canner.delivery.scheduler import Delivered, DeliveryFailed, RemoteCheck
@@ -68,3 +69,13 @@ class FakeSink:
         if self.hanging_verify is not None:
             return self.hanging_verify
         return succeed(self.checks.get(row.object_id, RemoteCheck(False, "not listed yet")))
+
+
+def succeeded(d: Deferred[Any]) -> Any:
+    """The result of a Deferred that must already have fired (its failure is raised)."""
+    results: list[Any] = []
+    d.addBoth(results.append)
+    assert results, "the Deferred has not fired"
+    if isinstance(results[0], Failure):
+        results[0].raiseException()
+    return results[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
-from e2e_support import REPO, Receiver, free_port, twistd_command
+from e2e_support import REPO, Receiver, end_process, free_port, twistd_command
 
 FAKE_IA = REPO / "tests" / "fake_ia.py"
 ACCESS = "e2e-access"
@@ -344,17 +344,7 @@ class Deliver:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
-        return proc.returncode
+        return end_process(self.proc, sig, timeout)
 
     def stop(self) -> int | None:
         return self.kill(signal.SIGTERM)

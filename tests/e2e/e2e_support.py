@@ -80,6 +80,23 @@ def twistd_command() -> list[str]:
     return [str(candidate)]
 
 
+def end_process(
+    proc: subprocess.Popen[bytes] | None, sig: int, timeout: float = 15.0
+) -> int | None:
+    """Send ``sig`` to ``proc`` (if it still runs) and wait for it to end, SIGKILL if it hangs;
+    returns its exit status (None when there is no process)."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
+
+
 def decode_receipt_header(header: str) -> bytes:
     """The JSON bytes carried by an ``Artifact-Receipt`` header (unpadded base64url)."""
     assert re.fullmatch(r"[A-Za-z0-9_-]+", header), (
@@ -214,17 +231,7 @@ class Receiver:
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
         """Send ``sig`` and wait for the process to end; returns its exit status."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
-        return proc.returncode
+        return end_process(self.proc, sig, timeout)
 
     def stop(self) -> int | None:
         """Graceful stop (SIGTERM), SIGKILL if it hangs."""

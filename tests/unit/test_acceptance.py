@@ -12,12 +12,12 @@ import blake3
 import pytest
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
-from twisted.python.failure import Failure
 
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import run_inline
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import LockedUpload, UploadInfo, UploadStore
+from tests.fakes import succeeded
 
 OID = "0123456789abcdef0123456789abcdef"
 
@@ -50,20 +50,11 @@ class Env:
         return upload
 
 
-def result_of(d: Deferred[Any]) -> Any:
-    results: list[Any] = []
-    d.addBoth(results.append)
-    assert results, "the Deferred has not fired"
-    if isinstance(results[0], Failure):
-        results[0].raiseException()
-    return results[0]
-
-
 def test_complete_upload_gets_a_durable_receipt_and_is_enqueued(tmp_path: Path) -> None:
     """Acceptance publishes the receipt, records the origin and enqueues the object."""
     env = Env(tmp_path)
     upload = env.complete_upload(b"hello world")
-    receipt = result_of(env.acceptance.accept(upload))
+    receipt = succeeded(env.acceptance.accept(upload))
     assert receipt.size_bytes == 11
     assert receipt.accepted_at == 1784764800
     assert env.receipts.read(OID) == receipt
@@ -77,7 +68,7 @@ def test_checksum_mismatch_rejects_for_good(tmp_path: Path) -> None:
     env = Env(tmp_path)
     upload = env.complete_upload(b"hello world", declared=b"other bytes")
     with pytest.raises(ChecksumMismatch):
-        result_of(env.acceptance.accept(upload))
+        succeeded(env.acceptance.accept(upload))
     assert env.receipts.read(OID) is None
     assert env.receipts.read_origin(OID) is None
     info = env.uploads.read_info(OID)
@@ -89,11 +80,11 @@ def test_checksum_mismatch_rejects_for_good(tmp_path: Path) -> None:
 def test_existing_receipt_is_returned_unchanged(tmp_path: Path) -> None:
     """Repeating acceptance returns the receipt already on disk, byte for byte."""
     env = Env(tmp_path)
-    first = result_of(env.acceptance.accept(env.complete_upload(b"abc")))
+    first = succeeded(env.acceptance.accept(env.complete_upload(b"abc")))
     env.clock.advance(500)
     info = env.uploads.read_info(OID)
     assert info is not None
-    again = result_of(env.acceptance.accept(env.uploads.open_locked(info)))
+    again = succeeded(env.acceptance.accept(env.uploads.open_locked(info)))
     assert again == first
     assert env.receipts.read_bytes(OID) == first.to_json()
 
@@ -128,12 +119,12 @@ def test_transient_failures_leave_the_upload_acceptable(
     env = Env(tmp_path, runner)
     upload = env.complete_upload(b"payload")
     with pytest.raises(AcceptanceFailed) as caught:
-        result_of(env.acceptance.accept(upload))
+        succeeded(env.acceptance.accept(upload))
     assert caught.value.no_space is no_space
     assert runner.failed
     info = env.uploads.read_info(OID)
     assert info is not None and info.rejected is None
-    receipt = result_of(env.acceptance.accept(env.uploads.open_locked(info)))
+    receipt = succeeded(env.acceptance.accept(env.uploads.open_locked(info)))
     assert json.loads(env.receipts.read_bytes(OID) or b"")["size_bytes"] == 7
     assert receipt.size_bytes == 7
 
@@ -157,5 +148,5 @@ def test_joiners_share_one_acceptance_and_may_cancel(tmp_path: Path) -> None:
     cancelled.cancel()
     cancelled.addErrback(lambda f: f.trap(CancelledError))
     pending[0].callback(None)
-    assert result_of(first) == result_of(joined)
+    assert succeeded(first) == succeeded(joined)
     assert env.acceptance.in_flight(OID) is None

@@ -12,10 +12,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from twisted.conch.ssh import keys
-from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
-from twisted.python.failure import Failure
 
 from canner.blocking import run_inline
 from canner.checksum import parse_checksum
@@ -35,7 +33,7 @@ from canner.manhole import (
 )
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import UploadInfo, UploadStore
-from tests.fakes import SyncIndex
+from tests.fakes import SyncIndex, succeeded
 
 BASE: dict[str, Any] = {
     "issuer": "https://canner.example",
@@ -45,15 +43,6 @@ BASE: dict[str, Any] = {
 }
 OID = "0123456789abcdef0123456789abcdef"
 NOW = 1_784_764_800.0
-
-
-def succeeded(d: Deferred[Any]) -> Any:
-    results: list[Any] = []
-    d.addBoth(results.append)
-    assert results, "the Deferred has not fired"
-    if isinstance(results[0], Failure):
-        results[0].raiseException()
-    return results[0]
 
 
 def public_key_line() -> bytes:

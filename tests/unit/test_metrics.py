@@ -50,7 +50,7 @@ from canner.status_page import (
     shorten_ids,
 )
 from canner.tus.store import UploadInfo, UploadStore
-from tests.fakes import SyncIndex
+from tests.fakes import SyncIndex, succeeded
 
 NOW = 1_784_764_800.0
 IDS = ObjectIds()
@@ -63,15 +63,6 @@ def oid(n: int) -> str:
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
-
-
-def succeeded(d: Deferred[Any]) -> Any:
-    results: list[Any] = []
-    d.addBoth(results.append)
-    assert results, "the Deferred has not fired"
-    if isinstance(results[0], Failure):
-        results[0].raiseException()
-    return results[0]
 
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:
