@@ -30,6 +30,10 @@ from canner.tus.store import LockedUpload, UploadStore
 
 log = Logger()
 
+# Uploads up to this size are synced, hashed and committed in one thread hop; larger ones hash
+# in the hash pool, so a long hash never holds an I/O thread.
+INLINE_HASH_MAX = 4 << 20
+
 
 class ChecksumMismatch(Exception):
     """The stored bytes do not hash to the declared checksum: the upload is rejected for good."""
@@ -108,11 +112,23 @@ class Acceptance:
     async def _accept(self, upload: LockedUpload) -> Receipt:
         info = upload.info
         origin = Origin(info.project, info.filename)
+        receipt: Receipt | None = None
+        hash_seconds = 0.0
         try:
-            existing = await self._run(self._sync_upload, upload, origin)
-            if existing is None:
-                hash_seconds = await self.verify_checksum(upload)
-                receipt = await self._run(self._commit_receipt, upload)
+            if info.size <= INLINE_HASH_MAX:
+                # Small: the whole sequence in one thread hop, in the same order.
+                existing, hash_seconds, receipt = await self._run(
+                    self._accept_inline, upload, origin
+                )
+            else:
+                existing = await self._run(self.sync_upload, upload, origin)
+                if existing is None:
+                    hash_seconds = await self._hash(self.verify_checksum, upload)
+                    receipt = await self._run(self.commit_receipt, upload)
+        except ChecksumMismatch as e:
+            log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
+                     project=info.project, reason=str(e))  # fmt: skip
+            raise
         except HashCancelled:
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
         except OSError as e:
@@ -127,6 +143,7 @@ class Acceptance:
             ) from None
         if existing is not None:
             return existing
+        assert receipt is not None
         log.info(
             "accepted {object_id} ({size} bytes) for {project}",
             object_id=receipt.object_id,
@@ -137,10 +154,21 @@ class Acceptance:
         self.enqueue_delivery(receipt, origin)
         return receipt
 
-    def _sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
-        """Step 2 in one thread hop: fsync data, sidecar and ``uploads/``; record the origin next
-        to where the receipt will go (fsynced; its name is made durable by the ``receipts/``
-        fsync that the receipt needs anyway).
+    def _accept_inline(
+        self, upload: LockedUpload, origin: Origin
+    ) -> tuple[Receipt | None, float, Receipt | None]:
+        existing = self.sync_upload(upload, origin)
+        if existing is not None:
+            return existing, 0.0, None
+        hash_seconds = self.verify_checksum(upload)
+        return None, hash_seconds, self.commit_receipt(upload)
+
+    # The steps block; each runs on a worker thread.
+
+    def sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
+        """Step 2: fsync data, sidecar and ``uploads/``; record the origin next to where the
+        receipt will go (fsynced; its name is made durable by the ``receipts/`` fsync that the
+        receipt needs anyway).
 
         Returns the receipt when an earlier acceptance committed one (``receipts/`` is fsynced
         again first, in case that acceptance failed before its own directory fsync).
@@ -155,24 +183,22 @@ class Acceptance:
             fsync_dir(self._receipts.directory)
         return existing
 
-    async def verify_checksum(self, upload: LockedUpload) -> float:
-        """Step 3: BLAKE3 of the stored bytes; returns the seconds it took."""
+    def verify_checksum(self, upload: LockedUpload) -> float:
+        """Step 3: BLAKE3 of the stored bytes; returns the seconds it took.
+
+        On a mismatch the upload is rejected for good (durably) and :class:`ChecksumMismatch`
+        raised.
+        """
         info = upload.info
         start = self._clock.seconds()
         path = self._uploads.data_path(info.upload_id)
-        digest, count = await self._hash(blake3_file, path, info.size, self._stopping)
+        digest, count = blake3_file(path, info.size, self._stopping)
         if count != info.size:
             # The offset said complete, so bytes vanished underneath us: storage trouble.
             raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
         if digest != info.checksum:
             reason = f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
-            await self._run(self._reject, upload, reason)
-            log.warn(
-                "rejected {object_id}: {reason}",
-                object_id=info.upload_id,
-                project=info.project,
-                reason=reason,
-            )
+            self._reject(upload, reason)
             raise ChecksumMismatch(reason)
         return self._clock.seconds() - start
 
@@ -180,7 +206,7 @@ class Acceptance:
         self._uploads.reject(upload, reason)
         self._receipts.forget_origin(upload.info.upload_id)
 
-    def _commit_receipt(self, upload: LockedUpload) -> Receipt:
+    def commit_receipt(self, upload: LockedUpload) -> Receipt:
         """Step 4: publish the receipt, fsync ``receipts/``, then release the lock."""
         info = upload.info
         receipt = Receipt(

@@ -13,7 +13,7 @@ import pytest
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 
-from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.acceptance import INLINE_HASH_MAX, Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import run_inline
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import LockedUpload, UploadInfo, UploadStore
@@ -89,44 +89,69 @@ def test_existing_receipt_is_returned_unchanged(tmp_path: Path) -> None:
     assert env.receipts.read_bytes(OID) == first.to_json()
 
 
-class FailOnce:
-    """Runs jobs inline, but the first call of ``target`` raises ``error``."""
+class FlakyUploads(UploadStore):
+    """An UploadStore whose first fsync of an upload fails with ``error``."""
 
-    def __init__(self, target: str, error: OSError) -> None:
-        self.target, self.error, self.failed = target, error, False
+    error: OSError | None = None
 
-    def __call__(self, f: Any, *args: Any) -> Deferred[Any]:
-        if not self.failed and getattr(f, "__name__", "") == self.target:
-            self.failed = True
-            err = self.error
-            return run_inline(lambda: (_ for _ in ()).throw(err))
-        return run_inline(f, *args)
+    def sync_upload(self, upload: LockedUpload) -> None:
+        error, FlakyUploads.error = FlakyUploads.error, None
+        if error is not None:
+            raise error
+        super().sync_upload(upload)
 
 
+class FlakyReceipts(ReceiptStore):
+    """A ReceiptStore whose first receipt publication fails with ``error``."""
+
+    error: OSError | None = None
+
+    def commit(self, receipt: Receipt) -> Receipt:
+        error, FlakyReceipts.error = FlakyReceipts.error, None
+        if error is not None:
+            raise error
+        return super().commit(receipt)
+
+
+@pytest.mark.parametrize("size", [7, INLINE_HASH_MAX + 1], ids=["inline", "hash-pool"])
 @pytest.mark.parametrize(
-    ("target", "code", "no_space"),
+    ("store", "code", "no_space"),
     [
-        ("_sync_upload", errno.EIO, False),
-        ("_commit_receipt", errno.ENOSPC, True),
-        ("_commit_receipt", errno.EIO, False),
+        (FlakyUploads, errno.EIO, False),
+        (FlakyReceipts, errno.ENOSPC, True),
+        (FlakyReceipts, errno.EIO, False),
     ],
 )
 def test_transient_failures_leave_the_upload_acceptable(
-    tmp_path: Path, target: str, code: int, no_space: bool
+    tmp_path: Path, store: Any, code: int, no_space: bool, size: int
 ) -> None:
     """An fsync or disk-full failure fails acceptance; a retry then succeeds."""
-    runner = FailOnce(target, OSError(code, os.strerror(code)))
-    env = Env(tmp_path, runner)
-    upload = env.complete_upload(b"payload")
+    env = Env(tmp_path)
+    env.acceptance._uploads = FlakyUploads(env.uploads.directory)  # type: ignore[misc]
+    env.acceptance._receipts = FlakyReceipts(env.receipts.directory)  # type: ignore[misc]
+    store.error = OSError(code, os.strerror(code))
+    upload = env.complete_upload(os.urandom(size))
     with pytest.raises(AcceptanceFailed) as caught:
         succeeded(env.acceptance.accept(upload))
     assert caught.value.no_space is no_space
-    assert runner.failed
+    assert store.error is None, "the fault fired"
+    assert env.receipts.read(OID) is None
     info = env.uploads.read_info(OID)
     assert info is not None and info.rejected is None
     receipt = succeeded(env.acceptance.accept(env.uploads.open_locked(info)))
-    assert json.loads(env.receipts.read_bytes(OID) or b"")["size_bytes"] == 7
-    assert receipt.size_bytes == 7
+    assert json.loads(env.receipts.read_bytes(OID) or b"")["size_bytes"] == size
+    assert receipt.size_bytes == size
+
+
+def test_large_mismatch_is_rejected_in_the_hash_pool(tmp_path: Path) -> None:
+    """Uploads above INLINE_HASH_MAX hash in the hash pool and are rejected the same way."""
+    env = Env(tmp_path)
+    data = os.urandom(INLINE_HASH_MAX + 1)
+    with pytest.raises(ChecksumMismatch):
+        succeeded(env.acceptance.accept(env.complete_upload(data, declared=b"other")))
+    info = env.uploads.read_info(OID)
+    assert info is not None and info.rejected is not None
+    assert env.receipts.read(OID) is None and env.uploads.offset(OID) == 0
 
 
 def test_joiners_share_one_acceptance_and_may_cancel(tmp_path: Path) -> None:
@@ -141,7 +166,7 @@ def test_joiners_share_one_acceptance_and_may_cancel(tmp_path: Path) -> None:
 
     env = Env(tmp_path)
     env.acceptance._hash = slow_hash  # type: ignore[misc]
-    first = env.acceptance.accept(env.complete_upload(b"xyz"))
+    first = env.acceptance.accept(env.complete_upload(os.urandom(INLINE_HASH_MAX + 1)))
     joined = env.acceptance.in_flight(OID)
     cancelled = env.acceptance.in_flight(OID)
     assert joined is not None and cancelled is not None
