@@ -717,8 +717,15 @@ def md5_file(path: Path, stop: threading.Event | None = None) -> str:
 def make_http_client(reactor: Any, connect_timeout: float = 60.0) -> HTTPClient:
     """The production client: a connect timeout, and no persistent connections (a PUT's
     connection is never reused)."""
-    pool = HTTPConnectionPool(reactor, persistent=False)
+    pool = _QuietPool(reactor, persistent=False)
     return HTTPClient(Agent(reactor, connectTimeout=connect_timeout, pool=pool))
+
+
+class _QuietPool(HTTPConnectionPool):
+    """A pool whose per-connection factories do not log "Starting factory" for every request."""
+
+    class _factory(HTTPConnectionPool._factory):  # type: ignore[valid-type,misc]  # noqa: N801
+        noisy = False
 
 
 def _user_agent() -> str:

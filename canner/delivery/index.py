@@ -341,6 +341,20 @@ def claim_due(
     return sorted(_rows(cur), key=lambda r: (r.next_attempt_at, r.object_id))
 
 
+def release_orphans(cur: sqlite3.Cursor, running: Iterable[str], now: float) -> int:
+    """``delivering`` rows with no attempt running (their outcome could not be recorded) become
+    ``retry_wait``, due now; returns how many."""
+    ids = sorted(running)
+    marks = ", ".join("?" for _ in ids)
+    cur.execute(
+        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, updated_at = ?,"
+        " last_error = 'the outcome of an attempt could not be recorded'"
+        f" WHERE state = 'delivering' AND object_id NOT IN ({marks})",
+        (now, now, *ids),
+    )
+    return cur.rowcount
+
+
 def set_content_md5(cur: sqlite3.Cursor, object_id: str, md5_hex: str) -> None:
     cur.execute("UPDATE objects SET content_md5 = ? WHERE object_id = ?", (md5_hex, object_id))
 

@@ -38,6 +38,8 @@ log = Logger()
 
 ATTEMPT_LIMIT = 24 * 3600.0
 TICK_INTERVAL = 1.0
+# How often rows left "delivering" by an attempt whose outcome could not be recorded are released.
+ORPHAN_CHECK_INTERVAL = 60.0
 # Verifications and purges running at once, and the bound on each.
 FOLLOW_UP_CONCURRENCY = 4
 FOLLOW_UP_LIMIT = 600.0
@@ -102,6 +104,7 @@ class DeliveryService(Service):
     _active: dict[str, Deferred[None]] = field(factory=dict)
     _checking: dict[str, Deferred[None]] = field(factory=dict)
     _claiming: bool = False
+    _orphans_checked: float = 0.0
     _claim_again: bool = False
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
@@ -169,8 +172,12 @@ class DeliveryService(Service):
             while True:
                 self._claim_again = False
                 free = self._concurrency - len(self._active)
+                now = self._clock.seconds()
+                if now - self._orphans_checked >= ORPHAN_CHECK_INTERVAL:
+                    # Here, between claims, every claimed row is already in _active.
+                    self._orphans_checked = now
+                    await self._index.run(sql.release_orphans, list(self._active), now)
                 if free > 0 and self._sinks and not self._stopping.is_set():
-                    now = self._clock.seconds()
                     for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
                         self._start(row)
                 if not self._claim_again:

@@ -320,3 +320,18 @@ def test_a_finished_attempt_frees_its_slot_at_once(tmp_path: Path) -> None:
     assert list(h.sink.pending) == [third]
     h.service.stopService()
     h.index.close()
+
+
+def test_rows_left_delivering_without_an_attempt_are_released(harness: Harness) -> None:
+    """A row stuck in delivering (its outcome could not be recorded) is retried, not stranded."""
+    [oid] = harness.accept(1)
+    harness.index.query("UPDATE objects SET state = 'delivering' WHERE object_id = ?", oid)
+    harness.tick()
+    assert list(harness.sink.pending) == [oid]
+    assert harness.row(oid).last_error == "the outcome of an attempt could not be recorded"
+    harness.clock.advance(30)
+    harness.tick()  # a running attempt is never released
+    assert harness.row(oid).state == "delivering"
+    harness.clock.advance(60)
+    harness.tick()
+    assert harness.row(oid).state == "delivering" and list(harness.sink.pending) == [oid]
