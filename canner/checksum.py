@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import blake3
@@ -43,18 +44,14 @@ def parse_checksum(text: str) -> Checksum:
     return Checksum(match.group(1))
 
 
-def blake3_file(
-    path: Path, expected_size: int, stop: threading.Event | None = None
-) -> tuple[Checksum, int]:
-    """Hash the whole file at ``path`` (blocking).  Returns the digest and the bytes hashed.
-
-    Reading stops at end of file; the caller compares the count with the size it expects.
-    ``expected_size`` only sizes the read buffer.  Raises :class:`HashCancelled` soon after
-    ``stop`` is set, so a shutdown never waits for a 100 GiB hash.
-    """
-    hasher = blake3.blake3(max_threads=1)
-    buffer = bytearray(min(_READ_SIZE, max(expected_size, 1)))
-    view = memoryview(buffer)
+def _read_through(
+    path: Path, consumers: Iterable[Callable[[memoryview], object]], buffer_size: int,
+    stop: threading.Event | None,
+) -> int:  # fmt: skip
+    """Feed the whole file at ``path`` to ``consumers`` in one sequential read; return the bytes
+    read.  Raises :class:`HashCancelled` soon after ``stop`` is set, so a shutdown never waits
+    for a 100 GiB hash."""
+    view = memoryview(bytearray(buffer_size))
     total = 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -63,10 +60,25 @@ def blake3_file(
             while n := stream.readinto(view):
                 if stop is not None and stop.is_set():
                     raise HashCancelled()
-                hasher.update(view[:n])
+                for consume in consumers:
+                    consume(view[:n])
                 total += n
     finally:
         os.close(fd)
+    return total
+
+
+def blake3_file(
+    path: Path, expected_size: int, stop: threading.Event | None = None
+) -> tuple[Checksum, int]:
+    """Hash the whole file at ``path`` (blocking).  Returns the digest and the bytes hashed.
+
+    Reading stops at end of file; the caller compares the count with the size it expects.
+    ``expected_size`` only sizes the read buffer.  Raises :class:`HashCancelled` when ``stop``
+    is set.
+    """
+    hasher = blake3.blake3(max_threads=1)
+    total = _read_through(path, [hasher.update], min(_READ_SIZE, max(expected_size, 1)), stop)
     return Checksum(hasher.hexdigest()), total
 
 
@@ -77,14 +89,5 @@ def delivery_digests(path: Path, stop: threading.Event | None = None) -> tuple[C
     as ``Content-MD5`` so IA verifies what it stored.
     """
     hasher, md5 = blake3.blake3(max_threads=1), hashlib.md5(usedforsecurity=False)
-    buffer = bytearray(_READ_SIZE)
-    view = memoryview(buffer)
-    total = 0
-    with open(path, "rb", buffering=0) as stream:
-        while n := stream.readinto(view):
-            if stop is not None and stop.is_set():
-                raise HashCancelled()
-            hasher.update(view[:n])
-            md5.update(view[:n])
-            total += n
+    total = _read_through(path, [hasher.update, md5.update], _READ_SIZE, stop)
     return Checksum(hasher.hexdigest()), md5.hexdigest(), total

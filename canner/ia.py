@@ -6,7 +6,7 @@ Two halves, following ``reference/internet-archive.md``:
   with worst-case values; :func:`plan_upload` expands them for one object into an :class:`ItemPlan`
   (identifier, remote name, every non-secret PUT header); :func:`classify` turns an S3 answer into
   an :class:`Outcome`; :func:`parse_metadata` reads the metadata API's JSON.
-* the **shell** half does I/O.  :func:`load_credentials` and :func:`md5_file` read files (call them
+* the **shell** half does I/O.  :func:`load_credentials` reads a file (call it
   at start-up or through the blocking runner); :class:`IASink` talks HTTP through an injected treq
   ``HTTPClient`` and clock: it looks the remote file up, probes ``check_limit``, and PUTs the file
   streaming from disk, cancellable, with a no-progress watchdog and bounded response reads.
@@ -18,13 +18,11 @@ the purge path calls :meth:`IASink.remote_file` and :meth:`RemoteFile.matches` t
 from __future__ import annotations
 
 import configparser
-import hashlib
 import html
 import json
 import os
 import re
 import string
-import threading
 import time
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +46,6 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
-from canner.checksum import HashCancelled
 from canner.config import ConfigError, DeliveryConfig
 
 log = Logger()
@@ -429,8 +426,9 @@ def plan_upload(
     """Resolve one object's destination and PUT headers from stable inputs only.
 
     ``filename`` is the worker's (sanitised here), ``accepted_at`` the receipt time,
-    ``content_md5`` 32 lowercase hex digits (:func:`md5_file`).  Raises :class:`PlanError` when the
-    result breaks IA's rules, which :func:`validate_delivery` rules out for a validated config.
+    ``content_md5`` 32 lowercase hex digits (:func:`canner.checksum.delivery_digests`).  Raises
+    :class:`PlanError` when the result breaks IA's rules, which :func:`validate_delivery` rules
+    out for a validated config.
     """
     if not HEX_MD5.fullmatch(content_md5):
         raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
@@ -692,26 +690,6 @@ def redact(text: str, secret: str) -> str:
     for form in {secret, quote(secret, safe=""), quote(secret)}:
         text = text.replace(form, "***")
     return text
-
-
-_MD5_READ = 4 << 20
-
-
-def md5_file(path: Path, stop: threading.Event | None = None) -> str:
-    """MD5 of the whole file as 32 lowercase hex digits (blocking; run it off the reactor).
-
-    Raises :class:`~canner.checksum.HashCancelled` soon after ``stop`` is set, and ``OSError``
-    when the file cannot be read.
-    """
-    digest = hashlib.md5(usedforsecurity=False)
-    buffer = bytearray(_MD5_READ)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as stream:
-        while n := stream.readinto(view):
-            if stop is not None and stop.is_set():
-                raise HashCancelled()
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 def make_http_client(reactor: Any, connect_timeout: float = 60.0) -> HTTPClient:

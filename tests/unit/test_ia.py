@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import blake3
 import pytest
 import pytest_twisted  # type: ignore[import-untyped]
 from hypothesis import given
@@ -24,7 +25,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from canner.checksum import HashCancelled
+from canner.checksum import HashCancelled, delivery_digests
 from canner.config import ConfigError, DeliveryConfig
 from canner.ia import (
     FILENAME_MAX_BYTES,
@@ -42,7 +43,6 @@ from canner.ia import (
     expand_template,
     format_date,
     load_credentials,
-    md5_file,
     metadata_headers,
     parse_metadata,
     parse_retry_after,
@@ -466,16 +466,19 @@ def test_redact_replaces_every_form_of_the_secret() -> None:
     assert redact(text, SECRET) == "LOW a:*** and ***"
 
 
-def test_md5_file(tmp_path: Path) -> None:
-    """md5_file is the hex MD5 of the whole file, and stops when asked."""
+def test_delivery_digests(tmp_path: Path) -> None:
+    """One read gives the hex MD5 (for Content-MD5) and the BLAKE3, and stops when asked."""
     path = tmp_path / "f"
     data = os.urandom(5 << 20)
     path.write_bytes(data)
-    assert md5_file(path) == hashlib.md5(data).hexdigest()
+    blake, md5_hex, size = delivery_digests(path)
+    assert md5_hex == hashlib.md5(data).hexdigest()
+    assert str(blake) == "blake3:" + blake3.blake3(data).hexdigest()
+    assert size == len(data)
     stop = threading.Event()
     stop.set()
     with pytest.raises(HashCancelled):
-        md5_file(path, stop)
+        delivery_digests(path, stop)
 
 
 # --- IASink over a traversal agent (no sockets) --------------------------------------------
@@ -578,7 +581,7 @@ class World:
             metadata={"collection": ("a", "b"), "title": ("Artifact {object_id}",)},
         )
         plan = plan_upload(
-            config, "example", object_id, name, ACCEPTED, size, md5 or md5_file(path)
+            config, "example", object_id, name, ACCEPTED, size, md5 or delivery_digests(path)[1]
         )
         return plan, path
 
@@ -657,7 +660,7 @@ async def test_deliver_overwrites_a_different_remote_file(world: World) -> None:
     plan, path = world.artifact(1000)
     assert (await deliver(world.sink(), plan, path)).delivered
     path.write_bytes(b"y" * 1000)
-    changed = attrs.evolve(plan, content_md5=md5_file(path))
+    changed = attrs.evolve(plan, content_md5=delivery_digests(path)[1])
     changed = attrs.evolve(
         changed,
         headers=tuple(
