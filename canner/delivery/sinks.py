@@ -85,12 +85,11 @@ def internet_archive_sinks(config: Config, reactor: Any) -> dict[str, Sink]:
         if delivery is None:
             continue
         ia.validate_delivery(project_id, delivery)
-        try:
-            credentials = ia.load_credentials(delivery.credentials)
-        except ia.CredentialsError as e:
-            raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
         if http is None:
             http = ia.make_http_client(reactor)
-        sink = ia.IASink(http, reactor, credentials, delivery.s3_url, delivery.metadata_url)
+        try:
+            sink = ia.IASink.for_delivery(delivery, http, reactor)
+        except ia.CredentialsError as e:
+            raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
         sinks[project_id] = IADeliverySink(delivery, sink)
     return sinks
