@@ -69,6 +69,14 @@ def _failure_status(failure: Failure) -> Failure:
     return failure
 
 
+def _check_final_patch(offset: int, length: int | None, size: int) -> None:
+    """A PATCH to a complete upload may only repeat the final, empty request (409, 413)."""
+    if offset != size:
+        raise TusError(409, f"Upload-Offset {offset} does not match {size}")
+    if length != 0:
+        raise TusError(413, "the upload is already complete")
+
+
 @define(eq=False)
 class UploadIntake:
     """Admission, body streaming and completion for tus uploads."""
@@ -180,13 +188,10 @@ class UploadIntake:
         return running.addCallback(lambda receipt: Outcome(upload_id, size, size, {}, receipt))
 
     def _join_check(self, upload_id: str, offset: int, length: int | None) -> int:
-        info = self._uploads.read_info(upload_id)
+        info = self._read_info(upload_id)
         if info is None:
             raise _not_found()
-        if offset != info.size:
-            raise TusError(409, f"Upload-Offset {offset} does not match the stored {info.size}")
-        if length != 0:
-            raise TusError(413, "the upload is already complete")
+        _check_final_patch(offset, length, info.size)
         return info.size
 
     def _open_for_append(
@@ -198,10 +203,7 @@ class UploadIntake:
             accepted = self._accepted(upload_id)
             if accepted is None:
                 raise _not_found()
-            if offset != accepted.size:
-                raise TusError(409, f"Upload-Offset {offset} does not match {accepted.size}")
-            if length != 0:
-                raise TusError(413, "the upload is already complete")
+            _check_final_patch(offset, length, accepted.size)
             return accepted
         if info.rejected is not None:
             raise _rejected(info)
