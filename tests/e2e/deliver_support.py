@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
-from e2e_support import REPO, Receiver, end_process, free_port, twistd_command
+from e2e_support import REPO, Receiver, end_process, free_port, spawn_daemon
 
 FAKE_IA = REPO / "tests" / "fake_ia.py"
 ACCESS = "e2e-access"
@@ -298,25 +298,9 @@ class Deliver:
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start the process without waiting for anything."""
         self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start #{self.starts} =====\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                [
-                    *twistd_command(),
-                    "--nodaemon",
-                    "--pidfile=",
-                    *self.twistd_args,
-                    "canner-deliver",
-                    "--config",
-                    str(self.config_path),
-                ],
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        return proc
+        return spawn_daemon(
+            "deliver", self.config_path, self.log_path, self.starts, self.twistd_args
+        )
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         """Start and wait until the process holds the data directory lock (it writes its pid)."""

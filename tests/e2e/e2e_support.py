@@ -80,6 +80,31 @@ def twistd_command() -> list[str]:
     return [str(candidate)]
 
 
+def spawn_daemon(
+    role: str, config_path: Path, log_path: Path, start: int, extra: Iterable[str] = ()
+) -> subprocess.Popen[bytes]:
+    """Start ``twistd --nodaemon canner-<role> --config ...`` from the repository root, its
+    output appended to ``log_path`` under a "start #N" banner."""
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== start #{start} =====\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            [
+                *twistd_command(),
+                "--nodaemon",
+                "--pidfile=",
+                *extra,
+                f"canner-{role}",
+                "--config",
+                str(config_path),
+            ],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def end_process(
     proc: subprocess.Popen[bytes] | None, sig: int, timeout: float = 15.0
 ) -> int | None:
@@ -191,23 +216,7 @@ class Receiver:
     def start(self, timeout: float = START_TIMEOUT) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start #{self.starts} =====\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                [
-                    *twistd_command(),
-                    "--nodaemon",
-                    "--pidfile=",
-                    "canner-receiver",
-                    "--config",
-                    str(self.config_path),
-                ],
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        self.proc = spawn_daemon("receiver", self.config_path, self.log_path, self.starts)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
