@@ -113,8 +113,8 @@ class ItemPlan:
     """Where one object goes and how, resolved once from config and stable inputs.
 
     ``headers`` are every PUT header except ``authorization`` (the secret is added by the sink)
-    and ``Content-Length`` (set from the body producer).  The plan never changes between attempts,
-    so persisting it (:func:`plan_to_json`) pins the destination even if the config changes.
+    and ``Content-Length`` (set from the body producer).  It is built from stable inputs only,
+    so every attempt of an object resolves to the same destination.
     """
 
     project: str
@@ -130,42 +130,6 @@ class ItemPlan:
     def path(self) -> str:
         """The percent-encoded S3 path: ``/{identifier}/{remote name, encoded per segment}``."""
         return "/" + quote(self.identifier, safe="") + "/" + quote(self.remote_name, safe="/")
-
-
-def plan_to_json(plan: ItemPlan) -> str:
-    """The plan as a compact JSON object (for a database column)."""
-    return json.dumps(
-        {
-            "project": plan.project,
-            "object_id": plan.object_id,
-            "identifier": plan.identifier,
-            "remote_name": plan.remote_name,
-            "size": plan.size,
-            "content_md5": plan.content_md5,
-            "size_hint": plan.size_hint,
-            "headers": [list(h) for h in plan.headers],
-        },
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-
-
-def plan_from_json(text: str) -> ItemPlan:
-    """Inverse of :func:`plan_to_json`; raises ``ValueError`` for anything else."""
-    try:
-        raw = json.loads(text)
-        return ItemPlan(
-            project=str(raw["project"]),
-            object_id=str(raw["object_id"]),
-            identifier=str(raw["identifier"]),
-            remote_name=str(raw["remote_name"]),
-            size=int(raw["size"]),
-            content_md5=str(raw["content_md5"]),
-            size_hint=int(raw["size_hint"]),
-            headers=tuple((str(k), str(v)) for k, v in raw["headers"]),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"not a stored ItemPlan: {e}") from None
 
 
 def format_date(accepted_at: int) -> str:

@@ -110,12 +110,6 @@ def has_upload_body(headers: Headers) -> bool:
     return value is not None and value.split(";")[0].strip().lower() == OFFSET_CONTENT_TYPE
 
 
-def content_length(headers: Headers) -> int | None:
-    """``Content-Length`` when given (strictly parsed), None for chunked bodies."""
-    text = single_header(headers, "Content-Length")
-    return None if text is None else parse_strict_int(text, "Content-Length")
-
-
 def parse_metadata(text: str) -> dict[str, str]:
     """Parse ``Upload-Metadata``: ``key base64,key base64,key``.  400 on any malformed pair.
 
