@@ -8,6 +8,12 @@ receipt published without overwriting, then ``receipts/`` fsynced: the commit po
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
 already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
 (callers join it), and the caller's flock keeps other processes out.
+
+Storage errors are not all alike.  A failed write or fsync of the upload's data or sidecar leaves
+its bytes untrustworthy: the store resets the upload (see ``UploadStore.distrust``) and the worker
+must send it again; retrying the fsync would only report success over lost pages.  A failed
+``receipts/`` fsync unpublishes the receipt it just linked, so nothing can serve a receipt that a
+power cut would erase; the upload's bytes were durable, so a retry may commit again.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, blake3_file
 from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import LockedUpload, UploadStore
+from canner.tus.store import LockedUpload, StorageFault, UploadStore
 
 log = Logger()
 
@@ -40,7 +46,9 @@ class ChecksumMismatch(Exception):
 
 
 class AcceptanceFailed(Exception):
-    """A storage or sync step failed; the upload stays complete and acceptance can be retried."""
+    """A storage or sync step failed; no receipt exists.  The worker retries later: the upload is
+    either still complete (acceptance runs again) or was reset after a storage fault (HEAD says
+    where to resume)."""
 
     def __init__(self, message: str, *, no_space: bool = False) -> None:
         super().__init__(message)
@@ -84,11 +92,11 @@ class Acceptance:
         joined = self._join(upload_id)
 
         def done(result: object) -> None:
+            # The one release point of the lock, on the reactor thread, in the same turn that
+            # ends is_running(): no request can find the lock free while the acceptance still
+            # counts as running, or the other way round.  Closing a regular file does not block.
+            upload.close()
             waiters = self._waiters.pop(upload_id)
-            if upload.fd >= 0:
-                self._run(upload.close).addErrback(
-                    lambda f: log.failure("closing {object_id}", f, object_id=upload_id)
-                )
             for waiter in waiters:
                 if waiter.called:  # cancelled by its caller
                     continue
@@ -131,6 +139,14 @@ class Acceptance:
             raise
         except HashCancelled:
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
+        except StorageFault as e:
+            log.error(
+                "acceptance of {object_id} failed; the upload was reset: {error}",
+                object_id=info.upload_id,
+                project=info.project,
+                error=str(e),
+            )
+            raise AcceptanceFailed(str(e), no_space=e.no_space) from None
         except OSError as e:
             log.error(
                 "acceptance of {object_id} failed, will be retried: {error}",
@@ -166,20 +182,20 @@ class Acceptance:
     # The steps block; each runs on a worker thread.
 
     def sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
-        """Step 2: fsync data, sidecar and ``uploads/``; record the origin next to where the
-        receipt will go (fsynced; its name is made durable by the ``receipts/`` fsync that the
-        receipt needs anyway).
+        """Step 2: fsync data, sidecar and ``uploads/`` (a failure resets the upload:
+        :class:`StorageFault`), then record the origin next to where the receipt will go
+        (fsynced; its name is made durable by the ``receipts/`` fsync that the receipt needs
+        anyway).
 
         Returns the receipt when an earlier acceptance committed one (``receipts/`` is fsynced
         again first, in case that acceptance failed before its own directory fsync).
         """
         oid = upload.info.upload_id
         existing = self._receipts.read(oid)
-        self._receipts.record_origin(oid, origin)
         if existing is None:
             self._uploads.sync_upload(upload)
-            fsync_dir(self._uploads.directory)
-        else:
+        self._receipts.record_origin(oid, origin)
+        if existing is not None:
             fsync_dir(self._receipts.directory)
         return existing
 
@@ -207,7 +223,11 @@ class Acceptance:
         self._receipts.forget_origin(upload.info.upload_id)
 
     def commit_receipt(self, upload: LockedUpload) -> Receipt:
-        """Step 4: publish the receipt, fsync ``receipts/``, then release the lock."""
+        """Step 4: publish the receipt, then fsync ``receipts/``: the commit point.
+
+        If that fsync fails, a receipt this call published is unpublished again before the error
+        propagates, so no reader finds a receipt whose name may not survive a power cut.
+        """
         info = upload.info
         receipt = Receipt(
             object_id=info.upload_id,
@@ -217,8 +237,12 @@ class Acceptance:
             accepted_at=max(1, int(self._clock.seconds())),
         )
         stored = self._receipts.commit(receipt)
-        fsync_dir(self._receipts.directory)  # the commit point
-        upload.close()
+        try:
+            fsync_dir(self._receipts.directory)  # the commit point
+        except OSError:
+            if stored is receipt:
+                self._receipts.unpublish(receipt.object_id)
+            raise
         return stored
 
     def enqueue_delivery(self, receipt: Receipt, origin: Origin) -> None:

@@ -66,18 +66,29 @@ def write_behind(fd: int, start: int, end: int, settle_before: int) -> None:
 
     Linux's sync_file_range: it keeps a large upload's dirty pages bounded while it streams, so
     the fsync at acceptance has only the tail left to flush.  It is no durability guarantee
-    (acceptance still fsyncs).  A no-op where the call is missing.
+    (acceptance still fsyncs), but it *does* consume writeback errors: the kernel reports a
+    failed writeback once per open file, so an error here must reach the caller (``OSError``),
+    or the later fsync on the same descriptor would succeed over lost pages.  A no-op where the
+    call is missing.
     """
     if _sync_file_range is None:
         return
     if settle_before > 0:
-        _sync_file_range(
-            fd,
-            0,
-            settle_before,
-            _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
+        _checked(
+            _sync_file_range(
+                fd,
+                0,
+                settle_before,
+                _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
+            )
         )
-    _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+    _checked(_sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE))
+
+
+def _checked(result: int) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
 
 
 def free_bytes(path: Path) -> int:

@@ -204,6 +204,18 @@ class ReceiptStore:
         assert existing is not None, "a published receipt is never removed"
         return existing
 
+    def unpublish(self, object_id: str) -> None:
+        """Remove a receipt whose commit failed (its ``receipts/`` fsync did); best effort.
+
+        Only the acceptance that published the receipt, before anyone could have been served
+        it, may call this: readers in this process wait while an acceptance runs.
+        """
+        self.receipt_path(object_id).unlink(missing_ok=True)
+        try:
+            fs.fsync_dir(self.directory)
+        except OSError:
+            pass  # the name is gone from every reader's view; the next commit fsyncs again
+
     def object_ids(self) -> Iterator[str]:
         """Ids of every receipt on disk (in directory order)."""
         with os.scandir(self.directory) as entries:

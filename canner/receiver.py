@@ -24,7 +24,6 @@ from canner import fs
 from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
-from canner.receipts import ReceiptStore
 from canner.status_page import StatusSource, render_status
 from canner.tus.intake import UploadIntake
 from canner.tus.protocol import TusError, method_override
@@ -42,7 +41,7 @@ class ReceiverRoutes:
     """Receipt lookup, health, the status page and metrics."""
 
     app: ClassVar[Klein] = Klein()
-    _receipts: ReceiptStore
+    _intake: UploadIntake
     _ids: ObjectIds
     _data_dir: Path
     _run: BlockingRunner
@@ -57,7 +56,9 @@ class ReceiverRoutes:
     async def receipt(self, request: IRequest, object_id: str) -> bytes:
         if not self._ids.is_valid(object_id):
             raise TusError(404, "no such receipt")
-        data = await self._run(self._receipts.read_bytes, object_id)
+        # Waits for an acceptance of this object that is running now: a receipt is served only
+        # once committed, and a worker whose final response was lost gets it instead of a 404.
+        data = await self._intake.receipt(object_id)
         if data is None:
             raise TusError(404, "no such receipt")
         request.setHeader("Content-Type", "application/json")
@@ -138,14 +139,13 @@ class MeteredSite(ReceiverSite):
 def receiver_site(
     intake: UploadIntake,
     tus: TusRoutes,
-    receipts: ReceiptStore,
     ids: ObjectIds,
     data_dir: Path,
     run: BlockingRunner,
     metrics: Metrics,
     status: StatusSource,
 ) -> ReceiverSite:
-    routes = ReceiverRoutes(receipts, ids, data_dir, run, metrics, status)
+    routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status)
     root = _Root(tus.app.resource(), routes.app.resource())
     site = MeteredSite(root, intake, metrics, timeout=HTTP_IDLE_TIMEOUT)
     site.displayTracebacks = False

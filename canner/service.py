@@ -23,6 +23,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
 from twisted.web.server import Site
 
+from canner import fs
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
 from canner.delivery import index as sql
@@ -147,6 +148,9 @@ def _add_manhole(
 def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
     for sub in ("uploads", "receipts"):
         (data_dir / sub).mkdir(parents=True, exist_ok=True)
+        # A crash between linking a receipt and fsyncing its directory leaves a name that a
+        # power cut could still erase: make every name durable before anything serves it.
+        fs.fsync_dir(data_dir / sub)
     return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
 
 
@@ -212,9 +216,7 @@ def receiver_service(
         config.issuer,
         config.min_free_bytes,
     )
-    site = receiver_site(
-        intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status
-    )
+    site = receiver_site(intake, tus, config.object_ids, config.data_dir, run, metrics, status)
     PeriodicService(
         reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
     ).setServiceParent(top)

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from urllib.parse import unquote_to_bytes
 
 from attrs import define, frozen
-from twisted.internet.defer import Deferred, fail
+from twisted.internet import defer
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -27,10 +28,24 @@ from canner.config import Config
 from canner.receipts import Receipt, ReceiptStore
 from canner.tus import protocol
 from canner.tus.protocol import TusError
-from canner.tus.store import CorruptInfo, LockedUpload, UploadInfo, UploadStore
+from canner.tus.store import (
+    NO_SPACE_ERRNOS,
+    CorruptInfo,
+    LockedUpload,
+    OutOfSpace,
+    StorageFault,
+    UploadGone,
+    UploadInfo,
+    UploadStore,
+)
 from canner.tus.stream import BodyStream, ReceiverRequest
 
 log = Logger()
+
+# How long HEAD and a receipt lookup wait for a running acceptance before answering 503; a
+# 100 GiB upload hashes for minutes, and proxies commonly give up on an answer after 60 s.
+ACCEPTANCE_WAIT = 20.0
+ACCEPTANCE_RETRY_AFTER = 5
 
 
 @frozen
@@ -61,11 +76,9 @@ def _failure_status(failure: Failure) -> Failure:
     """Translate acceptance outcomes into their HTTP meaning."""
     if failure.check(ChecksumMismatch):
         return Failure(TusError(422, str(failure.value)))
-    if failure.check(AcceptanceFailed):
-        error = failure.value
-        assert isinstance(error, AcceptanceFailed)
-        status = 503 if error.no_space else 500
-        return Failure(TusError(status, str(error), (("Retry-After", "60"),)))
+    if failure.check(AcceptanceFailed, StorageFault):
+        # 503 with Retry-After: every tus client (the Go SDK too) retries it, then HEADs.
+        return Failure(protocol.storage_trouble(str(failure.value)))
     return failure
 
 
@@ -105,7 +118,12 @@ class UploadIntake:
             return None
         transport = request.transport
         assert transport is not None
-        stream = BodyStream(self._run, transport, self._finish)  # type: ignore[arg-type]
+        stream = BodyStream(
+            self._run,
+            transport,  # type: ignore[arg-type]
+            self._append,
+            self._finish,
+        )
         try:
             admission = admit(request.requestHeaders, target, length)
         except TusError as e:
@@ -157,7 +175,13 @@ class UploadIntake:
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_free_space()
-        self._uploads.create(info)
+        try:
+            self._uploads.create(info)
+        except OSError as e:
+            if e.errno not in NO_SPACE_ERRNOS:
+                raise
+            self._uploads.remove(info.upload_id)
+            raise protocol.storage_trouble(f"no space to create an upload: {e.strerror}") from None
         if not with_body:
             return Outcome(info.upload_id, info.size, 0, info.metadata, None, location)
         upload = self._uploads.open_locked(info)
@@ -211,6 +235,13 @@ class UploadIntake:
             upload = self._uploads.open_locked(info)
         except fs.Locked:
             raise _locked() from None
+        except UploadGone:
+            # Purged after acceptance (or swept) since the sidecar was read.
+            accepted = self._accepted(upload_id)
+            if accepted is None:
+                raise _not_found() from None
+            _check_final_patch(offset, length, accepted.size)
+            return accepted
         try:
             if offset != upload.offset:
                 raise TusError(409, f"Upload-Offset {offset} does not match {upload.offset}")
@@ -249,6 +280,25 @@ class UploadIntake:
                 metadata["filename"] = origin.filename
         return Outcome(upload_id, receipt.size_bytes, receipt.size_bytes, metadata, receipt)
 
+    # -- the body -------------------------------------------------------------------------------
+
+    def _append(self, upload: LockedUpload, chunks: list[bytes]) -> Deferred[int]:
+        """Write chunks (in a thread); storage trouble becomes a 503 the worker retries."""
+
+        def failed(failure: Failure) -> Failure:
+            oid = upload.info.upload_id
+            if failure.check(OutOfSpace):
+                log.warn("out of space while writing {object_id} at offset {offset}",
+                         object_id=oid, offset=upload.offset)  # fmt: skip
+                return Failure(protocol.storage_trouble(str(failure.value)))
+            if failure.check(StorageFault):
+                log.error("writing {object_id} failed: {error}", object_id=oid,
+                          error=str(failure.value))  # fmt: skip
+                return Failure(protocol.storage_trouble(str(failure.value)))
+            return failure
+
+        return self._run(self._uploads.append, upload, chunks).addErrback(failed)
+
     # -- after the body -------------------------------------------------------------------------
 
     def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
@@ -274,10 +324,13 @@ class UploadIntake:
     # -- HEAD -----------------------------------------------------------------------------------
 
     def status(self, headers: Headers, upload_id: str) -> Deferred[Outcome]:
-        """The state of an upload for HEAD.  Never waits for a running acceptance.
+        """The state of an upload for HEAD.
 
-        A complete upload that has no receipt and no acceptance running (a transient failure
-        earlier) gets acceptance started in the background.
+        While an acceptance of the upload runs, HEAD waits for it (at most
+        :data:`ACCEPTANCE_WAIT`, then 503): a receipt is never shown before its commit point,
+        and a complete upload is never shown without the receipt that is on its way.  A complete
+        upload that has no receipt and no acceptance running (a transient failure earlier) gets
+        acceptance started in the background.
         """
         try:
             protocol.check_tus_resumable(headers)
@@ -285,9 +338,41 @@ class UploadIntake:
                 raise _not_found()
         except TusError as e:
             return fail(e)
-        d = self._run(self._status, upload_id)
-        d.addCallback(self._maybe_resume_acceptance)
-        return d
+        return Deferred.fromCoroutine(self._head(upload_id))
+
+    async def _head(self, upload_id: str) -> Outcome:
+        await self._after_acceptance(upload_id)
+        outcome: Outcome = await self._run(self._status, upload_id)
+        return self._maybe_resume_acceptance(outcome)
+
+    def receipt(self, object_id: str) -> Deferred[bytes | None]:
+        """The committed receipt of ``object_id`` (None when there is none), waiting for a
+        running acceptance like :meth:`status`."""
+        return Deferred.fromCoroutine(self._receipt(object_id))
+
+    async def _receipt(self, object_id: str) -> bytes | None:
+        await self._after_acceptance(object_id)
+        data: bytes | None = await self._run(self._receipts.read_bytes, object_id)
+        return data
+
+    def _after_acceptance(self, upload_id: str) -> Deferred[None]:
+        """Fires once no acceptance of ``upload_id`` runs here; 503 after the bounded wait."""
+        running = self._acceptance.in_flight(upload_id)
+        if running is None:
+            return succeed(None)
+        running.addTimeout(ACCEPTANCE_WAIT, self._clock)
+
+        def settled(result: object) -> None:
+            # Success or failure is the acceptance's business (its own request answers it);
+            # the caller reads the disk afterwards.
+            if isinstance(result, Failure) and result.check(defer.TimeoutError):
+                raise protocol.storage_trouble(
+                    "the upload is complete and its acceptance (hash and commit) is still"
+                    " running; retry to get the receipt",
+                    ACCEPTANCE_RETRY_AFTER,
+                )
+
+        return running.addBoth(settled)
 
     def _status(self, upload_id: str) -> Outcome:
         info = self._read_info(upload_id)
@@ -299,7 +384,12 @@ class UploadIntake:
         if info.rejected is not None:
             raise TusError(410, f"upload rejected for good: {info.rejected}")
         receipt = self._receipts.read(upload_id)
-        offset = info.size if receipt is not None else self._uploads.offset(upload_id)
+        if receipt is not None:
+            offset = info.size
+        elif self._uploads.is_untrusted(info):
+            offset = 0  # reset before anyone writes; the bytes there now do not count
+        else:
+            offset = self._uploads.offset(upload_id)
         return Outcome(upload_id, info.size, offset, info.metadata, receipt)
 
     def _maybe_resume_acceptance(self, outcome: Outcome) -> Outcome:
@@ -316,9 +406,12 @@ class UploadIntake:
 
     def _lock_complete(self, upload_id: str) -> LockedUpload | None:
         info = self._uploads.read_info(upload_id)
-        if info is None or info.rejected is not None:
+        if info is None or info.rejected is not None or self._uploads.is_untrusted(info):
             return None
-        upload = self._uploads.open_locked(info)
+        try:
+            upload = self._uploads.open_locked(info)
+        except UploadGone:
+            return None
         if upload.offset != info.size:
             upload.close()
             return None
@@ -330,7 +423,7 @@ class UploadIntake:
         self._acceptance.accept(upload).addErrback(
             lambda f: (
                 None
-                if f.check(ChecksumMismatch, AcceptanceFailed)
+                if f.check(ChecksumMismatch, AcceptanceFailed, StorageFault)
                 else log.failure(
                     "background acceptance of {object_id}", f, object_id=upload.info.upload_id
                 )

@@ -54,6 +54,11 @@ def space_unknown() -> TusError:
     return _retry_later(503, "free space on the data directory cannot be determined")
 
 
+def storage_trouble(message: str, retry_after: int = 60) -> TusError:
+    """503: the storage failed or is full; send again later (HEAD says from where)."""
+    return TusError(503, message, (("Retry-After", str(retry_after)),))
+
+
 def single_header(headers: Headers, name: str) -> str | None:
     """The one value of header ``name``, None when absent; 400 when repeated or not ASCII."""
     values = headers.getRawHeaders(name.encode("ascii"))

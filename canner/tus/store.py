@@ -1,23 +1,33 @@
 """Uploads on disk: ``uploads/{id}`` holds the bytes, ``uploads/{id}.info`` the tus info sidecar.
 
 The sidecar has the tusd filestore shape (``ID``, ``Size``, ``Offset``, ``MetaData``, ...) plus
-``CreatedAt`` and, once the checksum failed, ``Rejected``.  The offset of an upload is the size of
-its data file: nothing in memory is authoritative, so a restart reads only the disk.  Paths are
-derived from the (validated) id, never read from the sidecar.
+``CreatedAt``, ``Rejected`` once the checksum failed, and ``Untrusted`` while the data file must be
+reset (see below).  The offset of an upload is the size of its data file: nothing in memory is
+authoritative, so a restart reads only the disk.  Paths are derived from the (validated) id, never
+read from the sidecar.
 
 One writer per upload: :meth:`UploadStore.open_locked` takes a flock on the data file that holds
-across processes.  Every method blocks; call them through a blocking runner.
+across processes, and never creates the file (only :meth:`UploadStore.create` does).
+
+Storage errors: the kernel reports a failed writeback once, and the pages it could not write stay
+in the page cache looking valid, so after any error from a write, a writeback or an fsync of an
+upload's data or sidecar, its stored bytes are untrustworthy.  :meth:`UploadStore.distrust`
+records that in the sidecar (durably, first), truncates the data file to zero bytes and fsyncs it:
+the worker re-sends, and no receipt can come from the suspect bytes.  A write refused for lack of
+space (``ENOSPC``/``EDQUOT`` from ``pwritev`` itself) is no such error: the kernel took nothing,
+and the bytes before it are kept.  Every method blocks; call them through a blocking runner.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import define, evolve, frozen
+from attrs import define, evolve, field, frozen
 
 from canner import fs
 from canner.checksum import Checksum, parse_checksum
@@ -31,6 +41,27 @@ class CorruptInfo(Exception):
     """An info sidecar exists but cannot be read as one."""
 
 
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class OutOfSpace(Exception):
+    """The filesystem refused more bytes; what was written before stays (the offset says how
+    much)."""
+
+
+class StorageFault(Exception):
+    """The storage failed under an upload's bytes; the upload was reset (or, when even that
+    failed, is marked for reset) and must be sent again from its new offset."""
+
+    def __init__(self, message: str, *, no_space: bool) -> None:
+        super().__init__(message)
+        self.no_space = no_space
+
+
+class UploadGone(Exception):
+    """The upload's data file is gone (swept, purged) or was replaced since it was looked up."""
+
+
 @frozen
 class UploadInfo:
     """What the sidecar records about an upload."""
@@ -40,6 +71,8 @@ class UploadInfo:
     metadata: Mapping[str, str]
     created_at: int
     rejected: str | None = None
+    # Set (durably) after a storage error, until the data file has been reset to empty.
+    untrusted: str | None = None
 
     @property
     def project(self) -> str:
@@ -67,6 +100,8 @@ class UploadInfo:
         }
         if self.rejected is not None:
             doc["Rejected"] = self.rejected
+        if self.untrusted is not None:
+            doc["Untrusted"] = self.untrusted
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
@@ -88,8 +123,10 @@ def parse_info(upload_id: str, data: bytes) -> UploadInfo:
         if not ok:
             raise ValueError("unexpected shape")
         parse_checksum(metadata["checksum"])
-        rejected = raw.get("Rejected")
-        return UploadInfo(upload_id, size, metadata, created, rejected)
+        rejected, untrusted = raw.get("Rejected"), raw.get("Untrusted")
+        if not all(v is None or isinstance(v, str) for v in (rejected, untrusted)):
+            raise ValueError("Rejected and Untrusted are strings")
+        return UploadInfo(upload_id, size, metadata, created, rejected, untrusted)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptInfo(f"info sidecar of {upload_id} is unreadable: {e}") from None
 
@@ -107,20 +144,28 @@ class LockedUpload:
     _written_back: int = -1
 
     def write(self, chunks: list[bytes]) -> int:
-        """Write ``chunks`` at the current offset; returns the new offset."""
-        pos = self.offset
+        """Write ``chunks`` at the current offset; returns the new offset.
+
+        :class:`OutOfSpace` when the filesystem refuses bytes (:attr:`offset` counts what was
+        written before); any other ``OSError`` leaves the upload's bytes untrustworthy (see
+        :meth:`UploadStore.append`).
+        """
         pending = [memoryview(chunk) for chunk in chunks]
         while pending:
             # At most _IOV_MAX buffers per call (the kernel's IOV_MAX is 1024).
-            written = os.pwritev(self.fd, pending[:_IOV_MAX], pos)
-            pos += written
+            try:
+                written = os.pwritev(self.fd, pending[:_IOV_MAX], self.offset)
+            except OSError as e:
+                if e.errno in NO_SPACE_ERRNOS:
+                    raise OutOfSpace(f"no space left to store {self.info.upload_id}") from e
+                raise
+            self.offset += written
             while pending and written >= len(pending[0]):
                 written -= len(pending.pop(0))
             if pending:
                 pending[0] = pending[0][written:]
-        self.offset = pos
         self._write_behind()
-        return pos
+        return self.offset
 
     def _write_behind(self) -> None:
         if self._written_back < 0:
@@ -136,6 +181,7 @@ class LockedUpload:
         """Drop everything after ``offset`` (undo a refused chunked PATCH)."""
         os.ftruncate(self.fd, offset)
         self.offset = offset
+        self._written_back = -1
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -143,11 +189,13 @@ class LockedUpload:
             self.fd = -1
 
 
-@frozen
+@define(eq=False)
 class UploadStore:
     """``uploads/`` in the data directory."""
 
     directory: Path
+    # Uploads whose reset after a storage error has not completed yet (see distrust).
+    _distrusted: set[str] = field(factory=set)
 
     def data_path(self, upload_id: str) -> Path:
         return self.directory / upload_id
@@ -181,28 +229,116 @@ class UploadStore:
             return 0
 
     def open_locked(self, info: UploadInfo) -> LockedUpload:
-        """Open and flock the data file; raise :class:`fs.Locked` while another writer holds it."""
-        fd = os.open(self.data_path(info.upload_id), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """Open and flock the data file of an existing upload.
+
+        Raises :class:`fs.Locked` while another writer holds it, and :class:`UploadGone` when the
+        file is missing or was unlinked or replaced before the lock was taken (the inode is
+        checked under the lock, so a purge or sweep racing this never gets its file re-created).
+        An upload marked untrusted is reset first (:class:`StorageFault` if that fails).
+        """
+        path = self.data_path(info.upload_id)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise UploadGone(info.upload_id) from None
         try:
             fs.lock_fd(fd)
-            offset = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                raise UploadGone(info.upload_id) from None
+            if (current.st_dev, current.st_ino) != (stat.st_dev, stat.st_ino):
+                raise UploadGone(info.upload_id)
         except BaseException:
             os.close(fd)
             raise
-        return LockedUpload(info, fd, offset)
+        upload = LockedUpload(info, fd, stat.st_size)
+        if self.is_untrusted(info):
+            try:
+                self._reset(upload)
+            except OSError as e:
+                upload.close()
+                raise StorageFault(
+                    f"the upload cannot be reset after a storage failure: {e.strerror or e}",
+                    no_space=e.errno in NO_SPACE_ERRNOS,
+                ) from None
+            except BaseException:
+                upload.close()
+                raise
+        return upload
+
+    def is_untrusted(self, info: UploadInfo) -> bool:
+        """True while the upload's data file waits for its reset (its offset is then 0)."""
+        return info.untrusted is not None or info.upload_id in self._distrusted
+
+    def append(self, upload: LockedUpload, chunks: list[bytes]) -> int:
+        """Write ``chunks`` at the upload's offset; returns the new offset.
+
+        :class:`OutOfSpace` keeps the bytes written before it; any other storage error resets
+        the upload (:meth:`distrust`) and raises :class:`StorageFault`.
+        """
+        try:
+            return upload.write(chunks)
+        except OutOfSpace:
+            raise
+        except OSError as e:
+            raise self.distrust(upload, "writing failed", e) from None
 
     def sync_upload(self, upload: LockedUpload) -> None:
-        """fsync the data file and the info sidecar (step 2 of acceptance; the dir is separate)."""
+        """fsync the data file, the info sidecar and ``uploads/`` (step 2 of acceptance).
+
+        A failure resets the upload (:meth:`distrust`) and raises :class:`StorageFault`: a
+        retried fsync would report success for pages the kernel already dropped.
+        """
+        try:
+            os.fsync(upload.fd)
+            fs.fsync_path(self.info_path(upload.info.upload_id))
+            fs.fsync_dir(self.directory)
+        except OSError as e:
+            raise self.distrust(upload, "fsync failed", e) from None
+
+    def distrust(self, upload: LockedUpload, context: str, error: OSError) -> StorageFault:
+        """The storage failed under ``upload``: make sure no receipt ever comes from its bytes.
+
+        In order: the mark goes into the sidecar (durably, so a crash right after still resets
+        the upload on its next use), the data file is truncated to zero and fsynced, and the mark
+        is cleared.  Whatever of that fails, the mark stays in this process too, and the upload
+        is reset before anyone may write or accept it.  Returns the error to raise.
+        """
+        info = upload.info
+        reason = f"{context}: {error.strerror or error}"
+        self._distrusted.add(info.upload_id)
+        try:
+            self._write_info(evolve(info, untrusted=reason))
+        except OSError:
+            pass  # the in-process mark and the truncation below still hold
+        try:
+            self._reset(upload)
+        except OSError:
+            pass  # marked: the next open_locked tries again
+        return StorageFault(
+            f"storage failure ({reason}); the upload was reset to offset {upload.offset}:"
+            " send it again",
+            no_space=error.errno in NO_SPACE_ERRNOS,
+        )
+
+    def _reset(self, upload: LockedUpload) -> None:
+        """Truncate an untrusted upload to zero bytes, durably, then clear its mark."""
+        upload.truncate(0)
         os.fsync(upload.fd)
-        fs.fsync_path(self.info_path(upload.info.upload_id))
+        upload.info = evolve(upload.info, untrusted=None)
+        self._write_info(upload.info)
+        self._distrusted.discard(upload.info.upload_id)
+
+    def _write_info(self, info: UploadInfo) -> None:
+        fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=True)
+        fs.fsync_dir(self.directory)
 
     def reject(self, upload: LockedUpload, reason: str) -> UploadInfo:
         """Durably mark the upload as never acceptable, then free its bytes."""
         rejected = evolve(upload.info, rejected=reason)
-        fs.replace_file(
-            self.directory, f"{upload.info.upload_id}.info", rejected.to_json(0), sync=True
-        )
-        fs.fsync_dir(self.directory)
+        self._write_info(rejected)
         upload.truncate(0)
         return rejected
 

@@ -154,6 +154,7 @@ class _Transport(Protocol):
     def resumeProducing(self) -> None: ...
 
 
+Write = Callable[[LockedUpload, list[bytes]], "Deferred[int]"]
 Finish = Callable[[LockedUpload, bool], "Deferred[Any]"]
 
 
@@ -163,14 +164,17 @@ class BodyStream:
 
     The owner calls :meth:`admitted` with the locked upload once admission is decided, or
     :meth:`answered` with the final result (a value, or a Failure such as a refusal) when the body
-    is not to be written; chunks received before that wait, with the socket paused.  When the
-    body has ended (or the connection dropped) and every chunk is written, ``finish(upload, lost)``
+    is not to be written; chunks received before that wait, with the socket paused.  Chunks go to
+    disk through ``write(upload, chunks)``, one call at a time; a failed write becomes the
+    result.  When the body has ended (or the connection dropped) and every chunk is written,
+    ``finish(upload, lost)``
     runs and its result is what :meth:`result` gives.  A body that would run past the upload's
     length is refused with 413 and the bytes it wrote are truncated away.
     """
 
     _run: BlockingRunner
     _transport: _Transport
+    _write: Write
     _finish: Finish
     _result: object = None
     _waiters: list[Deferred[Any]] = field(factory=list)
@@ -241,18 +245,19 @@ class BodyStream:
                 return
             self._writing = True
             self._resume()
-            self._run(upload.write, chunks).addBoth(self._written)
+            self._write(upload, chunks).addBoth(self._written)
         elif self._ended or self._lost:
             self._settle()
 
     def _written(self, result: object) -> None:
         self._writing = False
         if isinstance(result, Failure):
-            log.error(
-                "writing upload {object_id} failed: {error}",
-                object_id=self._upload.info.upload_id if self._upload else None,
-                error=str(result.value),
-            )
+            if not result.check(TusError):
+                log.error(
+                    "writing upload {object_id} failed: {error}",
+                    object_id=self._upload.info.upload_id if self._upload else None,
+                    error=str(result.value),
+                )
             if self._answer is None:
                 self._answer = result
             self._drop_pending()
