@@ -80,9 +80,7 @@ def _sequence(tmp_path: Path, faults: FsyncFaults, size: int) -> list[str]:
 
 
 @pytest.mark.parametrize("size", [7, (4 << 20) + 1], ids=["inline", "hash-pool"])
-def test_the_fsync_order_of_one_acceptance(
-    tmp_path: Path, faults: FsyncFaults, size: int
-) -> None:
+def test_the_fsync_order_of_one_acceptance(tmp_path: Path, faults: FsyncFaults, size: int) -> None:
     """Data, sidecar and uploads/ are durable before the receipt; receipts/ is synced last."""
     (tmp_path / "probe").mkdir()
     order = _sequence(tmp_path, faults, size)
@@ -133,7 +131,10 @@ def test_a_failed_fsync_never_leaves_a_receipt_for_untrusted_bytes(
         again = env.uploads.open_locked(info)
     receipt = succeeded(env.acceptance.accept(again))
     assert receipt.checksum.hex_digest == blake3.blake3(data).hexdigest()
-    assert blake3.blake3(env.uploads.data_path(OID).read_bytes()).hexdigest() == receipt.checksum.hex_digest
+    assert (
+        blake3.blake3(env.uploads.data_path(OID).read_bytes()).hexdigest()
+        == receipt.checksum.hex_digest
+    )
 
 
 def test_a_reset_that_cannot_finish_is_marked_durably_and_done_on_next_open(
