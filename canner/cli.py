@@ -35,7 +35,7 @@ from canner import inventory
 from canner.config import Config, ConfigError, load_config
 from canner.delivery import index as sql
 from canner.delivery.index import configure_connection, upgrade_schema
-from canner.delivery.rescan import missing_objects
+from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
 from canner.ia import CredentialsError, PlanError, load_credentials, plan_upload, validate_delivery
 from canner.receipts import ReceiptStore
@@ -354,43 +354,50 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     path = data_dir / inventory.INDEX_NAME
     upgrade_schema(path)
     receipts_dir = data_dir / "receipts"
-    tty = io.err.isatty()
     scan = None
-    if tty:
+    if io.err.isatty():
         total = sum(1 for _ in ReceiptStore(receipts_dir).object_ids())
         scan = Progress(io.err, "reading receipts", total)
     receipts = _CountedReceipts(receipts_dir, progress=scan)
+    uploads = UploadStore(data_dir / "uploads")
     conn = sqlite3.connect(path, isolation_level=None)
+    added = found_total = 0
+    problems: list[str] = []
     try:
         configure_connection(conn)
-        known = sql.known_ids(conn.cursor())
-        missing = missing_objects(
-            receipts, UploadStore(data_dir / "uploads"), config.object_ids, known
-        )
-        if scan is not None:
-            scan.finish()
-        writing = Progress(io.err, "adding to the index", len(missing)) if tty else None
-        added = 0
-        for start in range(0, len(missing), INSERT_BATCH):
-            batch = missing[start : start + INSERT_BATCH]
+        known = sql.count_objects(conn.cursor())
+        # Bounded batches: the walk, the index lookup and the inserts never hold every receipt.
+        for batch in receipt_batches(receipts, config.object_ids, INSERT_BATCH):
+            have = sql.known_among(conn.cursor(), batch)
+            found = read_accepted(receipts, uploads, [o for o in batch if o not in have])
+            problems += found.problems
+            if not found.objects:
+                continue
+            found_total += len(found.objects)
             cur = conn.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
-                added += sql.insert_objects(cur, batch, io.now())
+                added += sql.insert_objects(cur, found.objects, io.now())
             except BaseException:
                 cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
-            if writing is not None:
-                writing.step(len(batch))
-        if writing is not None and missing:
-            writing.finish()
+        if scan is not None:
+            scan.finish()
     finally:
         conn.close()
+    for problem in problems:
+        io.err.write(f"canner: rebuild-index skipped {problem}\n")
     io.out.write(
-        f"rebuild-index: {len(known)} objects were indexed, {added} added from receipts"
-        f" ({len(missing) - added} appeared meanwhile)\n"
+        f"rebuild-index: {known} objects were indexed, {added} added from receipts"
+        f" ({found_total - added} appeared meanwhile)\n"
     )
+    if problems:
+        io.err.write(
+            f"canner: {len(problems)} receipts were skipped: repair or move the files named"
+            " above, then run rebuild-index again\n"
+        )
+        return 1
     return 0
 
 

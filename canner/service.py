@@ -28,7 +28,7 @@ from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
-from canner.delivery.rescan import missing_objects
+from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.delivery.scheduler import DeliveryService, Sink
 from canner.delivery.sinks import internet_archive_sinks
 from canner.fs import DataDirLock, Locked
@@ -351,10 +351,18 @@ def deliver_service(
     ids = config.object_ids
 
     async def rescan() -> None:
-        known = await index.run(sql.known_ids)
-        missing = await io(missing_objects, receipts, uploads, ids, known)
-        if missing:
-            added = await index.insert(missing)
+        batches = receipt_batches(receipts, ids)
+        added = 0
+        # One bounded batch at a time: the directory walk advances in a thread, the index says
+        # which ids it lacks, and only those are read.
+        while (batch := await io(next, batches, None)) is not None:
+            known = await index.run(sql.known_among, batch)
+            missing = [oid for oid in batch if oid not in known]
+            if missing:
+                found = await io(read_accepted, receipts, uploads, missing)
+                if found.objects:
+                    added += await index.insert(found.objects)
+        if added:
             log.info("rescan added {count} receipts to the delivery index", count=added)
 
     metrics, survey_cache = _operator_surfaces(config, DELIVER, top, io, reactor, log_publisher)

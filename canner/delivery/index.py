@@ -9,7 +9,7 @@ connection.  The index is never the only copy of a fact: it can be rebuilt from 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -396,14 +396,33 @@ def record_failure(
     return cur.rowcount == 1
 
 
-def follow_ups_due(cur: sqlite3.Cursor, now: float, limit: int) -> list[QueueRow]:
-    """Delivered rows not yet purged whose next verification or purge is due."""
+def follow_ups_due(
+    cur: sqlite3.Cursor,
+    now: float,
+    limit: int,
+    projects: Iterable[str],
+    busy: Iterable[str] = (),
+) -> list[QueueRow]:
+    """Delivered rows of ``projects`` not yet purged whose next verification or purge is due,
+    oldest due first, leaving out the ``busy`` ones (being checked now).
+
+    Filtering here, before the ``LIMIT``, is what keeps a project without a sink (its delivery
+    section removed) from filling every slot with rows nobody can check.
+    """
+    names, skip = sorted(projects), sorted(busy)
+    if limit <= 0 or not names:
+        return []
     cur.execute(
         _SELECT + " WHERE state = 'delivered' AND purged_at IS NULL AND next_check_at <= ?"
+        f" AND project IN ({_marks(names)}) AND object_id NOT IN ({_marks(skip)})"
         " ORDER BY next_check_at LIMIT ?",
-        (now, limit),
+        (now, *names, *skip, limit),
     )
     return _rows(cur)
+
+
+def _marks(values: list[str]) -> str:
+    return ", ".join("?" for _ in values)
 
 
 def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
@@ -448,14 +467,40 @@ def make_due_now(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
     return cur.rowcount == 1
 
 
-def known_ids(cur: sqlite3.Cursor) -> set[str]:
-    cur.execute("SELECT object_id FROM objects")
+def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:
+    """The ids of ``object_ids`` (a bounded batch) that the index already holds."""
+    if not object_ids:
+        return set()
+    cur.execute(f"SELECT object_id FROM objects WHERE object_id IN ({_marks(object_ids)})",
+                object_ids)  # fmt: skip
     return {row[0] for row in cur.fetchall()}
 
 
-def all_rows(cur: sqlite3.Cursor) -> list[QueueRow]:
-    cur.execute(_SELECT + " ORDER BY accepted_at, object_id")
+def count_objects(cur: sqlite3.Cursor) -> int:
+    cur.execute("SELECT count(*) FROM objects")
+    return int(cur.fetchone()[0])
+
+
+def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) -> list[QueueRow]:
+    """Up to ``limit`` rows in acceptance order, after the ``(accepted_at, object_id)`` key of
+    the previous page: listings stream in bounded pages instead of loading every row."""
+    if after is None:
+        cur.execute(_SELECT + " ORDER BY accepted_at, object_id LIMIT ?", (limit,))
+    else:
+        cur.execute(
+            _SELECT + " WHERE (accepted_at, object_id) > (?, ?)"
+            " ORDER BY accepted_at, object_id LIMIT ?",
+            (*after, limit),
+        )
     return _rows(cur)
+
+
+def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[QueueRow]:
+    """Every row in acceptance order, read a page at a time."""
+    after: tuple[int, str] | None = None
+    while rows := rows_page(cur, after, page):
+        yield from rows
+        after = (rows[-1].accepted_at, rows[-1].object_id)
 
 
 def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:

@@ -1,15 +1,19 @@
-"""Receipts on disk -> rows missing from the delivery index.
+"""Receipts on disk -> rows missing from the delivery index, in bounded batches.
 
-``receipts/`` is the source of truth for what was accepted.  :func:`missing_objects` lists the
-receipts the index does not know and reads each one with its origin record (or, for a receipt
-whose origin record was never written, the upload's info sidecar) and, for an object whose payload
-was purged after delivery, its delivery record.  Blocking; run in a thread.
+``receipts/`` is the source of truth for what was accepted.  :func:`receipt_batches` walks the
+directory lazily, a batch of ids at a time, so a rescan of millions of receipts never holds them
+all; the caller asks the index which ids of a batch it lacks (``known_among``) and
+:func:`read_accepted` reads those: each receipt with its origin record (or, for a receipt whose
+origin record was never written, the upload's info sidecar) and, for an object whose payload was
+purged after delivery, its delivery record.  A damaged file is reported by path and its object
+skipped (retried at the next rescan), never fatal.  Blocking; run in a thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterator
 
+from attrs import define, field
 from twisted.logger import Logger
 
 from canner.delivery.index import AcceptedObject
@@ -18,6 +22,31 @@ from canner.receipts import Origin, ReceiptStore
 from canner.tus.store import CorruptInfo, UploadStore
 
 log = Logger()
+
+BATCH = 500
+
+
+@define
+class Found:
+    """What :func:`read_accepted` read: objects to index, and the files it had to skip."""
+
+    objects: list[AcceptedObject] = field(factory=list)
+    problems: list[str] = field(factory=list)
+
+
+def receipt_batches(
+    receipts: ReceiptStore, ids: ObjectIds, size: int = BATCH
+) -> Iterator[list[str]]:
+    """Valid object ids of every receipt on disk, ``size`` at a time (directory order)."""
+    batch: list[str] = []
+    for object_id in receipts.object_ids():
+        if ids.is_valid(object_id):
+            batch.append(object_id)
+            if len(batch) >= size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
 
 
 def _origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Origin | None:
@@ -35,32 +64,30 @@ def _origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Ori
     return origin
 
 
-def missing_objects(
-    receipts: ReceiptStore, uploads: UploadStore, ids: ObjectIds, known: Set[str]
-) -> list[AcceptedObject]:
-    """Every receipt on disk whose object id is not in ``known``, with its origin.
-
-    A receipt that cannot be read, or whose project cannot be recovered, is logged and skipped
-    (it is retried at the next rescan), never fatal.
-    """
-    found = []
-    for object_id in receipts.object_ids():
-        if object_id in known or not ids.is_valid(object_id):
-            continue
+def read_accepted(receipts: ReceiptStore, uploads: UploadStore, object_ids: list[str]) -> Found:
+    """Read the receipts of ``object_ids`` with their side files, for insertion in the index."""
+    found = Found()
+    for object_id in object_ids:
+        step = receipts.receipt_path(object_id)
         try:
             receipt = receipts.read(object_id)
+            if receipt is None:
+                continue  # vanished since it was listed
+            step = receipts.origin_path(object_id)
             origin = _origin(receipts, uploads, object_id)
-        except (OSError, ValueError, KeyError) as e:
-            log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=str(e))
-            continue
-        if receipt is None:
+            step = receipts.delivery_path(object_id)
+            delivery = receipts.read_delivery(object_id)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem = f"{step}: {e}"
+            log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
+            found.problems.append(problem)
             continue
         if origin is None:
-            log.error(
-                "rescan skipped {object_id}: no origin record and no info sidecar names its"
-                " project",
-                object_id=object_id,
+            problem = (
+                f"{receipts.origin_path(object_id)}: missing, and no info sidecar names the project"
             )
+            log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
+            found.problems.append(problem)
             continue
-        found.append(AcceptedObject.of(receipt, origin, receipts.read_delivery(object_id)))
+        found.objects.append(AcceptedObject.of(receipt, origin, delivery))
     return found

@@ -152,12 +152,13 @@ class DeliveryService(Service):
         now = self._clock.seconds()
         free_checks = FOLLOW_UP_CONCURRENCY - len(self._checking)
         if free_checks > 0 and self._sinks:
-            # Rows being checked still look due; ask for enough to find free_checks others.
-            limit = free_checks + len(self._checking)
-            for row in await self._index.run(sql.follow_ups_due, now, limit):
+            due = await self._index.run(
+                sql.follow_ups_due, now, free_checks, list(self._sinks), list(self._checking)
+            )
+            for row in due:
                 if len(self._checking) >= FOLLOW_UP_CONCURRENCY:
                     break
-                if row.project in self._sinks and row.object_id not in self._checking:
+                if row.object_id not in self._checking:  # started while we asked
                     self._start_follow_up(row)
 
     async def _claim(self) -> None:

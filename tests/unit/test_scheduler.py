@@ -198,7 +198,7 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
 def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     """After purge, a rescan into an empty index brings the object back delivered, not pending."""
     from canner.checksum import Checksum
-    from canner.delivery.rescan import missing_objects
+    from canner.delivery.rescan import read_accepted
     from canner.ids import ObjectIds
     from canner.receipts import Origin, Receipt
 
@@ -217,8 +217,9 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
     rebuilt = SyncIndex(tmp_path / "rebuilt.sqlite")
-    found = missing_objects(h.receipts, h.uploads, ObjectIds(), set())
-    rebuilt.run(sql.insert_objects, found, h.clock.seconds())
+    found = read_accepted(h.receipts, h.uploads, list(h.receipts.object_ids()))
+    assert ObjectIds().is_valid(oid) and found.problems == []
+    rebuilt.run(sql.insert_objects, found.objects, h.clock.seconds())
     again = rebuilt.run(sql.get_row, oid).result
     assert again.state == "delivered" and again.purged_at is not None
     assert again.remote_identifier == f"item-{oid}"
@@ -279,6 +280,31 @@ def test_projects_without_a_sink_stay_pending(harness: Harness) -> None:
     harness.tick()
     assert harness.sink.pending == {}
     assert harness.row("f" * 32).state == "pending"
+
+
+def test_rows_of_projects_without_a_sink_never_stall_verification_and_purge(
+    harness: Harness,
+) -> None:
+    """Four delivered, unpurged rows of a project whose delivery section was removed sit due
+    first; the project with a sink still gets its objects verified and purged."""
+    orphans = [
+        AcceptedObject(f"e{i:031x}", "removed", None, 1, "blake3:" + "0" * 64, 0) for i in range(4)
+    ]
+    harness.index.run(sql.insert_objects, orphans, 0.0)
+    for obj in orphans:
+        harness.index.run(sql.claim_due, 1.0, 10, ["removed"])
+        harness.index.run(sql.record_delivered, obj.object_id, "item", "f", 1.0, 0.0)
+    [oid] = harness.accept(1)
+    harness.tick()
+    harness.sink.succeed(oid)
+    harness.sink.checks[oid] = RemoteCheck(True)
+    harness.tick()
+    assert harness.row(oid).verified_at is not None
+    harness.clock.advance(RETENTION)
+    harness.tick()
+    assert harness.row(oid).purged_at is not None
+    assert not harness.uploads.data_path(oid).exists()
+    assert all(harness.row(o.object_id).purged_at is None for o in orphans)
 
 
 def test_verification_backs_off_with_time_since_delivery() -> None:
