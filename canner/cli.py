@@ -37,8 +37,9 @@ from canner.delivery import index as sql
 from canner.delivery.index import configure_connection, upgrade_schema
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
-from canner.ia import CredentialsError, PlanError, load_credentials, plan_upload, validate_delivery
 from canner.receipts import ReceiptStore
+from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.plan import PlanError, plan_upload, validate_delivery
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
 

@@ -29,8 +29,7 @@ from canner.config import Config
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
 from canner.delivery.rescan import read_accepted, receipt_batches
-from canner.delivery.scheduler import DeliveryService, Sink
-from canner.delivery.sinks import internet_archive_sinks
+from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
 from canner.inventory import take_survey
 from canner.manhole import OperatorHelpers, manhole_service
@@ -45,6 +44,8 @@ from canner.metrics import (
 )
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.sinks.base import Sink
+from canner.sinks.internet_archive import internet_archive_sinks
 from canner.status_page import RecentProblems, StatusSource
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
@@ -290,8 +291,10 @@ class _DeliverRoot(MultiService):
         self._on_stopped()
 
 
-def _sinks(config: Config, reactor: Any) -> tuple[dict[str, Sink], dict[str, float]]:
-    sinks = internet_archive_sinks(config, reactor)
+def _sinks(
+    config: Config, reactor: Any, run: BlockingRunner
+) -> tuple[dict[str, Sink], dict[str, float]]:
+    sinks = internet_archive_sinks(config, reactor, run)
     retention = {
         pid: project.delivery.local_artifact_retention
         for pid, project in config.projects.items()
@@ -319,8 +322,10 @@ def deliver_service(
     Raises :class:`DeliverLocked` when another deliver process owns the data directory.
     ``sinks`` replaces the configured sinks (tests).
     """
+    # Made here, started with the process: sinks read payloads through it.
+    io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     if sinks is None:
-        sinks, retention = _sinks(config, reactor)
+        sinks, retention = _sinks(config, reactor, io)
     else:
         retention = {
             pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
@@ -344,7 +349,6 @@ def deliver_service(
         lock.release()
 
     top = _DeliverRoot(stopped)
-    io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     io.setServiceParent(top)
     hashing.setServiceParent(top)

@@ -11,7 +11,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
-from canner.delivery.scheduler import Delivered, DeliveryFailed, RemoteCheck
+from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 
 
 @define(eq=False)

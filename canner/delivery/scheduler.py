@@ -14,10 +14,9 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Coroutine, Mapping
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from attrs import define, evolve, field, frozen
+from attrs import define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -32,6 +31,7 @@ from canner.delivery.index import Index, QueueRow
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
 from canner.receipts import ReceiptStore
+from canner.sinks.base import DeliveryFailed, Sink
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -43,47 +43,6 @@ ORPHAN_CHECK_INTERVAL = 60.0
 # Verifications and purges running at once, and the bound on each.
 FOLLOW_UP_CONCURRENCY = 4
 FOLLOW_UP_LIMIT = 600.0
-
-
-@frozen
-class Delivered:
-    """Where a sink put an object."""
-
-    identifier: str
-    remote_name: str
-
-
-class DeliveryFailed(Exception):
-    """An attempt failed; ``needs_operator`` when retrying alone will not fix it (403, ...)."""
-
-    def __init__(
-        self, reason: str, *, needs_operator: bool = False, retry_after: float | None = None
-    ) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.needs_operator = needs_operator
-        self.retry_after = retry_after
-
-
-@frozen
-class RemoteCheck:
-    """What the sink's metadata lookup says about a delivered object."""
-
-    verified: bool
-    detail: str = ""
-    needs_operator: bool = False
-
-
-class Sink(Protocol):
-    """A delivery destination (the Internet Archive in production)."""
-
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
-        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`."""
-        ...
-
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
-        """Check that the remote file exists with the right size and MD5."""
-        ...
 
 
 @define(eq=False)

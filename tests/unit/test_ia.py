@@ -1,14 +1,15 @@
-"""canner.ia: the pure plan half exhaustively, and IASink against the fake IA."""
+"""canner.sinks (IA): the pure plan half exhaustively, and IASink against the fake IA."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import blake3
@@ -20,38 +21,34 @@ from treq.client import HTTPClient
 from treq.testing import RequestTraversalAgent
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IConsumer
 from twisted.internet.task import Clock, deferLater
+from twisted.internet.threads import deferToThread
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import Request
+from zope.interface import implementer
 
+from canner.blocking import run_inline
 from canner.checksum import HashCancelled, delivery_digests
 from canner.config import ConfigError, DeliveryConfig
-from canner.ia import (
+from canner.sinks.base import Verdict
+from canner.sinks.body import FileProducer
+from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.internet_archive import DeliveryResult, IASink
+from canner.sinks.metadata import encode_metadata_value, metadata_headers
+from canner.sinks.plan import (
     FILENAME_MAX_BYTES,
-    Credentials,
-    CredentialsError,
-    DeliveryResult,
-    IASink,
     ItemPlan,
     PlanError,
-    RemoteFile,
-    Unknown,
-    Verdict,
-    classify,
-    encode_metadata_value,
     expand_template,
     format_date,
-    load_credentials,
-    metadata_headers,
-    parse_metadata,
-    parse_retry_after,
     plan_upload,
-    redact,
     remote_name_problem,
     sanitize_filename,
     validate_delivery,
 )
+from canner.sinks.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from tests.fake_ia import FakeIA, url_of
 
 reactor: Any = _reactor
@@ -506,7 +503,14 @@ def test_secret_never_reaches_the_outcome(tmp_path: Path) -> None:
     """Even a server that echoes the authorization header cannot put the secret in last_error."""
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
-    sink = IASink(HTTPClient(agent), clock, Credentials("AKEY", SECRET), "https://ia", "https://ia")
+    sink = IASink(
+        HTTPClient(agent),
+        clock,
+        Credentials("AKEY", SECRET),
+        "https://ia",
+        "https://ia",
+        run_inline,
+    )
     path = tmp_path / "artifact"
     path.write_bytes(b"hello")
     plan = plan_upload(
@@ -525,7 +529,9 @@ def test_secret_is_never_sent_in_clear(tmp_path: Path) -> None:
     """Over plain http to a non-loopback host the PUT goes without the authorization header."""
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
-    sink = IASink(HTTPClient(agent), clock, Credentials("AKEY", SECRET), "http://ia", "http://ia")
+    sink = IASink(
+        HTTPClient(agent), clock, Credentials("AKEY", SECRET), "http://ia", "http://ia", run_inline
+    )
     path = tmp_path / "artifact"
     path.write_bytes(b"hello")
     plan = plan_upload(
@@ -536,6 +542,29 @@ def test_secret_is_never_sent_in_clear(tmp_path: Path) -> None:
 
 
 # --- IASink against the fake IA over loopback ------------------------------------------------
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def in_thread(f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+    """A BlockingRunner on the reactor's thread pool."""
+    return deferToThread(f, *args, **kwargs)
+
+
+@attrs.define
+class RecordingRunner:
+    """A thread runner that records the thread each job ran on, and what it ran."""
+
+    jobs: list[tuple[str, int]] = attrs.field(factory=list)
+
+    def __call__(self, f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+        def job() -> T:
+            self.jobs.append((getattr(f, "__name__", repr(f)), threading.get_ident()))
+            return f(*args, **kwargs)
+
+        return deferToThread(job)
 
 
 @attrs.define
@@ -552,7 +581,7 @@ class World:
             kwargs.pop("access", "fake-access"), kwargs.pop("secret", "fake-secret")
         )
         url = kwargs.pop("url", self.url)
-        return IASink(http, reactor, creds, url, url, **kwargs)
+        return IASink(http, reactor, creds, url, url, kwargs.pop("run", in_thread), **kwargs)
 
     def artifact(
         self, size: int, name: str = "crawl.warc.gz", object_id: str = OID, md5: str | None = None
@@ -886,5 +915,76 @@ def test_for_delivery_reads_the_credentials(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"AKEY\n{SECRET}\n")
     http = HTTPClient(RequestTraversalAgent(EchoingIA()))
-    sink = IASink.for_delivery(delivery(credentials=keys), http, Clock())
+    sink = IASink.for_delivery(delivery(credentials=keys), http, Clock(), run_inline)
     assert SECRET not in repr(sink)
+
+
+# --- reading payloads off the reactor thread ---------------------------------------------------
+
+
+class ThreadNotingStream(io.BytesIO):
+    """An in-memory file that notes the thread of every read."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.read_threads: list[int] = []
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self.read_threads.append(threading.get_ident())
+        return super().read(size)
+
+
+@implementer(IConsumer)
+@attrs.define
+class PausingConsumer:
+    """Takes chunks, and pauses its producer after each one until told to resume."""
+
+    producer: FileProducer
+    chunks: list[bytes] = attrs.field(factory=list)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        pass
+
+    def unregisterProducer(self) -> None:
+        pass
+
+    def write(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.producer.pauseProducing()
+
+
+@pytest_twisted.ensureDeferred
+async def test_file_producer_reads_in_threads_with_backpressure() -> None:
+    """Every chunk is read off the reactor thread, and no read starts while paused."""
+    data = os.urandom(10 * 1000)
+    stream = ThreadNotingStream(data)
+    producer = FileProducer(stream, len(data), reactor, in_thread, lambda n: None, 1000)
+    consumer = PausingConsumer(producer)
+    done = producer.startProducing(consumer)
+    reactor_thread = threading.get_ident()
+    while not done.called:
+        await deferLater(reactor, 0.01, lambda: None)
+        # Paused after each chunk: the next read waits for the resume.
+        assert len(stream.read_threads) == len(consumer.chunks)
+        producer.resumeProducing()
+    assert b"".join(consumer.chunks) == data
+    assert len(stream.read_threads) == 10
+    assert reactor_thread not in stream.read_threads
+    producer.close()
+    await deferLater(reactor, 0.05, lambda: None)
+    assert stream.closed
+
+
+@pytest_twisted.ensureDeferred
+async def test_deliver_opens_and_reads_the_payload_off_the_reactor_thread(world: World) -> None:
+    """IASink opens, reads and closes the local payload only through its blocking runner."""
+    runner = RecordingRunner()
+    plan, path = world.artifact(1 << 20)
+    result = await deliver(world.sink(run=runner, read_size=64 << 10), plan, path)
+    assert result.delivered
+    await deferLater(reactor, 0.05, lambda: None)  # the close runs after the answer
+    names = [name for name, _ in runner.jobs]
+    assert names[0] == "open_payload"
+    assert names.count("read") == 16
+    assert names[-1] == "close"
+    assert threading.get_ident() not in {thread for _, thread in runner.jobs}

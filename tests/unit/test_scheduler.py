@@ -16,8 +16,9 @@ from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.queue import ALLOWED, MAX_RETRY, PURGE_RETRY, State, can_move, retry_delay
-from canner.delivery.scheduler import DeliveryService, RemoteCheck
+from canner.delivery.scheduler import DeliveryService
 from canner.receipts import ReceiptStore
+from canner.sinks.base import RemoteCheck
 from canner.tus.store import UploadStore
 from tests.fakes import FakeSink, SyncIndex
 

@@ -1,0 +1,83 @@
+"""What the scheduler knows of a sink: the ``Sink`` protocol and the outcome types.
+
+A sink delivers one row's local payload and later verifies the remote copy; the scheduler records
+what it says.  :class:`Verdict` and :class:`Outcome` are the sinks' own reading of one attempt,
+which they turn into :class:`Delivered` or :class:`DeliveryFailed`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+from attrs import frozen
+from twisted.internet.defer import Deferred
+
+from canner.delivery.index import QueueRow
+
+
+@frozen
+class Delivered:
+    """Where a sink put an object."""
+
+    identifier: str
+    remote_name: str
+
+
+class DeliveryFailed(Exception):
+    """An attempt failed; ``needs_operator`` when retrying alone will not fix it (403, ...)."""
+
+    def __init__(
+        self, reason: str, *, needs_operator: bool = False, retry_after: float | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.needs_operator = needs_operator
+        self.retry_after = retry_after
+
+
+@frozen
+class RemoteCheck:
+    """What the sink's metadata lookup says about a delivered object."""
+
+    verified: bool
+    detail: str = ""
+    needs_operator: bool = False
+
+
+class Sink(Protocol):
+    """A delivery destination (the Internet Archive in production)."""
+
+    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`."""
+        ...
+
+    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        """Check that the remote file exists with the right size and MD5."""
+        ...
+
+
+class Verdict(Enum):
+    """What an attempt's result means for the delivery row."""
+
+    SUCCESS = "success"  # the remote file is there: record ``delivered``
+    TRANSIENT = "transient"  # retry with the normal backoff
+    OPERATOR = "operator"  # retry at the 1 h cap and flag the row: a human must act
+
+
+@frozen
+class Outcome:
+    """A verdict with a short, secret-free reason (fit for ``last_error``) and IA's retry hint."""
+
+    verdict: Verdict
+    reason: str
+    retry_after: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Verdict.SUCCESS
+
+    @property
+    def needs_operator(self) -> bool:
+        return self.verdict is Verdict.OPERATOR

@@ -1,0 +1,572 @@
+"""The Internet Archive sink: one project's objects PUT to IA-S3, verified by the metadata API.
+
+:class:`IASink` talks HTTP through an injected treq ``HTTPClient`` and clock: it looks the remote
+file up, probes ``check_limit``, and PUTs the file streaming from disk (read in threads through the
+injected runner), cancellable, with a no-progress watchdog and bounded response reads.
+:class:`IADeliverySink` adapts it to the scheduler's :class:`~canner.sinks.base.Sink`: it plans the
+destination from stable row values only (so a retry always resolves to the same item and name),
+maps the attempt's outcome to ``Delivered`` or ``DeliveryFailed``, and verifies a delivered row
+against IA's metadata API.  The rules are ``reference/internet-archive.md``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote, urljoin, urlsplit
+
+from attrs import define, field, frozen
+from treq.client import HTTPClient
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from canner.blocking import BlockingRunner
+from canner.config import Config, ConfigError, DeliveryConfig
+from canner.delivery.index import QueueRow
+from canner.sinks.base import Delivered, DeliveryFailed, Outcome, RemoteCheck, Sink, Verdict
+from canner.sinks.body import FileProducer, LocalFileError, open_payload
+from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.plan import ItemPlan, is_loopback, plan_upload, validate_delivery
+from canner.sinks.transport import (
+    canner_user_agent,
+    describe_failure,
+    first_headers,
+    make_http_client,
+    read_bounded,
+)
+from canner.sinks.wire import Lookup, RemoteFile, Unknown, classify, parse_metadata
+
+log = Logger()
+
+T = TypeVar("T")
+
+
+@frozen
+class DeliveryResult:
+    """What one :meth:`IASink.deliver` attempt came to.
+
+    ``outcome.ok`` means the file is at IA (``already_present``: found by the metadata lookup, no
+    PUT sent).  Otherwise ``outcome`` says whether to retry normally or flag for an operator.
+    """
+
+    outcome: Outcome
+    already_present: bool = False
+    bytes_sent: int = 0
+    duration_s: float = 0.0
+    status: int | None = None
+
+    @property
+    def delivered(self) -> bool:
+        return self.outcome.ok
+
+
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+METADATA_BODY_MAX = 32 << 20
+ERROR_BODY_MAX = 64 << 10
+
+
+@define(eq=False)
+class IASink:
+    """Delivers planned objects to one IA account over an injected treq ``HTTPClient``.
+
+    ``s3_url`` and ``metadata_url`` are the base URLs of a project's delivery config.  Times are
+    seconds on ``clock``.  The sink holds no per-object state; attempts may run concurrently.
+    """
+
+    _http: HTTPClient
+    _clock: IReactorTime
+    _credentials: Credentials
+    _s3_url: str
+    _metadata_url: str
+    _run: BlockingRunner
+    check_limit: bool = True
+    no_progress_timeout: float = 900.0
+    answer_timeout: float = 1800.0
+    attempt_timeout: float = 24 * 3600.0
+    request_timeout: float = 120.0
+    max_redirects: int = 3
+    read_size: int = 1 << 20
+    user_agent: str = field(factory=canner_user_agent)
+
+    @classmethod
+    def for_delivery(
+        cls,
+        delivery: DeliveryConfig,
+        http: HTTPClient,
+        clock: IReactorTime,
+        run: BlockingRunner,
+        **kwargs: Any,
+    ) -> IASink:
+        """A sink for one project's delivery config; reads its credentials (blocking)."""
+        return cls(
+            http,
+            clock,
+            load_credentials(delivery.credentials),
+            delivery.s3_url,
+            delivery.metadata_url,
+            run,
+            **kwargs,
+        )
+
+    def remote_file(self, plan: ItemPlan) -> Deferred[Lookup]:
+        """Look the planned file up in the metadata API (bounded by ``request_timeout``).
+
+        Fires with the :class:`RemoteFile`, ``None`` when the item or the file is absent (or not
+        visible yet), or :class:`Unknown` when the lookup failed.  Fails only with
+        ``CancelledError`` when cancelled.
+        """
+        return self.lookup(plan.identifier, plan.remote_name)
+
+    def lookup(self, identifier: str, remote_name: str) -> Deferred[Lookup]:
+        """:meth:`remote_file` by name, e.g. for a delivered row's recorded destination."""
+        return Deferred.fromCoroutine(self._lookup(identifier, remote_name))
+
+    def deliver(self, plan: ItemPlan, path: Path) -> Deferred[DeliveryResult]:
+        """One delivery attempt of the file at ``path`` to ``plan``'s destination.
+
+        Skips the upload when the metadata API already shows the file with the plan's size and
+        MD5; probes ``check_limit`` (when enabled); then PUTs the file, streaming, following a few
+        redirects.  Fires with a :class:`DeliveryResult` for every I/O outcome, including the
+        watchdog, the answer timeout and the ``attempt_timeout`` cap (all transient).
+        Cancelling the returned Deferred aborts the transfer; it then fails with
+        ``CancelledError`` and nothing is to be recorded but a retry.
+        """
+        attempt = _Attempt(self, plan, path)
+        return attempt.start()
+
+    # -- helpers used by _Attempt ----------------------------------------------------------
+
+    def _redact(self, text: str) -> str:
+        return redact(text, self._credentials.secret)
+
+    async def _lookup(self, identifier: str, remote_name: str) -> Lookup:
+        url = self._metadata_url.rstrip("/") + "/metadata/" + quote(identifier, safe="")
+        started = self._clock.seconds()
+        try:
+            response = await self._http.get(
+                url, headers=self._plain_headers(), unbuffered=True
+            ).addTimeout(self.request_timeout, self._clock)
+            remaining = max(1.0, self.request_timeout - (self._clock.seconds() - started))
+            body, truncated = await read_bounded(
+                response, METADATA_BODY_MAX, remaining, self._clock
+            )
+        except CancelledError:
+            raise
+        except Exception as e:
+            result: Lookup = Unknown(self._redact(describe_failure(e, "metadata lookup")))
+        else:
+            if response.code != 200:
+                result = Unknown(f"metadata API answered {response.code}")
+            elif truncated:
+                result = Unknown(f"metadata API answer is larger than {METADATA_BODY_MAX} bytes")
+            else:
+                result = parse_metadata(body, remote_name)
+        if isinstance(result, Unknown):
+            log.warn(
+                "metadata lookup for {identifier} failed: {error}",
+                identifier=identifier,
+                error=result.reason,
+            )
+        return result
+
+    async def _over_limit(self, plan: ItemPlan) -> bool:
+        """True only when ``check_limit`` clearly says over the limit; a failed probe is False."""
+        query = (
+            "?check_limit=1&accesskey="
+            + quote(self._credentials.access, safe="")
+            + "&bucket="
+            + quote(plan.identifier, safe="")
+        )
+        url = self._s3_url.rstrip("/") + "/" + query
+        try:
+            response = await self._http.get(
+                url, headers=self._plain_headers(), unbuffered=True
+            ).addTimeout(self.request_timeout, self._clock)
+            body, _ = await read_bounded(
+                response, ERROR_BODY_MAX, self.request_timeout, self._clock
+            )
+            doc = json.loads(body) if response.code == 200 else None
+        except CancelledError:
+            raise
+        except Exception as e:
+            log.warn(
+                "check_limit for {identifier} failed, uploading anyway: {error}",
+                identifier=plan.identifier,
+                error=self._redact(describe_failure(e, "check_limit")),
+            )
+            return False
+        if not isinstance(doc, dict) or "over_limit" not in doc:
+            log.warn(
+                "check_limit for {identifier} gave no verdict, uploading anyway",
+                identifier=plan.identifier,
+            )
+            return False
+        return doc["over_limit"] not in (0, "0", False, None)
+
+    def _plain_headers(self) -> Headers:
+        return Headers({b"user-agent": [self.user_agent.encode("ascii")]})
+
+    def _put_headers(self, plan: ItemPlan, with_auth: bool) -> Headers:
+        headers = Headers()
+        for name, value in plan.headers:
+            headers.addRawHeader(name.encode("ascii"), value.encode("ascii"))
+        headers.setRawHeaders(b"user-agent", [self.user_agent.encode("ascii")])
+        if with_auth:
+            headers.setRawHeaders(b"authorization", [self._credentials.authorization.encode()])
+        return headers
+
+    def _keeps_auth(self, url: str) -> bool:
+        """Send the secret only to the configured S3 host or IA's own hosts, never in clear."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if parts.scheme != "https" and not is_loopback(host):
+            return False
+        own = urlsplit(self._s3_url).hostname or ""
+        return host == own or host == "archive.org" or host.endswith(".archive.org")
+
+
+def _local_failure(error: BaseException) -> LocalFileError | None:
+    """The LocalFileError inside a RequestGenerationFailed, if the body producer failed."""
+    if isinstance(error, LocalFileError):
+        return error
+    for reason in getattr(error, "reasons", None) or ():
+        if isinstance(reason, Failure) and isinstance(reason.value, LocalFileError):
+            return reason.value
+    return None
+
+
+@define(eq=False)
+class _Attempt:
+    """One run of :meth:`IASink.deliver`: owns the timers and the in-flight Deferred."""
+
+    _sink: IASink
+    _plan: ItemPlan
+    _path: Path
+    _current: Deferred[Any] | None = None
+    _abort_reason: str | None = None
+    _cancelled: bool = False
+    _cap: IDelayedCall | None = None
+    _watchdog: IDelayedCall | None = None
+    _answer: IDelayedCall | None = None
+    _bytes_sent: int = 0
+    _put_sent: int = 0
+    _started: float = 0.0
+    _outer: Deferred[DeliveryResult] | None = None
+
+    def start(self) -> Deferred[DeliveryResult]:
+        clock = self._sink._clock
+        self._started = clock.seconds()
+        self._outer = Deferred(self._cancel)
+        self._cap = clock.callLater(
+            self._sink.attempt_timeout,
+            self._abort,
+            f"attempt exceeded {self._sink.attempt_timeout:g}s",
+        )
+        inner = Deferred.fromCoroutine(self._run())
+        inner.addBoth(self._finish)
+        return self._outer
+
+    def _finish(self, result: DeliveryResult | Failure) -> None:
+        self._stop_timers()
+        outer = self._outer
+        assert outer is not None
+        if outer.called:
+            # Cancelled: the caller already got CancelledError.
+            if isinstance(result, Failure) and not result.check(CancelledError):
+                log.failure("cancelled delivery attempt ended badly", result)
+            return
+        if isinstance(result, Failure):
+            outer.errback(result)
+        else:
+            outer.callback(result)
+
+    def _stop_timers(self) -> None:
+        for call in (self._cap, self._watchdog, self._answer):
+            if call is not None and call.active():
+                call.cancel()
+        self._cap = self._watchdog = self._answer = None
+
+    def _cancel(self, outer: Deferred[DeliveryResult]) -> None:
+        self._cancelled = True
+        self._stop_timers()
+        if self._current is not None:
+            self._current.cancel()
+
+    def _abort(self, reason: str) -> None:
+        if self._abort_reason is None:
+            self._abort_reason = reason
+        if self._current is not None:
+            self._current.cancel()
+
+    async def _wait(self, d: Deferred[T]) -> T:
+        self._current = d
+        try:
+            return await d
+        finally:
+            self._current = None
+
+    def _interrupted(self) -> DeliveryResult | None:
+        if self._cancelled:
+            raise CancelledError()
+        if self._abort_reason is not None:
+            return self._result(Outcome(Verdict.TRANSIENT, self._abort_reason))
+        return None
+
+    def _result(self, outcome: Outcome, **kwargs: Any) -> DeliveryResult:
+        return DeliveryResult(
+            outcome=Outcome(
+                outcome.verdict, self._sink._redact(outcome.reason), outcome.retry_after
+            ),
+            bytes_sent=self._bytes_sent,
+            duration_s=self._sink._clock.seconds() - self._started,
+            **kwargs,
+        )
+
+    async def _run(self) -> DeliveryResult:
+        sink, plan = self._sink, self._plan
+        try:
+            remote = await self._wait(sink.remote_file(plan))
+        except CancelledError:
+            remote = Unknown("lookup cancelled")
+        if (stop := self._interrupted()) is not None:
+            return stop
+        if isinstance(remote, RemoteFile) and remote.matches(plan.size, plan.content_md5):
+            log.info(
+                "{object_id} is already at {identifier}/{remote_name}; no upload needed",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                remote_name=plan.remote_name,
+            )
+            return self._result(Outcome(Verdict.SUCCESS, "already present"), already_present=True)
+        if isinstance(remote, Unknown) and remote.needs_operator:
+            return self._result(Outcome(Verdict.OPERATOR, remote.reason))
+        if sink.check_limit:
+            try:
+                over = await self._wait(Deferred.fromCoroutine(sink._over_limit(plan)))
+            except CancelledError:
+                over = False
+            if (stop := self._interrupted()) is not None:
+                return stop
+            if over:
+                log.warn(
+                    "IA says the account is over its limit; not uploading",
+                    identifier=plan.identifier,
+                )
+                return self._result(
+                    Outcome(Verdict.TRANSIENT, "503 SlowDown: check_limit reports over_limit")
+                )
+        url = sink._s3_url.rstrip("/") + plan.path
+        for _hop in range(sink.max_redirects + 1):
+            answer = await self._put_once(url)
+            if isinstance(answer, DeliveryResult):
+                return answer
+            status, headers, excerpt = answer
+            location = headers.get("location")
+            if status in _REDIRECTS and location:
+                target = urljoin(url, location)
+                if urlsplit(target).scheme not in ("http", "https"):
+                    break
+                log.info(
+                    "PUT for {identifier} redirected ({status})",
+                    identifier=plan.identifier,
+                    status=status,
+                )
+                url = target
+                continue
+            outcome = classify(status, headers, excerpt)
+            if outcome.ok:
+                log.info(
+                    "uploaded {object_id} to {identifier}/{remote_name}",
+                    object_id=plan.object_id,
+                    identifier=plan.identifier,
+                    remote_name=plan.remote_name,
+                    size=plan.size,
+                    duration_s=sink._clock.seconds() - self._started,
+                )
+            else:
+                log.warn(
+                    "PUT of {object_id} to {identifier} failed: {error}",
+                    object_id=plan.object_id,
+                    identifier=plan.identifier,
+                    error=sink._redact(outcome.reason),
+                    needs_operator=outcome.needs_operator,
+                )
+            return self._result(outcome, status=status)
+        return self._result(Outcome(Verdict.TRANSIENT, "too many redirects"))
+
+    async def _put_once(self, url: str) -> DeliveryResult | tuple[int, dict[str, str], bytes]:
+        sink, plan = self._sink, self._plan
+        try:
+            # Off the reactor thread: a failing disk must not stall every timer.
+            stream, actual = await sink._run(open_payload, self._path)
+        except OSError as e:
+            return self._result(Outcome(Verdict.OPERATOR, f"local file unreadable: {e.strerror}"))
+        producer = FileProducer(
+            stream, plan.size, sink._clock, sink._run, self._progress, sink.read_size
+        )
+        try:
+            if (stop := self._interrupted()) is not None:
+                return stop
+            if actual != plan.size:
+                return self._result(
+                    Outcome(
+                        Verdict.OPERATOR,
+                        f"local file is {actual} bytes, its receipt says {plan.size}",
+                    )
+                )
+            self._put_sent = 0
+            self._arm(watchdog=True)
+            request = sink._http.request(
+                "PUT",
+                url,
+                headers=sink._put_headers(plan, sink._keeps_auth(url)),
+                data=producer,
+                allow_redirects=False,
+                unbuffered=True,
+            )
+            try:
+                response = await self._wait(request)
+                # Headers are in: from here on only the answer timer runs.
+                self._arm(answer=True)
+                body, _ = await self._wait(
+                    read_bounded(response, ERROR_BODY_MAX, sink.answer_timeout, sink._clock)
+                )
+            except Exception as e:
+                if (stop := self._interrupted()) is not None:
+                    return stop
+                local = _local_failure(e)
+                if local is not None:
+                    return self._result(Outcome(Verdict.OPERATOR, str(local)))
+                if not isinstance(
+                    e, (ConnectError, DNSLookupError, ConnectionClosed, TimeoutError)
+                ) and not type(e).__module__.startswith("twisted.web"):
+                    log.failure(
+                        "unexpected failure uploading {object_id}",
+                        Failure(e),
+                        object_id=plan.object_id,
+                    )
+                return self._result(Outcome(Verdict.TRANSIENT, describe_failure(e, "PUT")))
+            finally:
+                self._disarm()
+            if (stop := self._interrupted()) is not None:
+                return stop
+            return response.code, first_headers(response.headers), body
+        finally:
+            producer.close()
+
+    def _progress(self, n: int) -> None:
+        self._bytes_sent += n
+        self._put_sent += n
+        if self._put_sent >= self._plan.size:
+            # The last byte is with the transport: wait for the answer, not for progress.
+            self._arm(answer=True)
+        elif self._watchdog is not None and self._watchdog.active():
+            self._watchdog.reset(self._sink.no_progress_timeout)
+
+    def _arm(self, watchdog: bool = False, answer: bool = False) -> None:
+        clock = self._sink._clock
+        if watchdog:
+            self._disarm()
+            timeout = self._sink.no_progress_timeout
+            self._watchdog = clock.callLater(
+                timeout, self._abort, f"no upload progress for {timeout:g}s"
+            )
+        if answer and self._answer is None:
+            self._disarm(answer=False)
+            timeout = self._sink.answer_timeout
+            self._answer = clock.callLater(
+                timeout, self._abort, f"no answer within {timeout:g}s of the last byte"
+            )
+
+    def _disarm(self, answer: bool = True) -> None:
+        """Cancel the watchdog, and the answer timer too unless ``answer`` is False."""
+        if self._watchdog is not None:
+            if self._watchdog.active():
+                self._watchdog.cancel()
+            self._watchdog = None
+        if answer and self._answer is not None:
+            if self._answer.active():
+                self._answer.cancel()
+            self._answer = None
+
+
+@frozen
+class IADeliverySink:
+    """One project's Internet Archive destination."""
+
+    _delivery: DeliveryConfig
+    _sink: IASink
+
+    def plan(self, row: QueueRow) -> ItemPlan:
+        assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
+        return plan_upload(
+            self._delivery,
+            row.project,
+            row.object_id,
+            row.filename,
+            row.accepted_at,
+            row.size_bytes,
+            row.content_md5,
+        )
+
+    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+        return Deferred.fromCoroutine(self._deliver(row, path))
+
+    async def _deliver(self, row: QueueRow, path: Path) -> Delivered:
+        plan = self.plan(row)
+        result = await self._sink.deliver(plan, path)
+        if result.delivered:
+            return Delivered(plan.identifier, plan.remote_name)
+        raise DeliveryFailed(
+            result.outcome.reason,
+            needs_operator=result.outcome.needs_operator,
+            retry_after=result.outcome.retry_after,
+        )
+
+    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        return Deferred.fromCoroutine(self._verify(row))
+
+    async def _verify(self, row: QueueRow) -> RemoteCheck:
+        assert row.remote_identifier is not None and row.remote_name is not None
+        found = await self._sink.lookup(row.remote_identifier, row.remote_name)
+        if isinstance(found, RemoteFile):
+            if row.content_md5 is not None and found.matches(row.size_bytes, row.content_md5):
+                return RemoteCheck(True)
+            return RemoteCheck(
+                False,
+                f"remote file differs: {found.size} bytes, md5 {found.md5}",
+                needs_operator=True,
+            )
+        if found is None:
+            return RemoteCheck(False, "not listed by the metadata API yet")
+        return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
+
+
+def internet_archive_sinks(config: Config, reactor: Any, run: BlockingRunner) -> dict[str, Sink]:
+    """A sink per project with a delivery table; validates templates and reads credentials.
+
+    ``run`` is the blocking runner that reads payloads off the reactor thread.
+
+    Raises :class:`ConfigError` naming the key when a template or the credentials are unusable,
+    so a bad project refuses to start instead of failing every attempt later.
+    """
+    sinks: dict[str, Sink] = {}
+    http = None
+    for project_id, project in config.projects.items():
+        delivery = project.delivery
+        if delivery is None:
+            continue
+        validate_delivery(project_id, delivery)
+        if http is None:
+            http = make_http_client(reactor)
+        try:
+            sink = IASink.for_delivery(delivery, http, reactor, run)
+        except CredentialsError as e:
+            raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
+        sinks[project_id] = IADeliverySink(delivery, sink)
+    return sinks

@@ -1,0 +1,320 @@
+"""Where an object goes (pure): templates, identifier and remote-name rules, the item plan.
+
+:func:`validate_delivery` checks a project's templates at config load with worst-case values;
+:func:`plan_upload` expands them for one object into an :class:`ItemPlan` (identifier, remote
+name, every non-secret PUT header).  The rules are IA's (``reference/internet-archive.md`` §3).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import time
+import unicodedata
+from collections.abc import Mapping
+from urllib.parse import quote, urlsplit
+
+from attrs import frozen
+
+from canner.config import ConfigError, DeliveryConfig
+from canner.sinks.metadata import (
+    METADATA_MAX_VALUES,
+    encode_metadata_value,
+    metadata_headers,
+    metadata_key_problem,
+)
+
+PLACEHOLDERS = frozenset({"project", "object_id", "filename", "date"})
+IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{4,99}")
+# Names IA writes into every item itself (reference §3).
+RESERVED_SUFFIXES = ("_meta.xml", "_files.xml")
+# A sanitised filename is at most this many UTF-8 bytes, so "{filename}.manifest.jsonl" and the
+# like stay under the 255-byte name limit of the filesystems IA stores files on.
+FILENAME_MAX_BYTES = 200
+# Conservative bound for one remote-name segment (a file or directory name on IA's disks).
+SEGMENT_MAX_BYTES = 255
+HEX_MD5 = re.compile(r"[0-9a-f]{32}")
+
+# Worst-case sample values for validate_delivery.  Object ids are 32 hex, or a node prefix of up
+# to 16 [a-z0-9] plus "-" plus 32 hex (canner.ids).
+_SAMPLE_OBJECT_IDS = ("0" * 32, "z" * 16 + "-" + "f" * 32)
+_SAMPLE_DATES = ("19700101000000", "99991231235959")
+# Sanitised filenames as long as they get (ASCII and 2-byte characters), one that is a special
+# top-level directory name, and a short one.
+_SAMPLE_FILENAMES = ("x" * FILENAME_MAX_BYTES, "é" * (FILENAME_MAX_BYTES // 2), "history", "a")
+
+
+class PlanError(ValueError):
+    """An object's expanded destination breaks IA's rules (config validation should prevent it)."""
+
+
+@frozen
+class ItemPlan:
+    """Where one object goes and how, resolved once from config and stable inputs.
+
+    ``headers`` are every PUT header except ``authorization`` (the secret is added by the sink)
+    and ``Content-Length`` (set from the body producer).  It is built from stable inputs only,
+    so every attempt of an object resolves to the same destination.
+    """
+
+    project: str
+    object_id: str
+    identifier: str
+    remote_name: str
+    size: int
+    content_md5: str
+    size_hint: int
+    headers: tuple[tuple[str, str], ...]
+
+    @property
+    def path(self) -> str:
+        """The percent-encoded S3 path: ``/{identifier}/{remote name, encoded per segment}``."""
+        return "/" + quote(self.identifier, safe="") + "/" + quote(self.remote_name, safe="/")
+
+
+def format_date(accepted_at: int) -> str:
+    """Receipt time as ``{date}`` expands it: UTC ``YYYYMMDDhhmmss``."""
+    return time.strftime("%Y%m%d%H%M%S", time.gmtime(accepted_at))
+
+
+def _is_unsafe_char(ch: str) -> bool:
+    # Control characters (C0, DEL, C1), line/paragraph separators, lone surrogates (which cannot
+    # be encoded as UTF-8), and the noncharacters XML 1.0 forbids.
+    return unicodedata.category(ch) in ("Cc", "Cs", "Zl", "Zp") or ch in "\ufffe\uffff"
+
+
+def _truncate_utf8(text: str, max_bytes: int) -> str:
+    out, used = [], 0
+    for ch in text:
+        n = len(ch.encode("utf-8"))
+        if used + n > max_bytes:
+            break
+        out.append(ch)
+        used += n
+    return "".join(out)
+
+
+_EXTENSION = re.compile(r"(?:\.[A-Za-z0-9]{1,10}){1,3}$")
+
+
+def sanitize_filename(name: str | None, object_id: str) -> str:
+    """The worker's filename made safe as one remote-name segment.
+
+    Keeps the part after the last ``/`` or ``\\``, drops control characters, strips leading dots
+    and surrounding whitespace, and bounds the result to :data:`FILENAME_MAX_BYTES` UTF-8 bytes
+    (keeping a short extension such as ``.warc.gz``).  Returns ``object_id`` when nothing usable
+    is left.  Pure, deterministic and idempotent.
+    """
+    if not name:
+        return object_id
+    text = "".join(ch for ch in name if not _is_unsafe_char(ch))
+    text = _trim(re.split(r"[/\\]", text)[-1])
+    if len(text.encode("utf-8")) > FILENAME_MAX_BYTES:
+        match = _EXTENSION.search(text)
+        ext = match.group(0) if match and len(match.group(0)) < len(text) else ""
+        stem = _truncate_utf8(text[: len(text) - len(ext)], FILENAME_MAX_BYTES - len(ext))
+        text = _trim(stem.rstrip() + ext)
+    return text or object_id
+
+
+def _trim(text: str) -> str:
+    """Strip surrounding whitespace and every leading dot."""
+    text = text.strip()
+    while text.startswith("."):
+        text = text[1:].lstrip()
+    return text
+
+
+def _template_fields(template: str) -> list[tuple[str, str | None]]:
+    """Split a template into (literal, field) pairs; ``ValueError`` for anything but ``{name}``."""
+    parts: list[tuple[str, str | None]] = []
+    for literal, name, spec, conversion in string.Formatter().parse(template):
+        if name is not None:
+            if name not in PLACEHOLDERS:
+                raise ValueError(
+                    f"unknown placeholder {{{name}}} (known: {{project}} {{object_id}} "
+                    "{filename} {date})"
+                )
+            if spec or conversion:
+                raise ValueError(f"placeholder {{{name}}} takes no format spec or conversion")
+        parts.append((literal, name))
+    return parts
+
+
+def expand_template(template: str, values: Mapping[str, str]) -> str:
+    """Expand ``{project}``, ``{object_id}``, ``{filename}``, ``{date}`` (``{{``/``}}`` escape).
+
+    Raises ``ValueError`` for an unknown placeholder, a format spec, or unbalanced braces.
+    """
+    return "".join(
+        literal + (values[name] if name is not None else "")
+        for literal, name in _template_fields(template)
+    )
+
+
+def _placeholders(template: str) -> set[str]:
+    return {name for _, name in _template_fields(template) if name is not None}
+
+
+def identifier_problem(identifier: str) -> str | None:
+    """Why ``identifier`` breaks IA's rules, or ``None`` when it is valid."""
+    if not IDENTIFIER.fullmatch(identifier):
+        return (
+            f"expands to {identifier!r}, but an identifier is 5-100 characters of "
+            "[A-Za-z0-9._-] starting with a letter or digit"
+        )
+    return None
+
+
+def remote_name_problem(remote_name: str, identifier: str) -> str | None:
+    """Why ``remote_name`` breaks IA's rules for a file in ``identifier``, or ``None``."""
+    if not remote_name:
+        return "expands to an empty name"
+    if any(_is_unsafe_char(ch) for ch in remote_name):
+        return f"expands to {remote_name!r}, which contains control characters"
+    if remote_name.startswith("/") or remote_name.endswith("/"):
+        return f"expands to {remote_name!r}, which starts or ends with '/'"
+    segments = remote_name.split("/")
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            return f"expands to {remote_name!r}, which has an empty, '.' or '..' segment"
+        if len(segment.encode("utf-8")) > SEGMENT_MAX_BYTES:
+            return (
+                f"a segment can expand to {len(segment.encode('utf-8'))} bytes "
+                f"(at most {SEGMENT_MAX_BYTES})"
+            )
+    if segments[0] == "history" and len(segments) > 1:
+        return f"expands to {remote_name!r}, under history/, which IA keeps for old versions"
+    if remote_name in (identifier + suffix for suffix in RESERVED_SUFFIXES):
+        return f"expands to {remote_name!r}, one of IA's own files in the item"
+    return None
+
+
+def _values(project: str, object_id: str, filename: str, date: str) -> dict[str, str]:
+    return {"project": project, "object_id": object_id, "filename": filename, "date": date}
+
+
+def is_loopback(host: str | None) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or bool(host and host.startswith("127."))
+
+
+def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
+    """Refuse templates that could ever produce an invalid destination (call at config load).
+
+    Every template is expanded with worst-case values (shortest and longest object ids, the
+    longest sanitised filenames, special names such as ``history``) and checked against IA's
+    identifier, remote-name and metadata-key rules.  Raises :class:`ConfigError` whose key names
+    the offending setting, e.g. ``projects.example.delivery.identifier``.
+    """
+    base = f"projects.{project_id}.delivery"
+    templates = {"identifier": delivery.identifier, "remote_name": delivery.remote_name}
+    used: dict[str, set[str]] = {}
+    for key, template in templates.items():
+        try:
+            used[key] = _placeholders(template)
+        except ValueError as e:
+            raise ConfigError(f"{base}.{key}", str(e)) from None
+    if "filename" in used["identifier"]:
+        raise ConfigError(
+            f"{base}.identifier",
+            "must not use {filename}: a worker's filename can break IA's identifier rules",
+        )
+    if "object_id" not in used["identifier"] | used["remote_name"]:
+        raise ConfigError(
+            f"{base}.identifier",
+            "identifier or remote_name must contain {object_id}, so that every object gets its "
+            "own stable destination",
+        )
+    for scheme_key, url in (("s3_url", delivery.s3_url), ("metadata_url", delivery.metadata_url)):
+        parts = urlsplit(url)
+        if parts.scheme != "https" and not is_loopback(parts.hostname):
+            raise ConfigError(
+                f"{base}.{scheme_key}",
+                "must be https (the LOW authorization header carries the secret as-is); "
+                "plain http is allowed only for loopback test servers",
+            )
+    for object_id in _SAMPLE_OBJECT_IDS:
+        for date in _SAMPLE_DATES:
+            for filename in _SAMPLE_FILENAMES:
+                values = _values(project_id, object_id, filename, date)
+                identifier = expand_template(delivery.identifier, values)
+                problem = identifier_problem(identifier)
+                if problem is not None:
+                    raise ConfigError(f"{base}.identifier", problem)
+                remote = expand_template(delivery.remote_name, values)
+                problem = remote_name_problem(remote, identifier)
+                if problem is not None:
+                    raise ConfigError(f"{base}.remote_name", problem)
+    for key, value_templates in delivery.metadata.items():
+        name = f"{base}.metadata.{key}"
+        problem = metadata_key_problem(key)
+        if problem is not None:
+            raise ConfigError(name, problem)
+        if len(value_templates) > METADATA_MAX_VALUES:
+            raise ConfigError(name, f"at most {METADATA_MAX_VALUES} values")
+        for template in value_templates:
+            try:
+                placeholders = _placeholders(template)
+            except ValueError as e:
+                raise ConfigError(name, str(e)) from None
+            if not placeholders and encode_metadata_value(template) is None:
+                raise ConfigError(name, f"the value {template!r} is empty once expanded")
+
+
+def plan_upload(
+    delivery: DeliveryConfig,
+    project: str,
+    object_id: str,
+    filename: str | None,
+    accepted_at: int,
+    size: int,
+    content_md5: str,
+) -> ItemPlan:
+    """Resolve one object's destination and PUT headers from stable inputs only.
+
+    ``filename`` is the worker's (sanitised here), ``accepted_at`` the receipt time,
+    ``content_md5`` 32 lowercase hex digits (:func:`canner.checksum.delivery_digests`).  Raises
+    :class:`PlanError` when the result breaks IA's rules, which :func:`validate_delivery` rules
+    out for a validated config.
+    """
+    if not HEX_MD5.fullmatch(content_md5):
+        raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
+    if size < 0:
+        raise PlanError(f"size must not be negative, not {size}")
+    values = _values(
+        project, object_id, sanitize_filename(filename, object_id), format_date(accepted_at)
+    )
+    try:
+        identifier = expand_template(delivery.identifier, values)
+        remote_name = expand_template(delivery.remote_name, values)
+        metadata = {
+            key: [expand_template(t, values) for t in templates]
+            for key, templates in delivery.metadata.items()
+        }
+        meta_headers = metadata_headers(metadata)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if remote_name in (identifier + suffix for suffix in RESERVED_SUFFIXES):
+        # Only a worker's filename can land here; rename deterministically rather than refuse.
+        remote_name = f"{object_id}-{remote_name}"
+    problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
+    if problem is not None:
+        raise PlanError(problem)
+    size_hint = size
+    headers = [
+        ("content-md5", content_md5),
+        ("x-archive-auto-make-bucket", "1"),
+        ("x-archive-size-hint", str(size_hint)),
+        ("x-archive-filemeta-canner-object-id", object_id),
+        *meta_headers,
+    ]
+    return ItemPlan(
+        project=project,
+        object_id=object_id,
+        identifier=identifier,
+        remote_name=remote_name,
+        size=size,
+        content_md5=content_md5,
+        size_hint=size_hint,
+        headers=tuple(headers),
+    )
