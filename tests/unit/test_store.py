@@ -12,7 +12,7 @@ from canner import fs
 from canner.checksum import Checksum
 from canner.ids import ObjectIds
 from canner.receipts import Receipt, ReceiptStore
-from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
+from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 from canner.tus.sweep import sweep_stale
 
 IDS = ObjectIds()
@@ -112,3 +112,36 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
     for oid in (fresh, accepted, busy):
         assert oid in remaining and f"{oid}.info" in remaining
     assert f"{corrupt}.info" in remaining
+
+
+def test_open_locked_never_recreates_a_purged_upload(tmp_path: Path) -> None:
+    """A writer that looked the upload up just before a purge removed it gets UploadGone, and
+    no empty data file appears beside the receipt."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.create(info(oid))
+    uploads.remove(oid)
+    with pytest.raises(UploadGone):
+        uploads.open_locked(info(oid))
+    assert not uploads.data_path(oid).exists()
+
+
+def test_open_locked_refuses_a_file_replaced_before_the_lock(tmp_path: Path) -> None:
+    """The inode is checked under the lock: a file unlinked and created anew meanwhile (a sweep
+    then a new file of the same name) is not the upload that was opened."""
+    uploads, _ = stores(tmp_path)
+    oid = IDS.new()
+    uploads.create(info(oid))
+    real_lock = fs.lock_fd
+
+    def lock_after_replacement(fd: int) -> None:
+        uploads.data_path(oid).unlink()
+        uploads.data_path(oid).write_bytes(b"other")
+        real_lock(fd)
+
+    fs.lock_fd = lock_after_replacement  # type: ignore[assignment]
+    try:
+        with pytest.raises(UploadGone):
+            uploads.open_locked(info(oid))
+    finally:
+        fs.lock_fd = real_lock  # type: ignore[assignment]
