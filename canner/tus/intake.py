@@ -11,6 +11,7 @@ incomplete one is released.  The result the route renders is an :class:`Outcome`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from attrs import define, frozen
@@ -341,9 +342,17 @@ class UploadIntake:
         return Deferred.fromCoroutine(self._head(upload_id))
 
     async def _head(self, upload_id: str) -> Outcome:
-        await self._after_acceptance(upload_id)
-        outcome: Outcome = await self._run(self._status, upload_id)
+        outcome: Outcome = await self._committed(upload_id, self._status)
         return self._maybe_resume_acceptance(outcome)
+
+    async def _committed(self, upload_id: str, read: Callable[[str], Any]) -> Any:
+        """``read(upload_id)`` in a thread, at a moment no acceptance of it runs here: one that
+        started while we read may have linked a receipt it has not committed yet."""
+        while True:
+            await self._after_acceptance(upload_id)
+            result = await self._run(read, upload_id)
+            if not self._acceptance.is_running(upload_id):
+                return result
 
     def receipt(self, object_id: str) -> Deferred[bytes | None]:
         """The committed receipt of ``object_id`` (None when there is none), waiting for a
@@ -351,8 +360,7 @@ class UploadIntake:
         return Deferred.fromCoroutine(self._receipt(object_id))
 
     async def _receipt(self, object_id: str) -> bytes | None:
-        await self._after_acceptance(object_id)
-        data: bytes | None = await self._run(self._receipts.read_bytes, object_id)
+        data: bytes | None = await self._committed(object_id, self._receipts.read_bytes)
         return data
 
     def _after_acceptance(self, upload_id: str) -> Deferred[None]:
