@@ -22,8 +22,18 @@ from canner.tus.stream import BodyStream
 log = Logger()
 
 
+# Reason phrases Twisted's table lacks (it would send "Unknown Status").
+_REASONS = {
+    422: b"Unprocessable Content",
+    423: b"Locked",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    507: b"Insufficient Storage",
+}
+
+
 def render_error(request: IRequest, error: TusError) -> bytes:
-    request.setResponseCode(error.status)
+    request.setResponseCode(error.status, _REASONS.get(error.status))
     for name, value in error.headers:
         request.setHeader(name, value)
     request.setHeader("Content-Type", "text/plain; charset=utf-8")
@@ -31,6 +41,8 @@ def render_error(request: IRequest, error: TusError) -> bytes:
 
 
 def _offset_headers(request: IRequest, outcome: Outcome) -> None:
+    # No body: no Content-Type (Twisted would add text/html).
+    request.defaultContentType = None  # type: ignore[attr-defined]
     request.setHeader("Upload-Offset", str(outcome.offset))
     if outcome.receipt is not None:
         request.setHeader("Artifact-Receipt", outcome.receipt.header_value())

@@ -57,13 +57,30 @@ class BodyRouter(Protocol):
 
 
 class ReceiverChannel(HTTPChannel):
-    """HTTP/1.1 channel whose own protocol-error answers also carry ``Tus-Resumable``."""
+    """HTTP/1.1 channel whose own protocol-error answers also carry ``Tus-Resumable``, and
+    which answers an oversized request head with 431 instead of a silent close."""
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted answers malformed framing (bad Content-Length, bad chunking, bad header
         # bytes) with a bare 400 from here, before any Request exists.
+        self._refuse(b"400 Bad Request")
+
+    def lineReceived(self, line: bytes) -> None:
+        # Twisted counts the head's size and answers 400 past totalHeadersSize; say what it is.
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._refuse(b"431 Request Header Fields Too Large")
+            return
+        super().lineReceived(line)
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        # One line (request line or header) past MAX_LENGTH: LineReceiver would just close.
+        self._refuse(b"431 Request Header Fields Too Large")
+
+    def _refuse(self, status: bytes) -> None:
         self.transport.write(  # type: ignore[union-attr]
-            b"HTTP/1.1 400 Bad Request\r\nTus-Resumable: "
+            b"HTTP/1.1 "
+            + status
+            + b"\r\nTus-Resumable: "
             + TUS_VERSION.encode()
             + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         )

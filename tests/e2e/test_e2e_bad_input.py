@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -536,3 +536,51 @@ def test_refused_requests_log_no_unhandled_errors(receiver: Receiver) -> None:
     assert "Unhandled error" not in log and "Traceback" not in log, (
         "refused requests logged errors:\n" + receiver.log_tail(30)
     )
+
+
+def _status_line(answer: bytes) -> str:
+    return answer.partition(b"\r\n")[0].decode("latin-1")
+
+
+def test_status_lines_name_every_refusal_and_bodiless_answers_have_no_content_type(
+    rcv: Receiver,
+) -> None:
+    """422 says what it is (not "Unknown Status"); HEAD and 201 carry no
+    Content-Type since they have no body."""
+    created = rcv.create(len(DATA), checksum=blake3_hex(b"something else"))
+    assert created.status_code == 201 and "Content-Type" not in created.headers
+    oid = rcv.object_id(created)
+    head = rcv.head(oid)
+    assert head.status_code == 200 and "Content-Type" not in head.headers
+    request = (
+        f"PATCH /files/{oid} HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\nUpload-Offset: 0\r\n"
+        f"Content-Type: application/offset+octet-stream\r\nContent-Length: {len(DATA)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + DATA
+    assert _status_line(raw_exchange(rcv.port, request)) == "HTTP/1.1 422 Unprocessable Content"
+
+
+def test_a_request_head_over_the_limit_gets_431(rcv: Receiver) -> None:
+    """A header block or a single line past 16 KiB is answered 431 (with Tus-Resumable), not a
+    closed connection."""
+    for what, extra in {
+        "many headers": "".join(f"X-Pad-{i}: {'a' * 200}\r\n" for i in range(100)),
+        "one long line": f"X-Long: {'b' * 20000}\r\n",
+    }.items():
+        request = (
+            f"HEAD /files/{'0' * 32} HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\n{extra}\r\n"
+        ).encode()
+        answer = raw_exchange(rcv.port, request)
+        assert _status_line(answer) == "HTTP/1.1 431 Request Header Fields Too Large", what
+        assert b"tus-resumable: 1.0.0" in answer.lower(), what
+
+
+def test_429_has_its_reason_phrase(make_receiver: Callable[..., Receiver]) -> None:
+    """The free-space refusal reads "429 Too Many Requests" on the wire."""
+    full = make_receiver("full", min_free_bytes=1 << 62)
+    request = (
+        "POST /files/ HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\nUpload-Length: 5\r\n"
+        f"Upload-Metadata: project ZXhhbXBsZQ==,checksum {b64(blake3_hex(b'hello'))}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    assert _status_line(raw_exchange(full.port, request)) == "HTTP/1.1 429 Too Many Requests"
