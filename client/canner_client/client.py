@@ -243,7 +243,7 @@ class Client:
         else:
             checksum_known = None
         session = self._create(full, project, filename, checksum_known, notify, backoff)
-        return self._drive(session, notify, backoff)
+        return self._drive(session, notify, backoff, offset=0)
 
     def resume(self, session: UploadSession, progress: Optional[ProgressCallback] = None) -> Receipt:
         """Finish an upload started earlier (see :meth:`pending`), checking the file first."""
@@ -384,10 +384,15 @@ class Client:
         self.states.save(session)
         return session
 
-    def _drive(self, session: UploadSession, notify: _Notifier, backoff: Backoff) -> Receipt:
+    def _drive(
+        self,
+        session: UploadSession,
+        notify: _Notifier,
+        backoff: Backoff,
+        offset: Optional[int] = None,  # None: ask the server (HEAD) first
+    ) -> Receipt:
         """Bring ``session`` to its receipt: HEAD, PATCH, and receipt recovery, with retries."""
         size, oid = session.size, session.object_id
-        offset: Optional[int] = None  # None: ask the server
         lost = 0
         with open(session.path, "rb") as f:
             while True:
