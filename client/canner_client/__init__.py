@@ -7,8 +7,8 @@
 
 __version__ = "0.1.0"
 
-from canner_client.client import Client, ObjectStatus, ProgressEvent, Timeouts  # noqa: E402
-from canner_client.errors import (  # noqa: E402
+from canner_client.client import Client, ObjectStatus, ProgressEvent, Timeouts
+from canner_client.errors import (
     CannerError,
     DeadlineExceeded,
     EndpointMissing,
@@ -18,9 +18,9 @@ from canner_client.errors import (  # noqa: E402
     UploadLost,
     UploadRefused,
 )
-from canner_client.receipt import Receipt  # noqa: E402
-from canner_client.retry import RetryPolicy  # noqa: E402
-from canner_client.state import UploadSession  # noqa: E402
+from canner_client.receipt import Receipt
+from canner_client.retry import RetryPolicy
+from canner_client.state import UploadSession
 
 __all__ = [
     "CannerError",

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 from canner_client import __version__
 from canner_client.client import Client, ProgressEvent, Timeouts
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.url:
@@ -196,7 +196,7 @@ class _Rate:
         while len(self.samples) > 2 and now - self.samples[0][0] > 10.0:
             self.samples.pop(0)
 
-    def rate(self) -> Optional[float]:
+    def rate(self) -> float | None:
         if len(self.samples) < 2:
             return None
         (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]
@@ -208,7 +208,7 @@ class _FileState:
         self.phase = "queued"
         self.done = 0
         self.total = 0
-        self.object_id: Optional[str] = None
+        self.object_id: str | None = None
         self.rate = _Rate()
 
 
@@ -259,7 +259,7 @@ class PlainReporter(_Tracking):
         super().__init__(files, stream)
         self.interval = interval
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.interval > 0:
@@ -278,7 +278,9 @@ class PlainReporter(_Tracking):
                     (p, s) for p, s in self.states.items() if s.phase in ("hashing", "uploading")
                 ]
                 done = sum(s.done for s in self.states.values() if s.phase == "uploading")
-                done += sum(s.total for s in self.states.values() if s.phase in ("accepting", "done"))
+                done += sum(
+                    s.total for s in self.states.values() if s.phase in ("accepting", "done")
+                )
                 total = sum(os.path.getsize(p) for p in self.files if os.path.exists(p))
                 for path, state in active:
                     self.stream.write(f"canner-upload: {self.describe(path, state)}\n")
@@ -291,7 +293,7 @@ class PlainReporter(_Tracking):
 
     def event(self, ev: ProgressEvent) -> None:
         with self.lock:
-            state, changed = self.track(ev)
+            _, changed = self.track(ev)
             if changed or ev.phase == "waiting":
                 name = os.path.basename(ev.path)
                 if ev.phase == "waiting":

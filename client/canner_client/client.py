@@ -15,7 +15,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import quote, urljoin, urlsplit
 
 import requests
@@ -70,8 +71,8 @@ class ProgressEvent:
     phase: str
     done: int
     total: int
-    object_id: Optional[str] = None
-    message: Optional[str] = None
+    object_id: str | None = None
+    message: str | None = None
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
@@ -86,19 +87,19 @@ class ObjectStatus:
     """
 
     object_id: str
-    receipt: Optional[Receipt]
-    project: Optional[str]
+    receipt: Receipt | None
+    project: str | None
     delivery: dict[str, Any]
     payload: dict[str, Any]
     hq: dict[str, Any]
-    archived: Optional[dict[str, Any]]
+    archived: dict[str, Any] | None
     raw: dict[str, Any] = field(repr=False)
 
 
 class _Transient(Exception):
     """A failure that may pass: retry after a wait (``retry_after`` from the server, if any)."""
 
-    def __init__(self, message: str, retry_after: Optional[float] = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
@@ -172,18 +173,19 @@ class Client:
 
     ``base_url`` is the receiver's root (``http://host:8080``; a trailing ``/files/`` is
     accepted too).  ``timeout`` is a :class:`Timeouts` or one number for ``connect`` and
-    ``read``.  ``chunk_size`` bounds the bytes of one PATCH, so a failed request never resends
-    more than that (None: the rest of the file in one request).  Resume state lives in
-    ``state_dir`` (default ``~/.cache/canner-upload``).  A client may be shared by threads.
+    ``read``; ``retry`` a :class:`RetryPolicy`.  ``chunk_size`` bounds the bytes of one PATCH,
+    so a failed request never resends more than that (None: the rest of the file at once).
+    Resume state lives in ``state_dir`` (default ``~/.cache/canner-upload``).  A client may be
+    shared by threads.
     """
 
     def __init__(
         self,
         base_url: str,
-        timeout: Union[float, Timeouts] = Timeouts(),
-        retry: RetryPolicy = RetryPolicy(),
-        state_dir: Optional[Union[str, os.PathLike[str]]] = None,
-        chunk_size: Optional[int] = None,
+        timeout: float | Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         root = base_url.rstrip("/")
         if root.endswith("/files"):
@@ -194,22 +196,24 @@ class Client:
             raise ValueError("chunk_size must be at least 1 byte")
         self.base_url = root
         self.files_url = root + "/files/"
-        self.timeouts = (
-            timeout if isinstance(timeout, Timeouts) else Timeouts(float(timeout), float(timeout))
-        )
-        self.retry = retry
+        if timeout is None:
+            timeout = Timeouts()
+        elif not isinstance(timeout, Timeouts):
+            timeout = Timeouts(float(timeout), float(timeout))
+        self.timeouts = timeout
+        self.retry = RetryPolicy() if retry is None else retry
         self.chunk_size = chunk_size
-        self.states = StateStore(None if state_dir is None else os.fspath(state_dir))
+        self.states = StateStore(None if state_dir is None else Path(state_dir))
         self._local = threading.local()
 
     # -- public API -------------------------------------------------------------------------------
 
     def upload(
         self,
-        path: Union[str, os.PathLike[str]],
+        path: str | os.PathLike[str],
         project: str,
-        filename: Optional[str] = None,
-        progress: Optional[ProgressCallback] = None,
+        filename: str | None = None,
+        progress: ProgressCallback | None = None,
         restart: bool = False,
     ) -> Receipt:
         """Upload the file at ``path`` to ``project`` and return its verified receipt.
@@ -239,13 +243,13 @@ class Client:
             except UploadLost as e:
                 notify.emit("waiting", 0, session.size, session.object_id, f"{e}; starting over")
                 self.states.remove(session)
-            checksum_known: Optional[str] = checksum
+            checksum_known: str | None = checksum
         else:
             checksum_known = None
         session = self._create(full, project, filename, checksum_known, notify, backoff)
         return self._drive(session, notify, backoff, offset=0)
 
-    def resume(self, session: UploadSession, progress: Optional[ProgressCallback] = None) -> Receipt:
+    def resume(self, session: UploadSession, progress: ProgressCallback | None = None) -> Receipt:
         """Finish an upload started earlier (see :meth:`pending`), checking the file first."""
         notify = _Notifier(session.path, progress)
         _check_unchanged(session)
@@ -307,7 +311,7 @@ class Client:
     # -- HTTP ------------------------------------------------------------------------------------
 
     def _session(self) -> requests.Session:
-        session: Optional[requests.Session] = getattr(self._local, "session", None)
+        session: requests.Session | None = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
             adapter = _Adapter()
@@ -337,8 +341,8 @@ class Client:
         self,
         path: str,
         project: str,
-        filename: Optional[str],
-        checksum: Optional[str],
+        filename: str | None,
+        checksum: str | None,
         notify: _Notifier,
         backoff: Backoff,
     ) -> UploadSession:
@@ -355,7 +359,10 @@ class Client:
             backoff.check()
             try:
                 r = self._request(
-                    "POST", self.files_url, headers=headers, timeout=self._timeout(self.timeouts.read)
+                    "POST",
+                    self.files_url,
+                    headers=headers,
+                    timeout=self._timeout(self.timeouts.read),
                 )
             except requests.RequestException as e:
                 backoff.wait(f"POST: {e}")
@@ -389,7 +396,7 @@ class Client:
         session: UploadSession,
         notify: _Notifier,
         backoff: Backoff,
-        offset: Optional[int] = None,  # None: ask the server (HEAD) first
+        offset: int | None = None,  # None: ask the server (HEAD) first
     ) -> Receipt:
         """Bring ``session`` to its receipt: HEAD, PATCH, and receipt recovery, with retries."""
         size, oid = session.size, session.object_id
@@ -438,7 +445,7 @@ class Client:
                         ) from None
                     backoff.wait(f"upload {oid} not found")
 
-    def _head(self, session: UploadSession) -> tuple[Optional[int], Optional[Receipt]]:
+    def _head(self, session: UploadSession) -> tuple[int | None, Receipt | None]:
         r = self._request("HEAD", session.upload_url, timeout=self._timeout(self.timeouts.read))
         if r.status_code != 200:
             raise _classify(r, "HEAD")
@@ -457,7 +464,7 @@ class Client:
 
     def _patch(
         self, session: UploadSession, f: Any, offset: int, notify: _Notifier, backoff: Backoff
-    ) -> tuple[Optional[int], Optional[Receipt]]:
+    ) -> tuple[int | None, Receipt | None]:
         size = session.size
         length = size - offset
         if self.chunk_size is not None:
@@ -490,7 +497,7 @@ class Client:
         # Complete without a receipt cannot be the answer of a final PATCH; ask the server.
         return (int(new) if int(new) < size else None), None
 
-    def _recover_receipt(self, session: UploadSession) -> Optional[Receipt]:
+    def _recover_receipt(self, session: UploadSession) -> Receipt | None:
         """All bytes are stored: the receipt if it exists, else an empty final PATCH, which
         joins a running acceptance (or starts one) and answers with the receipt."""
         found = self._try_receipt(session.object_id, self.timeouts.acceptance)
@@ -507,7 +514,7 @@ class Client:
             raise _classify(r, "final PATCH")
         return _receipt_header(r)
 
-    def _try_receipt(self, object_id: str, timeout: float) -> Optional[Receipt]:
+    def _try_receipt(self, object_id: str, timeout: float) -> Receipt | None:
         url = f"{self.base_url}/api/v1/receipts/{quote(object_id, safe='')}"
         r = self._request("GET", url, timeout=self._timeout(timeout))
         if r.status_code == 200:
@@ -522,7 +529,7 @@ class Client:
             return None
         raise error
 
-    def _receipt_or_none(self, object_id: str) -> Optional[Receipt]:
+    def _receipt_or_none(self, object_id: str) -> Receipt | None:
         try:
             return self._try_receipt(object_id, self.timeouts.read)
         except (_Transient, requests.RequestException, CannerError):
@@ -544,7 +551,7 @@ class Client:
 
 
 class _Notifier:
-    def __init__(self, path: str, callback: Optional[ProgressCallback]) -> None:
+    def __init__(self, path: str, callback: ProgressCallback | None) -> None:
         self.path = path
         self._callback = callback
 
@@ -553,8 +560,8 @@ class _Notifier:
         phase: str,
         done: int,
         total: int,
-        object_id: Optional[str] = None,
-        message: Optional[str] = None,
+        object_id: str | None = None,
+        message: str | None = None,
     ) -> None:
         if self._callback is not None:
             self._callback(ProgressEvent(self.path, phase, done, total, object_id, message))
@@ -578,7 +585,7 @@ def _metadata(pairs: list[tuple[str, str]]) -> str:
     )
 
 
-def _receipt_header(response: requests.Response) -> Optional[Receipt]:
+def _receipt_header(response: requests.Response) -> Receipt | None:
     value = response.headers.get("Artifact-Receipt")
     if not value:
         return None
@@ -595,11 +602,10 @@ def _parse_status(object_id: str, response: requests.Response) -> ObjectStatus:
         raise CannerError(f"GET /api/v1/objects/{object_id} answered no JSON") from None
     if not isinstance(doc, dict):
         raise CannerError(f"GET /api/v1/objects/{object_id} answered no JSON object")
-    source = doc.get("receipt") if isinstance(doc.get("receipt"), dict) else doc
+    nested = doc.get("receipt")
+    source: dict[str, Any] = nested if isinstance(nested, dict) else doc
     try:
-        receipt: Optional[Receipt] = Receipt.from_dict(
-            {name: source[name] for name in FIELDS}
-        )
+        receipt: Receipt | None = Receipt.from_dict({name: source[name] for name in FIELDS})
     except (KeyError, ValueError):
         receipt = None
 

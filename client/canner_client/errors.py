@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class CannerError(Exception):
     """Base class of everything this package raises on purpose."""
@@ -33,7 +31,7 @@ class ReceiptMismatch(CannerError):
 class DeadlineExceeded(CannerError):
     """Retries went on until the caller's deadline; ``last_error`` says what failed last."""
 
-    def __init__(self, message: str, last_error: Optional[str] = None) -> None:
+    def __init__(self, message: str, last_error: str | None = None) -> None:
         self.last_error = last_error
         suffix = f" (last error: {last_error})" if last_error else ""
         super().__init__(message + suffix)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import blake3
 
@@ -25,7 +25,7 @@ def _new_hasher(size: int) -> blake3.blake3:
     return blake3.blake3(max_threads=threads)
 
 
-def blake3_file(path: str, progress: Optional[Progress] = None) -> tuple[str, int]:
+def blake3_file(path: str, progress: Progress | None = None) -> tuple[str, int]:
     """``("blake3:<hex>", size)`` of the file at ``path``; ``progress(bytes_done)`` per window."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -39,7 +39,7 @@ def blake3_file(path: str, progress: Optional[Progress] = None) -> tuple[str, in
     return "blake3:" + hasher.hexdigest(), done
 
 
-def _hash_mapped(fd: int, size: int, hasher: blake3.blake3, progress: Optional[Progress]) -> int:
+def _hash_mapped(fd: int, size: int, hasher: blake3.blake3, progress: Progress | None) -> int:
     offset = 0
     while offset < size:
         length = min(WINDOW, size - offset)
@@ -51,7 +51,7 @@ def _hash_mapped(fd: int, size: int, hasher: blake3.blake3, progress: Optional[P
     return offset
 
 
-def _hash_read(f: object, hasher: blake3.blake3, progress: Optional[Progress]) -> int:
+def _hash_read(f: object, hasher: blake3.blake3, progress: Progress | None) -> int:
     buf = bytearray(WINDOW)
     view = memoryview(buf)
     done = 0

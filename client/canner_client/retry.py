@@ -6,7 +6,7 @@ import email.utils
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from canner_client.errors import DeadlineExceeded
 
@@ -25,14 +25,14 @@ class RetryPolicy:
     maximum: float = 30.0
     jitter: float = 0.5
     max_retry_after: float = 300.0
-    deadline: Optional[float] = 6 * 3600.0
+    deadline: float | None = 6 * 3600.0
 
     def delay(self, failures: int, rng: Callable[[], float] = random.random) -> float:
-        base = min(self.maximum, self.initial * (2 ** max(0, failures - 1)))
-        return base * (1.0 - self.jitter * rng())
+        base = min(self.maximum, self.initial * 2.0 ** max(0, failures - 1))
+        return float(base * (1.0 - self.jitter * rng()))
 
 
-def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date); None if absent
     or unparsable."""
     if value is None:
@@ -64,9 +64,9 @@ class Backoff:
         self._clock = clock
         self._end = None if policy.deadline is None else clock() + policy.deadline
         self.failures = 0
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
 
-    def remaining(self) -> Optional[float]:
+    def remaining(self) -> float | None:
         return None if self._end is None else self._end - self._clock()
 
     def check(self) -> None:
@@ -80,7 +80,7 @@ class Backoff:
         """The server stored more bytes: the next failure starts the backoff afresh."""
         self.failures = 0
 
-    def wait(self, error: str, retry_after: Optional[float] = None) -> float:
+    def wait(self, error: str, retry_after: float | None = None) -> float:
         """Record a failure and sleep before the next attempt; returns the seconds slept.
         Raises :class:`DeadlineExceeded` instead of sleeping past the deadline."""
         self.failures += 1

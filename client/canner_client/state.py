@@ -14,7 +14,6 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 VERSION = 1
 
@@ -35,7 +34,7 @@ class UploadSession:
     size: int
     mtime_ns: int
     checksum: str
-    filename: Optional[str]
+    filename: str | None
     upload_url: str
     created_at: float
 
@@ -52,13 +51,13 @@ def state_key(files_url: str, project: str, path: str) -> str:
 class StateStore:
     """Resume states under one directory (created 0700 on first write)."""
 
-    def __init__(self, directory: Optional[Path] = None) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         self.directory = Path(directory) if directory is not None else default_state_dir()
 
     def path_for(self, files_url: str, project: str, path: str) -> Path:
         return self.directory / f"{state_key(files_url, project, path)}.json"
 
-    def load(self, files_url: str, project: str, path: str) -> Optional[UploadSession]:
+    def load(self, files_url: str, project: str, path: str) -> UploadSession | None:
         """The saved session for this file, or None.  A corrupt state file is an error: it
         names an upload the server may hold, so it is not silently dropped."""
         state_path = self.path_for(files_url, project, path)

@@ -1,11 +1,8 @@
-"""Fixtures of the client's tests: real canner-receiver processes (through the repository's e2e
-helpers), the fault proxy, deterministic test files and the ``canner-upload`` command."""
+"""Fixtures of the client's tests: real canner-receiver processes (started through the
+repository's e2e helpers) and the fault proxy."""
 
 from __future__ import annotations
 
-import os
-import random
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,28 +36,3 @@ def proxy(receiver: Receiver) -> Iterator[FaultProxy]:
         yield fp
     finally:
         fp.close()
-
-
-def make_file(path: Path, size: int, seed: int = 0) -> Path:
-    """``size`` pseudo-random bytes (fast: a random block, varied per block)."""
-    rng = random.Random(seed)
-    block = rng.randbytes(min(size, 4 << 20)) if size else b""
-    with open(path, "wb") as f:
-        written, n = 0, 0
-        while written < size:
-            piece = n.to_bytes(8, "big") + block[8:]
-            piece = piece[: size - written]
-            f.write(piece)
-            written += len(piece)
-            n += 1
-    return path
-
-
-def cli_command(*args: str | os.PathLike[str]) -> list[str]:
-    return [sys.executable, "-m", "canner_client", *map(str, args)]
-
-
-def run_cli(*args: str | os.PathLike[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cli_command(*args), capture_output=True, text=True, timeout=timeout, check=False
-    )

@@ -61,9 +61,7 @@ def is_method(method: str) -> Match:
 
 def final_patch(size: int) -> Match:
     """The PATCH that carries the last byte of a ``size``-byte upload (not an empty one)."""
-    return lambda r: (
-        r.method == "PATCH" and r.length > 0 and (r.offset or 0) + r.length == size
-    )
+    return lambda r: r.method == "PATCH" and r.length > 0 and (r.offset or 0) + r.length == size
 
 
 class FaultProxy:

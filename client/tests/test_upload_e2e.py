@@ -14,6 +14,10 @@ from pathlib import Path
 
 import blake3
 import pytest
+from e2e_support import ISSUER, Receiver
+from fault_proxy import Fault, FaultProxy, final_patch, is_method
+from upload_support import cli_command, make_file, run_cli
+
 from canner_client import (
     Client,
     EndpointMissing,
@@ -24,9 +28,6 @@ from canner_client import (
     Timeouts,
     UploadRefused,
 )
-from conftest import cli_command, make_file, run_cli
-from e2e_support import ISSUER, Receiver
-from fault_proxy import Fault, FaultProxy, final_patch, is_method
 
 pytestmark = pytest.mark.e2e
 
@@ -74,7 +75,7 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-# -- plain uploads ----------------------------------------------------------------------------------
+# -- plain uploads --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -119,9 +120,9 @@ def test_cli_uploads_files_in_parallel(receiver: Receiver, tmp_path: Path) -> No
     by_checksum = {r.checksum: r for r in receipts}
     for path in paths:
         receipt = by_checksum[checksum_of(path)]
-        assert json.loads(receipt.to_json()) == json.loads(
-            lines[receipts.index(receipt)]
-        ), "the printed line is the receipt"
+        assert json.loads(receipt.to_json()) == json.loads(lines[receipts.index(receipt)]), (
+            "the printed line is the receipt"
+        )
         assert_receipted(receiver, receipt, path, tmp_path)
     progress = [json.loads(line) for line in result.stderr.splitlines()]
     done = {p["file"] for p in progress if p["phase"] == "done"}
@@ -161,7 +162,7 @@ def test_status_needs_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -
         client.status(receipt.object_id)
 
 
-# -- the network misbehaves -------------------------------------------------------------------------
+# -- the network misbehaves ----------------------------------------------------------------------
 
 
 def test_final_response_dropped(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
@@ -376,9 +377,7 @@ def test_library_refuses_a_changed_file(receiver: Receiver, tmp_path: Path) -> N
     path = make_file(tmp_path / "f.bin", 1000)
     client = make_client(receiver.base_url, tmp_path)
     # A resume state as a killed worker leaves it: created, nothing sent.
-    session = client._create(  # noqa: SLF001
-        str(path), "example", None, None, _NoProgress(), _backoff()
-    )
+    session = client._create(str(path), "example", None, None, _NoProgress(), _backoff())
     path.write_bytes(b"x" * 1000)
     os.utime(path, ns=(0, session.mtime_ns))
     with pytest.raises(FileChanged, match="checksum"):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import blake3
 import pytest
+from upload_support import make_file
+
 from canner_client import Receipt
 from canner_client import hashing as hashing_module
 from canner_client.cli import main, parse_size
@@ -17,7 +19,6 @@ from canner_client.errors import DeadlineExceeded
 from canner_client.hashing import blake3_file
 from canner_client.retry import Backoff, RetryPolicy, parse_retry_after
 from canner_client.state import StateStore, UploadSession
-from conftest import make_file
 
 OID = "0123456789abcdef0123456789abcdef"
 DOC = {
