@@ -36,3 +36,14 @@ def proxy(receiver: Receiver) -> Iterator[FaultProxy]:
         yield fp
     finally:
         fp.close()
+
+
+@pytest.fixture
+def make_full_receiver(tmp_path: Path) -> Iterator[Receiver]:
+    """A receiver whose free-space floor can never be met: POST and PATCH get 429."""
+    rcv = Receiver.in_dir(tmp_path / "full", min_free_bytes=1 << 60)
+    try:
+        rcv.start()
+        yield rcv
+    finally:
+        rcv.close()

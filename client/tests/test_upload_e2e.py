@@ -20,6 +20,7 @@ from upload_support import cli_command, make_file, run_cli
 
 from canner_client import (
     Client,
+    DeadlineExceeded,
     EndpointMissing,
     FileChanged,
     ProgressEvent,
@@ -151,6 +152,28 @@ def test_cli_reports_a_refusal_with_the_servers_message(receiver: Receiver, tmp_
     assert result.returncode == 1
     assert len(result.stdout.splitlines()) == 1
     assert "empty artifacts cannot be receipted" in result.stderr
+
+
+def test_deadline_ends_retrying_a_full_receiver(
+    make_full_receiver: Receiver, tmp_path: Path
+) -> None:
+    """The receiver's free-space guard answers 429 Retry-After: 60; with a 3 s deadline the
+    client gives up at once with a clear error instead of sleeping past its deadline."""
+    path = make_file(tmp_path / "f.bin", 1000)
+    client = make_client(
+        make_full_receiver.base_url, tmp_path, retry=RetryPolicy(initial=0.05, deadline=3.0)
+    )
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="429") as info:
+        client.upload(path, "example")
+    assert time.monotonic() - started < 3.0
+    assert "429" in (info.value.last_error or "")
+    result = run_cli(
+        "--url", make_full_receiver.base_url, "--project", "example", "--deadline", "2",
+        "--state-dir", tmp_path / "state", path,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "gave up" in result.stderr and "429" in result.stderr
 
 
 def test_status_needs_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
@@ -387,6 +410,23 @@ def test_library_refuses_a_changed_file(receiver: Receiver, tmp_path: Path) -> N
     assert receiver.offset(session.object_id) == 0
     with pytest.raises(UploadRefused, match="unknown project"):
         client.upload(path, "nope")
+
+
+def test_forgotten_upload_starts_over(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A saved upload the server no longer knows (HEAD 404, no receipt: swept after its
+    retention) is started again as a new upload, not reported as a success or left stuck."""
+    path = make_file(tmp_path / "f.bin", 3 * MiB, seed=12)
+    client = make_client(proxy.url, tmp_path)
+    old = client._create(str(path), "example", None, None, _NoProgress(), _backoff())
+    proxy.add(Fault("reply", is_method("HEAD"), status=404, times=3))
+    events: list[ProgressEvent] = []
+    receipt = client.upload(path, "example", progress=events.append)
+    assert receipt.object_id != old.object_id
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert any("starting over" in (e.message or "") for e in events)
+    assert len(proxy.seen("POST")) == 2
 
 
 class _NoProgress:
