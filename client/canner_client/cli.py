@@ -400,7 +400,7 @@ class RichReporter(Reporter):
                     self.progress.reset(task, total=ev.total or None, completed=ev.done)
                 self.progress.update(task, description=f"{ev.phase:<9} {name}")
                 if ev.phase == "waiting" and ev.message:
-                    self.progress.console.print(f"{name}: retrying: {ev.message}")
+                    self._say(f"{name}: retrying: {ev.message}")
             if ev.phase in ("hashing", "uploading", "done"):
                 self.progress.update(task, completed=ev.done)
             if ev.phase in ("uploading", "accepting", "done"):
@@ -413,4 +413,8 @@ class RichReporter(Reporter):
             task = self.tasks.get(path)
             if task is not None:
                 self.progress.update(task, description=f"failed    {os.path.basename(path)}")
-            self.progress.console.print(f"canner-upload: {path}: {message}")
+            self._say(f"canner-upload: {path}: {message}")
+
+    def _say(self, text: str) -> None:
+        # Server messages are not rich markup; a long line stays one line to copy.
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)

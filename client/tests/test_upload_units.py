@@ -4,6 +4,7 @@ argument handling."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from upload_support import make_file
 
 from canner_client import Receipt
 from canner_client import hashing as hashing_module
-from canner_client.cli import main, parse_size
-from canner_client.client import _parse_status
+from canner_client.cli import JsonReporter, PlainReporter, RichReporter, main, parse_size
+from canner_client.client import ProgressEvent, _parse_status
 from canner_client.errors import DeadlineExceeded
 from canner_client.hashing import blake3_file
 from canner_client.retry import Backoff, RetryPolicy, parse_retry_after
@@ -201,3 +202,59 @@ def test_cli_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[
         main(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip()
+
+
+def _events(path: str) -> list[ProgressEvent]:
+    return [
+        ProgressEvent(path, "hashing", 0, 100),
+        ProgressEvent(path, "hashing", 100, 100),
+        ProgressEvent(path, "uploading", 0, 100, OID),
+        ProgressEvent(path, "waiting", 0, 100, OID, "PATCH: 503 busy"),
+        ProgressEvent(path, "uploading", 40, 100, OID),
+        ProgressEvent(path, "uploading", 100, 100, OID),
+        ProgressEvent(path, "done", 100, 100, OID),
+    ]
+
+
+def test_json_progress_lines(tmp_path: Path) -> None:
+    path = str(make_file(tmp_path / "f", 100))
+    out = io.StringIO()
+    reporter = JsonReporter([path], out)
+    for ev in _events(path):
+        reporter.event(ev)
+    reporter.failed(path, "refused")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [d["phase"] for d in lines] == [
+        "hashing", "uploading", "waiting", "uploading", "done", "failed"
+    ]  # fmt: skip
+    assert lines[2]["message"] == "PATCH: 503 busy" and lines[2]["object_id"] == OID
+    assert lines[-1] == {"file": path, "phase": "failed", "message": "refused"}
+
+
+def test_plain_progress_lines(tmp_path: Path) -> None:
+    path = str(make_file(tmp_path / "f", 100))
+    out = io.StringIO()
+    reporter = PlainReporter([path], out, interval=0)
+    reporter.start()
+    for ev in _events(path):
+        reporter.event(ev)
+    reporter.stop()
+    assert out.getvalue().splitlines() == [
+        "canner-upload: f: hashing (100 B)",
+        "canner-upload: f: uploading",
+        "canner-upload: f: retrying: PATCH: 503 busy",
+        "canner-upload: f: uploading",
+        f"canner-upload: f: receipted as {OID}",
+    ]
+
+
+def test_live_display_runs(tmp_path: Path) -> None:
+    path = str(make_file(tmp_path / "f", 100))
+    out = io.StringIO()
+    reporter = RichReporter([path], out)
+    reporter.start()
+    for ev in _events(path):
+        reporter.event(ev)
+    reporter.failed(path, "refused [bold]for[/] a test")
+    reporter.stop()
+    assert f"canner-upload: {path}: refused [bold]for[/] a test\n" in out.getvalue()
