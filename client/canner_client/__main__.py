@@ -1,0 +1,3 @@
+from canner_client.cli import main
+
+raise SystemExit(main())

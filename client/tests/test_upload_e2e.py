@@ -1,0 +1,440 @@
+"""The client against real ``twistd canner-receiver`` processes, directly and through the fault
+proxy: every upload must end with the right receipt, identical to ``GET /api/v1/receipts/{id}``,
+whatever happens to the network, the receiver or the client in between."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import blake3
+import pytest
+from e2e_support import ISSUER, Receiver
+from fault_proxy import Fault, FaultProxy, final_patch, is_method
+from upload_support import cli_command, make_file, run_cli
+
+from canner_client import (
+    Client,
+    DeadlineExceeded,
+    EndpointMissing,
+    FileChanged,
+    ProgressEvent,
+    Receipt,
+    RetryPolicy,
+    Timeouts,
+    UploadRefused,
+)
+
+pytestmark = pytest.mark.e2e
+
+MiB = 1 << 20
+FAST_RETRY = RetryPolicy(initial=0.05, maximum=1.0, deadline=90.0)
+
+
+def make_client(url: str, tmp_path: Path, **kwargs: object) -> Client:
+    kwargs.setdefault("retry", FAST_RETRY)
+    kwargs.setdefault("timeout", Timeouts(connect=5.0, read=20.0, acceptance=60.0))
+    return Client(url, state_dir=tmp_path / "state", **kwargs)  # type: ignore[arg-type]
+
+
+def checksum_of(path: Path) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(str(path))
+    return "blake3:" + h.hexdigest()
+
+
+def assert_receipted(receiver: Receiver, receipt: Receipt, path: Path, tmp_path: Path) -> None:
+    """What a worker and HQ check: the receipt is the server's, for this file; state is gone."""
+    served = receiver.get_receipt(receipt.object_id)
+    assert served.status_code == 200
+    assert served.content == receipt.to_json().encode(), "receipt differs from GET"
+    assert receipt.issuer == ISSUER
+    assert receipt.size_bytes == path.stat().st_size
+    assert receipt.checksum == checksum_of(path)
+    stored = receiver.uploads_dir / receipt.object_id
+    assert stored.stat().st_size == receipt.size_bytes
+    assert checksum_of(stored) == receipt.checksum
+    state = tmp_path / "state"
+    assert not state.exists() or not list(state.glob("*.json")), "resume state left behind"
+
+
+def upload_id_of(proxy: FaultProxy) -> str:
+    patches = proxy.seen("PATCH")
+    assert patches, "no PATCH reached the proxy"
+    return patches[0].target.rsplit("/", 1)[-1]
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# -- plain uploads --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "size, chunk",
+    [(1, None), (MiB + 3, None), (5 * MiB + 1, 2 * MiB), (64 * MiB, 16 * MiB)],
+    ids=["1B", "1MiB+3", "5MiB-chunked", "64MiB-chunked"],
+)
+def test_upload_sizes(receiver: Receiver, tmp_path: Path, size: int, chunk: int | None) -> None:
+    path = make_file(tmp_path / "artifact.warc.gz", size, seed=size)
+    events: list[ProgressEvent] = []
+    client = make_client(receiver.base_url, tmp_path, chunk_size=chunk)
+    receipt = client.upload(path, "example", progress=events.append)
+    assert_receipted(receiver, receipt, path, tmp_path)
+    phases = [e.phase for e in events]
+    assert phases[0] == "hashing" and phases[-1] == "done"
+    assert "uploading" in phases and "waiting" not in phases
+    uploaded = [e.done for e in events if e.phase == "uploading"]
+    assert uploaded == sorted(uploaded) and uploaded[-1] == size
+    origin = json.loads((receiver.receipts_dir / f"{receipt.object_id}.meta.json").read_text())
+    assert origin.get("filename") == "artifact.warc.gz"
+
+
+def test_upload_one_gib(receiver: Receiver, tmp_path: Path) -> None:
+    path = make_file(tmp_path / "big.warc", 1 << 30, seed=1)
+    started = time.monotonic()
+    receipt = make_client(receiver.base_url, tmp_path).upload(path, "example")
+    print(f"1 GiB hashed, uploaded and accepted in {time.monotonic() - started:.1f}s")
+    assert_receipted(receiver, receipt, path, tmp_path)
+
+
+def test_cli_uploads_files_in_parallel(receiver: Receiver, tmp_path: Path) -> None:
+    sizes = [1, 3 * MiB, 10 * MiB + 7, 7 * MiB]
+    paths = [make_file(tmp_path / f"f{i}.bin", size, seed=i) for i, size in enumerate(sizes)]
+    result = run_cli(
+        "--url", receiver.base_url, "--project", "example", "--state-dir", tmp_path / "state",
+        "-j", "3", "--json-progress", *paths,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(paths)
+    receipts = [Receipt.from_json(line) for line in lines]
+    by_checksum = {r.checksum: r for r in receipts}
+    for path in paths:
+        receipt = by_checksum[checksum_of(path)]
+        assert json.loads(receipt.to_json()) == json.loads(lines[receipts.index(receipt)]), (
+            "the printed line is the receipt"
+        )
+        assert_receipted(receiver, receipt, path, tmp_path)
+    progress = [json.loads(line) for line in result.stderr.splitlines()]
+    done = {p["file"] for p in progress if p["phase"] == "done"}
+    assert done == {str(p) for p in paths}
+    assert {p["phase"] for p in progress} >= {"hashing", "uploading", "done"}
+
+
+def test_cli_reports_a_refusal_with_the_servers_message(receiver: Receiver, tmp_path: Path) -> None:
+    path = make_file(tmp_path / "f.bin", 100)
+    ok = make_file(tmp_path / "g.bin", 200)
+    result = run_cli("--url", receiver.base_url, "--project", "nope", path)
+    assert result.returncode == 1
+    assert "unknown project 'nope'" in result.stderr and "400" in result.stderr
+    assert result.stdout == ""
+    # One refused file does not stop the others; the exit status still says something failed.
+    result = run_cli(
+        "--url", receiver.base_url, "--project", "example", "--state-dir", tmp_path / "s", ok, path,
+        "--filename", "x",
+    )  # fmt: skip
+    assert result.returncode == 2, "--filename with two files is a usage error"
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    result = run_cli(
+        "--url", receiver.base_url, "--project", "example", "--state-dir", tmp_path / "s", ok, empty
+    )
+    assert result.returncode == 1
+    assert len(result.stdout.splitlines()) == 1
+    assert "empty artifacts cannot be receipted" in result.stderr
+
+
+def test_deadline_ends_retrying_a_full_receiver(
+    make_full_receiver: Receiver, tmp_path: Path
+) -> None:
+    """The receiver's free-space guard answers 429 Retry-After: 60; with a 3 s deadline the
+    client gives up at once with a clear error instead of sleeping past its deadline."""
+    path = make_file(tmp_path / "f.bin", 1000)
+    client = make_client(
+        make_full_receiver.base_url, tmp_path, retry=RetryPolicy(initial=0.05, deadline=3.0)
+    )
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="429") as info:
+        client.upload(path, "example")
+    assert time.monotonic() - started < 3.0
+    assert "429" in (info.value.last_error or "")
+    result = run_cli(
+        "--url", make_full_receiver.base_url, "--project", "example", "--deadline", "2",
+        "--state-dir", tmp_path / "state", path,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "gave up" in result.stderr and "429" in result.stderr
+
+
+def test_status_needs_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
+    path = make_file(tmp_path / "f.bin", 10)
+    client = make_client(receiver.base_url, tmp_path)
+    receipt = client.upload(path, "example")
+    assert client.receipt(receipt.object_id) == receipt
+    with pytest.raises(EndpointMissing, match="/api/v1/objects"):
+        client.status(receipt.object_id)
+
+
+# -- the network misbehaves ----------------------------------------------------------------------
+
+
+def test_final_response_dropped(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
+    size = 40 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=3)
+    drop = proxy.add(Fault("drop", final_patch(size), drop_if_header="Artifact-Receipt"))
+    receipt = make_client(proxy.url, tmp_path).upload(path, "example")
+    assert drop.reached.is_set()
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert proxy.patch_bytes() == size, "no byte was sent twice"
+
+
+def test_head_says_complete_before_the_receipt_exists(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """The answer of the final PATCH is lost; HEAD says every byte is there but carries no
+    receipt, and GET of the receipt says 404 (what the receiver answers while it still hashes):
+    the client must ask again until the receipt appears, never report success without it."""
+    size = 3 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=4)
+    drop = proxy.add(Fault("drop", final_patch(size), drop_if_header="Artifact-Receipt"))
+    after_drop = lambda r: r.method == "HEAD" and drop.reached.is_set()  # noqa: E731
+    proxy.add(
+        Fault("reply", after_drop, status=200,
+              headers={"Upload-Offset": str(size), "Upload-Length": str(size)})
+    )  # fmt: skip
+    get = lambda r: r.method == "GET" and "/api/v1/receipts/" in r.target  # noqa: E731
+    proxy.add(Fault("reply", get, status=404, times=2))
+    events: list[ProgressEvent] = []
+    receipt = make_client(proxy.url, tmp_path).upload(path, "example", progress=events.append)
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert "accepting" in [e.phase for e in events]
+    empty_patches = [r for r in proxy.seen("PATCH") if r.length == 0]
+    assert empty_patches and empty_patches[0].status == 204
+
+
+def test_head_404_after_a_lost_response_asks_for_the_receipt(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    size = 2 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=5)
+    drop = proxy.add(Fault("drop", final_patch(size), drop_if_header="Artifact-Receipt"))
+    after_drop = lambda r: r.method == "HEAD" and drop.reached.is_set()  # noqa: E731
+    proxy.add(Fault("reply", after_drop, status=404, times=5))
+    receipt = make_client(proxy.url, tmp_path).upload(path, "example")
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert proxy.patch_bytes() == size
+
+
+def test_connections_cut_mid_body(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
+    size = 24 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=6)
+    proxy.add(Fault("cut", is_method("PATCH"), after=5 * MiB, times=3))
+    receipt = make_client(proxy.url, tmp_path).upload(path, "example")
+    assert_receipted(receiver, receipt, path, tmp_path)
+    patches = [r for r in proxy.seen("PATCH") if r.length]
+    assert [r.fault for r in patches[:3]] == ["cut"] * 3
+    offsets = [r.offset for r in patches]
+    assert offsets[:4] == [0, 5 * MiB, 10 * MiB, 15 * MiB], "each retry resumed where it stopped"
+    assert proxy.patch_bytes() == size
+
+
+def test_retry_after_on_429_and_503(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
+    size = 4 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=7)
+    proxy.add(Fault("reply", is_method("POST"), status=429, headers={"Retry-After": "1"}))
+    proxy.add(Fault("reply", is_method("PATCH"), status=503, headers={"Retry-After": "1"}))
+    proxy.add(Fault("reply", is_method("HEAD"), status=502))
+    proxy.add(Fault("reply", is_method("PATCH"), status=423))
+    events: list[ProgressEvent] = []
+    started = time.monotonic()
+    receipt = make_client(proxy.url, tmp_path).upload(path, "example", progress=events.append)
+    elapsed = time.monotonic() - started
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert elapsed >= 2.0, "both Retry-After: 1 were honoured"
+    waits = [e.message or "" for e in events if e.phase == "waiting"]
+    assert any("429" in w for w in waits) and any("503" in w for w in waits)
+    assert any("another request is writing" in w for w in waits)
+    assert len(proxy.seen("POST")) == 2, "a refused creation is retried, not duplicated"
+
+
+def test_stalled_body_is_a_retry_not_a_hang(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    size = 64 * MiB  # larger than what socket buffers hold, so that the sender blocks
+    path = make_file(tmp_path / "f.bin", size, seed=8)
+    stall = proxy.add(Fault("stall", is_method("PATCH"), after=8 * MiB))
+    client = make_client(proxy.url, tmp_path, timeout=Timeouts(connect=1.0, read=2.0))
+    started = time.monotonic()
+    receipt = client.upload(path, "example")
+    assert stall.reached.is_set()
+    assert time.monotonic() - started < 30
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert proxy.seen("PATCH")[1].offset == 8 * MiB
+
+
+# -- processes die ------------------------------------------------------------------------------
+
+
+def test_receiver_killed_mid_upload(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
+    size = 48 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=9)
+    stall = proxy.add(Fault("stall", is_method("PATCH"), after=size // 2))
+    result: dict[str, object] = {}
+
+    def upload() -> None:
+        try:
+            result["receipt"] = make_client(proxy.url, tmp_path).upload(path, "example")
+        except Exception as e:  # reported by the assertion below
+            result["error"] = e
+
+    thread = threading.Thread(target=upload)
+    thread.start()
+    try:
+        assert stall.reached.wait(30)
+        oid = upload_id_of(proxy)
+        assert receiver.wait_offset(oid, size // 2, timeout=15) == size // 2
+        receiver.kill(signal.SIGKILL)
+        time.sleep(0.3)  # the client meets a dead receiver for a while
+        receiver.start()
+    finally:
+        stall.release.set()
+        thread.join(60)
+    assert "error" not in result, result.get("error")
+    receipt = result["receipt"]
+    assert isinstance(receipt, Receipt)
+    assert receipt.object_id == oid
+    assert_receipted(receiver, receipt, path, tmp_path)
+    resumed = [r for r in proxy.seen("PATCH") if r.length][1:]
+    assert resumed and resumed[0].offset == size // 2, "resumed from what the receiver stored"
+
+
+def _start_killable_upload(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path, path: Path, stop_at: int
+) -> str:
+    """Run ``canner-upload`` until the receiver stored ``stop_at`` bytes, SIGKILL it, and wait
+    until the receiver let go of the upload; returns the upload's id."""
+    stall = proxy.add(Fault("stall", is_method("PATCH"), after=stop_at))
+    proc = subprocess.Popen(
+        cli_command(
+            "--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state", path
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert stall.reached.wait(30), "the client never sent a PATCH"
+        oid = upload_id_of(proxy)
+        assert receiver.wait_offset(oid, stop_at, timeout=15) == stop_at
+        states = list((tmp_path / "state").glob("*.json"))
+        assert len(states) == 1 and oid in states[0].read_text(), "resume state is on disk"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+    wait_for(lambda: f"connection lost on {oid}" in receiver.log_text(), 10, "the lost PATCH")
+    return oid
+
+
+def test_client_killed_and_rerun_resumes(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    size = 48 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=10)
+    oid = _start_killable_upload(receiver, proxy, tmp_path, path, size // 3)
+    before = proxy.patch_bytes()
+    result = run_cli(
+        "--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state", path
+    )
+    assert result.returncode == 0, result.stderr
+    receipt = Receipt.from_json(result.stdout)
+    assert receipt.object_id == oid, "the rerun finished the same upload"
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert proxy.patch_bytes() - before == size - size // 3, "stored bytes were not sent again"
+    assert len(proxy.seen("POST")) == 1
+
+
+def test_modified_file_is_refused(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:
+    size = 32 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=11)
+    _start_killable_upload(receiver, proxy, tmp_path, path, size // 4)
+    requests_before = len(proxy.seen())
+    command = ["--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state", path]
+
+    # Same size and modification time, other bytes: only the checksum can tell.
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(b"\x00" if last != b"\x00" else b"\x01")
+    assert path.stat().st_size == size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    result = run_cli(*command)
+    assert result.returncode == 1
+    assert "changed since its upload started" in result.stderr and "checksum" in result.stderr
+    assert result.stdout == ""
+
+    with open(path, "ab") as f:  # and now another size
+        f.write(b"more")
+    result = run_cli(*command)
+    assert result.returncode == 1
+    assert "changed since its upload started" in result.stderr
+    assert len(proxy.seen()) == requests_before, "nothing was sent for a changed file"
+
+    result = run_cli(*command, "--restart")
+    assert result.returncode == 0, result.stderr
+    receipt = Receipt.from_json(result.stdout)
+    assert_receipted(receiver, receipt, path, tmp_path)
+
+
+def test_library_refuses_a_changed_file(receiver: Receiver, tmp_path: Path) -> None:
+    path = make_file(tmp_path / "f.bin", 1000)
+    client = make_client(receiver.base_url, tmp_path)
+    # A resume state as a killed worker leaves it: created, nothing sent.
+    session = client._create(str(path), "example", None, None, _NoProgress(), _backoff())
+    path.write_bytes(b"x" * 1000)
+    os.utime(path, ns=(0, session.mtime_ns))
+    with pytest.raises(FileChanged, match="checksum"):
+        client.upload(path, "example")
+    with pytest.raises(FileChanged):
+        client.resume(session)
+    assert receiver.offset(session.object_id) == 0
+    with pytest.raises(UploadRefused, match="unknown project"):
+        client.upload(path, "nope")
+
+
+def test_forgotten_upload_starts_over(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A saved upload the server no longer knows (HEAD 404, no receipt: swept after its
+    retention) is started again as a new upload, not reported as a success or left stuck."""
+    path = make_file(tmp_path / "f.bin", 3 * MiB, seed=12)
+    client = make_client(proxy.url, tmp_path)
+    old = client._create(str(path), "example", None, None, _NoProgress(), _backoff())
+    proxy.add(Fault("reply", is_method("HEAD"), status=404, times=3))
+    events: list[ProgressEvent] = []
+    receipt = client.upload(path, "example", progress=events.append)
+    assert receipt.object_id != old.object_id
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert any("starting over" in (e.message or "") for e in events)
+    assert len(proxy.seen("POST")) == 2
+
+
+class _NoProgress:
+    def emit(self, *args: object) -> None:
+        pass
+
+
+def _backoff() -> object:
+    from canner_client.retry import Backoff
+
+    return Backoff(FAST_RETRY)
