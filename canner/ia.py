@@ -903,7 +903,9 @@ class IASink:
         """:meth:`remote_file` by name, e.g. for a delivered row's recorded destination."""
         return Deferred.fromCoroutine(self._lookup(identifier, remote_name))
 
-    def deliver(self, plan: ItemPlan, path: Path) -> Deferred[DeliveryResult]:
+    def deliver(
+        self, plan: ItemPlan, path: Path, on_progress: Callable[[int], None] | None = None
+    ) -> Deferred[DeliveryResult]:
         """One delivery attempt of the file at ``path`` to ``plan``'s destination.
 
         Skips the upload when the metadata API already shows the file with the plan's size and
@@ -911,9 +913,10 @@ class IASink:
         redirects.  Fires with a :class:`DeliveryResult` for every I/O outcome, including the
         watchdog, the answer timeout and the ``attempt_timeout`` cap (all transient).
         Cancelling the returned Deferred aborts the transfer; it then fails with
-        ``CancelledError`` and nothing is to be recorded but a retry.
+        ``CancelledError`` and nothing is to be recorded but a retry.  ``on_progress(n)`` is
+        told about each chunk of payload handed to the connection.
         """
-        attempt = _Attempt(self, plan, path)
+        attempt = _Attempt(self, plan, path, on_progress)
         return attempt.start()
 
     # -- helpers used by _Attempt ----------------------------------------------------------
@@ -1036,6 +1039,7 @@ class _Attempt:
     _sink: IASink
     _plan: ItemPlan
     _path: Path
+    _on_progress: Callable[[int], None] | None = None
     _current: Deferred[Any] | None = None
     _abort_reason: str | None = None
     _cancelled: bool = False
@@ -1252,6 +1256,8 @@ class _Attempt:
     def _progress(self, n: int) -> None:
         self._bytes_sent += n
         self._put_sent += n
+        if self._on_progress is not None:
+            self._on_progress(n)
         if self._put_sent >= self._plan.size:
             # The last byte is with the transport: wait for the answer, not for progress.
             self._arm(answer=True)

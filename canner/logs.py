@@ -61,7 +61,6 @@ EVENTS: Mapping[str, tuple[str, str]] = {
     "delivery_failed": ("canner.delivery.scheduler", "delivery of {object_id} failed"),
     "verified": ("canner.delivery.scheduler", "verified {object_id} at IA"),
     "purged": ("canner.delivery.scheduler", "purged local payload of {object_id}"),
-    "uploaded": ("canner.ia", "uploaded {object_id} to "),
 }
 
 _BY_NAMESPACE: dict[str, list[tuple[str, str]]] = {}

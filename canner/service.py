@@ -27,6 +27,7 @@ from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
+from canner.delivery.liveness import HeartbeatService, InFlight
 from canner.delivery.rescan import missing_objects
 from canner.delivery.scheduler import DeliveryService, Sink
 from canner.delivery.sinks import internet_archive_sinks
@@ -45,10 +46,12 @@ from canner.metrics import (
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.status_page import RecentProblems, StatusSource
+from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import SweepReport, sweep_stale
+from canner.version import version
 
 log = Logger()
 
@@ -125,13 +128,29 @@ def _operator_surfaces(
     reactor: Any,
     publisher: LogPublisher,
     observers: Iterable[Observer] = (),
+    in_flight: InFlight | None = None,
 ) -> tuple[Metrics, SurveyCache]:
     """Metrics fed by log events (observers added to ``top``) and the survey cache behind them."""
     metrics = Metrics(role, config.projects)
     LogObservers(publisher, [metrics.observe_event, *observers]).setServiceParent(top)
     cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), reactor)
-    metrics.register(SurveyCollector(cache, config.min_free_bytes))
+    metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight))
     return metrics, cache
+
+
+def _trend_sampler(config: Config, index: DeliveryIndex, reactor: Any) -> IService:
+    """Records a trend sample in ``delivery.sqlite`` every minute (both daemons do)."""
+
+    def sample() -> Deferred[Any]:
+        return index.run(record_sample, config.data_dir, reactor.seconds())
+
+    return PeriodicService(reactor, SAMPLE_INTERVAL, sample, "trend sample")
+
+
+def _item_urls(config: Config) -> dict[str, str]:
+    return {
+        pid: p.delivery.metadata_url for pid, p in config.projects.items() if p.delivery is not None
+    }
 
 
 def _add_manhole(
@@ -206,11 +225,14 @@ def receiver_service(
     tus = TusRoutes(intake, config.max_upload_bytes)
     status = StatusSource(
         run,
-        partial(take_survey, config.data_dir, config.object_ids),
+        partial(take_survey, config.data_dir, config.object_ids, history=True),
         reactor,
         problems,
         config.issuer,
         config.min_free_bytes,
+        version=version(),
+        item_urls=_item_urls(config),
+        started_at=reactor.seconds(),
     )
     site = receiver_site(
         intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status
@@ -218,6 +240,8 @@ def receiver_service(
     PeriodicService(
         reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
     ).setServiceParent(top)
+    if index is not None:
+        _trend_sampler(config, index, reactor).setServiceParent(top)
     manhole = _add_manhole(
         config,
         RECEIVER,
@@ -355,7 +379,11 @@ def deliver_service(
             added = await index.insert(missing)
             log.info("rescan added {count} receipts to the delivery index", count=added)
 
-    metrics, survey_cache = _operator_surfaces(config, DELIVER, top, io, reactor, log_publisher)
+    in_flight = InFlight(reactor)
+    metrics, survey_cache = _operator_surfaces(
+        config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
+    )
+    in_flight.on_sent = metrics.sent
     PeriodicService(
         reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
     ).setServiceParent(top)
@@ -369,8 +397,12 @@ def deliver_service(
         hashing,
         reactor,
         config.delivery_concurrency,
+        in_flight=in_flight,
     )
     scheduler.setServiceParent(top)
+    # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
+    HeartbeatService(index, in_flight, reactor).setServiceParent(top)
+    _trend_sampler(config, index, reactor).setServiceParent(top)
     if config.metrics.deliver_listen is not None:
         PeriodicService(
             reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"

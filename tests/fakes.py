@@ -53,7 +53,7 @@ class FakeSink:
     checks: dict[str, RemoteCheck] = field(factory=dict)
     hanging_verify: Deferred[RemoteCheck] | None = None
 
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+    def deliver(self, row: QueueRow, path: Path, progress: Any = None) -> Deferred[Delivered]:
         d: Deferred[Delivered] = Deferred()
         self.pending[row.object_id] = d
         return d

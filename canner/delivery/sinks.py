@@ -8,6 +8,7 @@ delivered row against IA's metadata API.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,31 @@ from canner import ia
 from canner.config import Config, ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
 from canner.delivery.scheduler import Delivered, DeliveryFailed, RemoteCheck, Sink
+
+
+def failure_class(status: int | None, reason: str) -> str:
+    """The class of a failed IA attempt, for metrics and alerts (pure).
+
+    ``forbidden`` (credentials or permissions: an operator must act), ``rate_limited``,
+    ``server_error``, ``client_error``, ``local_payload`` or ``network`` (no HTTP answer:
+    connection, DNS, timeouts)."""
+    if status is None:
+        if reason.startswith("local file"):
+            return "local_payload"
+        if reason.startswith(("503 SlowDown", "429")):
+            return "rate_limited"
+        if reason.startswith(("401", "403")):
+            return "forbidden"
+        return "network"
+    if status in (401, 403):
+        return "forbidden"
+    if status in (429, 503):
+        return "rate_limited"
+    if status >= 500:
+        return "server_error"
+    if status >= 400:
+        return "client_error"
+    return "other"
 
 
 @frozen
@@ -39,18 +65,23 @@ class IADeliverySink:
             row.content_md5,
         )
 
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
-        return Deferred.fromCoroutine(self._deliver(row, path))
+    def deliver(
+        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+    ) -> Deferred[Delivered]:
+        return Deferred.fromCoroutine(self._deliver(row, path, progress))
 
-    async def _deliver(self, row: QueueRow, path: Path) -> Delivered:
+    async def _deliver(
+        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+    ) -> Delivered:
         plan = self.plan(row)
-        result = await self._sink.deliver(plan, path)
+        result = await self._sink.deliver(plan, path, progress)
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
         raise DeliveryFailed(
             result.outcome.reason,
             needs_operator=result.outcome.needs_operator,
             retry_after=result.outcome.retry_after,
+            kind=failure_class(result.status, result.outcome.reason),
         )
 
     def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
