@@ -501,12 +501,17 @@ def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_d
             10,
             "deliver's gauges to show the delivery",
         )
-        assert metric(samples, "canner_ia_sent_bytes_total") == 200_000
+        # Bytes are counted as they stream: the refused attempt sent the body too.
+        assert metric(samples, "canner_ia_sent_bytes_total") == 2 * 200_000
         assert metric(samples, "canner_delivered_bytes") == 200_000
         assert metric(samples, "canner_deliveries_completed_total", project=PROJECT) == 1
         assert metric(samples, "canner_delivery_retries_total", project=PROJECT) >= 1
         failures = metric(
-            samples, "canner_delivery_failures_total", project=PROJECT, needs_operator="true"
+            samples,
+            "canner_delivery_failures_total",
+            project=PROJECT,
+            needs_operator="true",
+            reason="forbidden",
         )
         assert failures >= 1
         assert metric(samples, "canner_deliveries_needing_operator") == 0
