@@ -1,15 +1,16 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
 A small root resource hands ``/files...`` to :class:`TusRoutes` and everything else to
-:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, the status page at
-``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site` builds the streaming
-:class:`~canner.tus.stream.ReceiverSite` around it, and reports every finished request to the
-metrics.
+:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
+status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
+builds the streaming :class:`~canner.tus.stream.ReceiverSite` around it, and reports every
+finished request to the metrics.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ from canner import fs
 from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
+from canner.readiness import Readiness
 from canner.receipts import ReceiptStore
 from canner.status_page import StatusSource, render_status
 from canner.tus.intake import UploadIntake
@@ -48,6 +50,7 @@ class ReceiverRoutes:
     _run: BlockingRunner
     _metrics: Metrics
     _status: StatusSource
+    _ready: Callable[[], Readiness]
 
     @app.handle_errors(TusError)
     def refusal(self, request: IRequest, failure: Any) -> bytes:
@@ -72,6 +75,16 @@ class ReceiverRoutes:
             request.setResponseCode(503)
             return json.dumps({"status": "unhealthy", "error": e.strerror}).encode()
         return json.dumps({"status": "ok", "free_bytes": free}).encode()
+
+    @app.route("/readyz", methods=["GET"])
+    async def readiness(self, request: IRequest) -> bytes:
+        """200 while uploads would be accepted; 503 with every reason while they would not."""
+        request.setHeader("Content-Type", "application/json")
+        request.setHeader("Cache-Control", "no-store")
+        ready = await self._run(self._ready)
+        if not ready.ready:
+            request.setResponseCode(503)
+        return json.dumps(ready.as_dict()).encode()
 
     @app.route("/", methods=["GET"])
     async def status_page(self, request: IRequest) -> bytes:
@@ -144,8 +157,9 @@ def receiver_site(
     run: BlockingRunner,
     metrics: Metrics,
     status: StatusSource,
+    ready: Callable[[], Readiness],
 ) -> ReceiverSite:
-    routes = ReceiverRoutes(receipts, ids, data_dir, run, metrics, status)
+    routes = ReceiverRoutes(receipts, ids, data_dir, run, metrics, status, ready)
     root = _Root(tus.app.resource(), routes.app.resource())
     site = MeteredSite(root, intake, metrics, timeout=HTTP_IDLE_TIMEOUT)
     site.displayTracebacks = False

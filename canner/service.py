@@ -43,6 +43,7 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.status_page import RecentProblems, StatusSource
@@ -221,7 +222,10 @@ def receiver_service(
         enqueue,
         observe=metrics.observe_acceptance,
     )
-    intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
+    floor = FloorWatch(config.min_free_bytes)
+    intake = UploadIntake(
+        config, uploads, receipts, acceptance, run, reactor, free_space_seen=floor.observe
+    )
     tus = TusRoutes(intake, config.max_upload_bytes)
     status = StatusSource(
         run,
@@ -234,8 +238,9 @@ def receiver_service(
         item_urls=_item_urls(config),
         started_at=reactor.seconds(),
     )
+    ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     site = receiver_site(
-        intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status
+        intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status, ready
     )
     PeriodicService(
         reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
 from canner.service import LogObservers, PeriodicService
@@ -579,7 +581,13 @@ def test_receiver_serves_status_page_and_metrics(data_dir: Path, index: SyncInde
         10,
     )
     routes = ReceiverRoutes(
-        ReceiptStore(data_dir / "receipts"), IDS, data_dir, run_inline, m, status
+        ReceiptStore(data_dir / "receipts"),
+        IDS,
+        data_dir,
+        run_inline,
+        m,
+        status,
+        partial(check_readiness, data_dir, 10, FloorWatch(10)),
     )
     treq = StubTreq(routes.app.resource())
     page = succeeded(treq.get("http://localhost/"))
