@@ -240,7 +240,16 @@ def receiver_service(
     )
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     site = receiver_site(
-        intake, tus, receipts, config.object_ids, config.data_dir, run, metrics, status, ready
+        intake,
+        tus,
+        receipts,
+        config.object_ids,
+        config.data_dir,
+        run,
+        metrics,
+        status,
+        ready,
+        access_log=config.access_log,
     )
     PeriodicService(
         reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
