@@ -500,7 +500,17 @@ def _in_flight(view: StatusView) -> Tag:
                 tags.td(p.project),
                 tags.td(p.filename or "-"),
                 tags.td(str(p.attempt), class_="num"),
-                tags.td(f"{p.phase} for {human_duration(now - p.started_at)}"),
+                tags.td(
+                    f"{p.phase} for {human_duration(now - p.started_at)}",
+                    *(
+                        [
+                            tags.br(),
+                            tags.span(f"no bytes for {human_duration(p.stalled_s)}", class_="bad"),
+                        ]
+                        if p.stalled_s
+                        else []
+                    ),
+                ),
                 _bytes("sent", p.sent),
                 tags.td(_bar(share), f" {share:.0f}% of {human_bytes(p.size)}"),
                 tags.td(f"{human_bytes(int(p.rate))}/s" if p.rate else "-", class_="num"),

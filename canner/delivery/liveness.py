@@ -50,8 +50,9 @@ class Progress:
     sent: int
     started_at: float
     upload_started_at: float | None
-    rate: float | None  # bytes per second since the upload started
+    rate: float | None  # bytes per second over the last RATE_WINDOW seconds
     eta_s: float | None
+    stalled_s: float | None = None  # seconds without a byte sent (None: bytes are moving)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +67,7 @@ class Progress:
             "upload_started_at": self.upload_started_at,
             "rate": self.rate,
             "eta_s": self.eta_s,
+            "stalled_s": self.stalled_s,
         }
 
     @classmethod
@@ -86,20 +88,29 @@ _PROGRESS_FIELDS = (
     "upload_started_at",
     "rate",
     "eta_s",
+    "stalled_s",
 )
 
 
+# The rate shown is measured over about this many seconds, so a stall shows as one.
+RATE_WINDOW = 30.0
+# No byte sent for this long: the attempt is shown as stalled.
+STALL_AFTER = 10.0
+
+
 def rate_and_eta(
-    size: int, sent: int, upload_started_at: float | None, now: float
+    size: int, sent: int, since: tuple[float, int] | None, now: float
 ) -> tuple[float | None, float | None]:
-    """Average bytes/s since the upload began, and seconds left at that rate (None: unknown)."""
-    if upload_started_at is None:
+    """Bytes/s from ``since`` (an earlier ``(time, sent)``) to now, and the seconds left at that
+    rate (None: unknown, or nothing moves)."""
+    if since is None:
         return None, None
-    elapsed = now - upload_started_at
-    if elapsed <= 0.5 or sent <= 0:
+    elapsed = now - since[0]
+    moved = sent - since[1]
+    if elapsed <= 0.5:
         return None, None
-    rate = sent / elapsed
-    return rate, max(0.0, size - sent) / rate
+    rate = max(0.0, moved / elapsed)
+    return rate, (max(0.0, size - sent) / rate if rate > 0 else None)
 
 
 @define(eq=False)
@@ -109,6 +120,21 @@ class _Running:
     phase: str = CHECKING
     sent: int = 0
     upload_started_at: float | None = None
+    last_sent_at: float | None = None
+    # (time, sent) seen by recent snapshots, oldest first, for the rate over RATE_WINDOW
+    marks: list[tuple[float, int]] = field(factory=list)
+
+    def since(self, now: float) -> tuple[float, int] | None:
+        """The oldest mark within the rate window (the upload's start while it is younger)."""
+        if self.upload_started_at is None:
+            return None
+        self.marks.append((now, self.sent))
+        while len(self.marks) > 1 and self.marks[1][0] <= now - RATE_WINDOW:
+            self.marks.pop(0)
+        first = self.marks[0]
+        if first[0] > self.upload_started_at + 0.5 and now - first[0] < RATE_WINDOW / 2:
+            return (self.upload_started_at, 0)
+        return first
 
 
 @define(eq=False)
@@ -139,9 +165,11 @@ class InFlight:
             current = self._running.get(object_id)
             if current is None:
                 return
+            now = self._clock.seconds()
             if current.upload_started_at is None:
-                current.upload_started_at = self._clock.seconds()
+                current.upload_started_at = now
             current.sent += n
+            current.last_sent_at = now
 
         return sent
 
@@ -152,7 +180,11 @@ class InFlight:
         now = self._clock.seconds()
         found = []
         for r in sorted(self._running.values(), key=lambda r: (r.started_at, r.row.object_id)):
-            rate, eta = rate_and_eta(r.row.size_bytes, r.sent, r.upload_started_at, now)
+            rate, eta = rate_and_eta(r.row.size_bytes, r.sent, r.since(now), now)
+            quiet = None
+            if r.phase == UPLOADING:
+                last = r.last_sent_at or r.upload_started_at or r.started_at
+                quiet = now - last if now - last >= STALL_AFTER else None
             found.append(
                 Progress(
                     r.row.object_id,
@@ -166,6 +198,7 @@ class InFlight:
                     r.upload_started_at,
                     rate,
                     eta,
+                    quiet,
                 )
             )
         return found

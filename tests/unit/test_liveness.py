@@ -63,10 +63,23 @@ def test_in_flight_attempts_report_phase_bytes_rate_and_eta(harness: Harness) ->
 
 
 def test_rate_and_eta_are_unknown_before_bytes_move() -> None:
-    """No rate before the upload started or sent anything."""
+    """No rate before the upload started; no ETA while nothing moves."""
     assert rate_and_eta(100, 0, None, 10.0) == (None, None)
-    assert rate_and_eta(100, 0, 5.0, 10.0) == (None, None)
-    assert rate_and_eta(100, 50, 5.0, 10.0) == (10.0, 5.0)
+    assert rate_and_eta(100, 0, (9.8, 0), 10.0) == (None, None)
+    assert rate_and_eta(100, 50, (5.0, 0), 10.0) == (10.0, 5.0)
+    assert rate_and_eta(100, 50, (5.0, 50), 10.0) == (0.0, None)
+
+
+def test_a_stalled_upload_shows_no_rate_and_how_long_it_stalled(harness: Harness) -> None:
+    """Bytes stop: the rate over the last 30 s falls to 0 and the attempt says for how long."""
+    [oid] = harness.accept(1, data=b"x" * 1000)
+    harness.tick()
+    harness.sink.progress[oid](500)
+    for _ in range(9):
+        harness.clock.advance(5)
+        [progress] = harness.service.active
+    assert progress["rate"] == 0.0 and progress["eta_s"] is None
+    assert progress["stalled_s"] == pytest.approx(45.0)
 
 
 def test_heartbeat_is_written_periodically_and_marked_stopped(harness: Harness) -> None:
