@@ -24,7 +24,7 @@ from attrs import field, frozen
 from canner import fs
 from canner.delivery import index as sql
 from canner.delivery.index import QueueRow
-from canner.delivery.liveness import Heartbeat, read_heartbeat
+from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
 from canner.ids import ObjectIds
 from canner.receipts import ReceiptStore
@@ -313,8 +313,23 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         ),
         "free_error": survey.free_error,
         "index_error": survey.index_error,
+        "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
     }
     return doc
+
+
+def deliver_json(beat: Heartbeat | None, now: float) -> dict[str, Any]:
+    """canner-deliver's state from its heartbeat, and its attempts in flight while it runs."""
+    liveness = judge(beat, now)
+    return {
+        "state": liveness.state,
+        "text": liveness.text,
+        "heartbeat_age_s": liveness.age_s,
+        "pid": beat.pid if beat else None,
+        "version": beat.version if beat else None,
+        "started_at": beat.started_at if beat else None,
+        "in_flight": [p.as_dict() for p in beat.in_flight] if beat and liveness.ok else [],
+    }
 
 
 # -- one object --------------------------------------------------------------------------------

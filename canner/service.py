@@ -24,7 +24,7 @@ from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublishe
 from twisted.web.server import Site
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config
+from canner.config import Config, ConfigError
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
 from canner.delivery.liveness import HeartbeatService, InFlight
@@ -165,6 +165,10 @@ def _add_manhole(
 
 
 def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
+    """``uploads/`` and ``receipts/`` in ``data_dir``, which must exist: a missing one is most
+    likely a volume that is not mounted, and creating it would fill the root filesystem."""
+    if not data_dir.is_dir():
+        raise ConfigError("data_dir", f"{data_dir} does not exist (is its volume mounted?)")
     for sub in ("uploads", "receipts"):
         (data_dir / sub).mkdir(parents=True, exist_ok=True)
     return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
