@@ -35,6 +35,10 @@ _DURATION_UNITS = {
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 
 
+# The issuer of the shipped example config (/etc/canner/canner.toml): the daemons refuse it.
+PLACEHOLDER_ISSUER = "https://canner.example"
+
+
 class ConfigError(ValueError):
     """The configuration is unusable; ``str()`` names the key and the problem."""
 

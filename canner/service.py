@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from attrs import define, field
 from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
+from twisted.internet.error import CannotListenError
 from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
 from twisted.web.server import Site
@@ -47,6 +48,7 @@ from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.status_page import RecentProblems, StatusSource
+from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
@@ -101,6 +103,34 @@ class ShutdownHook(Service):
     def stopService(self) -> None:
         super().stopService()
         self._on_stop()
+
+
+class Listening(MultiService):
+    """A listener whose failure to listen (port in use, no permission) ends start-up with one
+    clear line instead of a traceback."""
+
+    def __init__(self, description: str, factory: Any, reactor: Any, what: str) -> None:
+        super().__init__()
+        self._description = description
+        self._what = what
+        strports.service(description, factory, reactor=reactor).setServiceParent(self)
+
+    def _refuse(self, error: CannotListenError) -> NoReturn:
+        reason = error.socketError
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise SystemExit(f"canner: cannot listen on {self._description} ({self._what}): {text}")
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            self._refuse(e)
+
+    def startService(self) -> None:
+        try:
+            super().startService()
+        except CannotListenError as e:
+            self._refuse(e)
 
 
 @define(eq=False)
@@ -280,7 +310,7 @@ def receiver_service(
     )
     if manhole is not None:
         manhole.setServiceParent(top)
-    strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
+    Listening(config.listen, site, reactor, "listen").setServiceParent(top)
 
     def sweep() -> Deferred[Any]:
         d = run(
@@ -302,6 +332,8 @@ def receiver_service(
             pool.close()
 
     ShutdownHook(stopping).setServiceParent(top)
+    # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
+    SystemdNotifier(reactor).setServiceParent(top)
     return top
 
 
@@ -427,7 +459,9 @@ def deliver_service(
         ).setServiceParent(top)
         site = Site(MetricsPage(metrics).app.resource())
         site.displayTracebacks = False
-        strports.service(config.metrics.deliver_listen, site, reactor=reactor).setServiceParent(top)
+        Listening(
+            config.metrics.deliver_listen, site, reactor, "metrics.deliver_listen"
+        ).setServiceParent(top)
     manhole = _add_manhole(
         config,
         DELIVER,
@@ -447,4 +481,11 @@ def deliver_service(
     )
     if manhole is not None:
         manhole.setServiceParent(top)
+    # Ready once the index answers a query through the daemon's own connection.
+    SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
     return top
+
+
+def _index_answers(cur: Any) -> None:
+    cur.execute("SELECT count(*) FROM deliver_heartbeat")
+    cur.fetchone()
