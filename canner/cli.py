@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sqlite3
 import sys
 import time
@@ -78,49 +77,12 @@ def _dump(io: Io, doc: Any) -> None:
     io.out.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
-ID_PREFIX_MIN = 4
-_PREFIX = re.compile(r"[a-z0-9-]+")
-
-
 def _object_id(config: Config, text: str) -> str:
     """``text`` when it is a whole object id; otherwise the one known object it starts."""
-    if config.object_ids.is_valid(text):
-        return text
-    prefix = text.strip().rstrip("…").lower()
-    if len(prefix) < ID_PREFIX_MIN or not _PREFIX.fullmatch(prefix):
-        raise CommandError(f"{text!r} is not an object id of this node (nor a prefix of one)")
-    return _unique_prefix(config, prefix)
-
-
-def _unique_prefix(config: Config, prefix: str) -> str:
-    """The one object id known anywhere (index, receipts, uploads) that starts with ``prefix``."""
-    found: set[str] = set()
-    path = config.data_dir / inventory.INDEX_NAME
-    if path.exists():
-        conn = inventory.open_read_only(path)
-        try:
-            rows = conn.execute(
-                "SELECT object_id FROM objects WHERE substr(object_id, 1, ?) = ? LIMIT 10",
-                (len(prefix), prefix),
-            ).fetchall()
-        finally:
-            conn.close()
-        found.update(row[0] for row in rows)
-    for sub in ("receipts", "uploads"):
-        try:
-            names = os.listdir(config.data_dir / sub)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            candidate = name.split(".", 1)[0]
-            if candidate.startswith(prefix) and config.object_ids.is_valid(candidate):
-                found.add(candidate)
-    if not found:
-        raise CommandError(f"no object id starts with {prefix!r}")
-    if len(found) > 1:
-        shown = ", ".join(sorted(found)[:5])
-        raise CommandError(f"{prefix!r} is ambiguous: it starts {len(found)} object ids ({shown})")
-    return found.pop()
+    try:
+        return inventory.resolve_id(config.data_dir, config.object_ids, text)
+    except inventory.UnknownId as e:
+        raise CommandError(str(e)) from None
 
 
 def _data_dir(config: Config) -> Path:

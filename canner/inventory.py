@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
@@ -420,6 +421,58 @@ def _attempts(cur: sqlite3.Cursor, object_id: str) -> list[dict[str, Any]]:
         return sql.attempt_history(cur, object_id)
     except sqlite3.OperationalError:  # an index from before the attempts table
         return []
+
+
+ID_PREFIX_MIN = 4
+_PREFIX = re.compile(r"[a-z0-9-]+")
+
+
+class UnknownId(ValueError):
+    """Not an object id, nor the prefix of exactly one known object."""
+
+
+def id_prefix(text: str) -> str:
+    """``text`` as an id prefix to look up (pure); :class:`UnknownId` when it cannot be one."""
+    prefix = text.strip().rstrip("…").lower()
+    if len(prefix) < ID_PREFIX_MIN or not _PREFIX.fullmatch(prefix):
+        raise UnknownId(f"{text!r} is not an object id of this node (nor a prefix of one)")
+    return prefix
+
+
+def resolve_id(data_dir: Path, ids: ObjectIds, text: str) -> str:
+    """``text`` when it is a whole object id; otherwise the one object id known anywhere (index,
+    receipts, uploads) that starts with it (at least 4 characters; a trailing … is ignored, as
+    the status page shows ids).  Raises :class:`UnknownId`.  Blocking."""
+    if ids.is_valid(text):
+        return text
+    prefix = id_prefix(text)
+    found: set[str] = set()
+    path = data_dir / INDEX_NAME
+    if path.exists():
+        conn = open_read_only(path)
+        try:
+            rows = conn.execute(
+                "SELECT object_id FROM objects WHERE substr(object_id, 1, ?) = ? LIMIT 10",
+                (len(prefix), prefix),
+            ).fetchall()
+        finally:
+            conn.close()
+        found.update(row[0] for row in rows)
+    for sub in ("receipts", "uploads"):
+        try:
+            names = os.listdir(data_dir / sub)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            candidate = name.split(".", 1)[0]
+            if candidate.startswith(prefix) and ids.is_valid(candidate):
+                found.add(candidate)
+    if not found:
+        raise UnknownId(f"no object id starts with {prefix!r}")
+    if len(found) > 1:
+        shown = ", ".join(sorted(found)[:5])
+        raise UnknownId(f"{prefix!r} is ambiguous: it starts {len(found)} object ids ({shown})")
+    return found.pop()
 
 
 def known(description: Mapping[str, Any]) -> bool:
