@@ -169,6 +169,17 @@ def _operator_surfaces(
     return metrics, cache
 
 
+def _survey_and_floor(cache: SurveyCache, floor: FloorWatch) -> Deferred[None]:
+    """Refresh the metrics survey; its free bytes also tell the floor watch, so crossing the
+    floor is logged even while no upload arrives."""
+
+    def observe(_: object) -> None:
+        if cache.latest is not None:
+            floor.observe(cache.latest.free_bytes)
+
+    return cache.refresh().addCallback(observe)
+
+
 def _trend_sampler(config: Config, index: DeliveryIndex, reactor: Any) -> IService:
     """Records a trend sample in ``delivery.sqlite`` every minute (both daemons do)."""
 
@@ -286,7 +297,10 @@ def receiver_service(
         access_log=config.access_log,
     )
     PeriodicService(
-        reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
+        reactor,
+        config.metrics.refresh,
+        partial(_survey_and_floor, survey_cache, floor),
+        "metrics survey",
     ).setServiceParent(top)
     if index is not None:
         _trend_sampler(config, index, reactor).setServiceParent(top)
