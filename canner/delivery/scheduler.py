@@ -6,7 +6,9 @@ the local payload against its receipt (BLAKE3, computing the MD5 once and storin
 the project's sink, and records ``delivered`` or ``retry_wait`` through guarded updates.  The same
 tick follows delivered rows up: verify the remote copy, then purge the local payload once verified
 and past retention.  Attempts are cancellable, bounded by 24 hours, and cancelled on stop; a
-cancelled attempt is due again right after restart.
+cancelled attempt is due again right after restart.  Each attempt's phase and the payload bytes
+its sink reports are tracked in :class:`~canner.delivery.liveness.InFlight` (the heartbeat,
+``/metrics`` and the manhole's ``scheduler.active`` read it).
 """
 
 from __future__ import annotations
