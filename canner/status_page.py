@@ -430,7 +430,10 @@ def _header(view: StatusView) -> list[Tag]:
     beat = survey.index.heartbeat if survey.index is not None else None
     deliver = tags.span(liveness.state, id="deliver-state", class_="ok" if liveness.ok else "bad")
     if beat is not None and liveness.ok:
-        deliver(f" (up {human_duration(now - beat.started_at)}, version {beat.version})")
+        deliver(
+            f" (up {human_duration(now - beat.started_at)}, version {beat.version},"
+            f" heartbeat {human_duration(liveness.age_s)} ago)"
+        )
     meta = tags.p(
         view.issuer,
         " · canner ",

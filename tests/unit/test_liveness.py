@@ -207,3 +207,17 @@ def test_status_page_says_when_deliver_is_not_running(tmp_path: Path) -> None:
     page = render_status(StatusView("i", take_survey(tmp_path, IDS, now), 1, ())).decode()
     assert 'id="deliver-banner"' in page and "heartbeat is 45s old" in page
     index.close()
+
+
+def test_latest_deliveries_link_to_their_ia_items(harness: Harness) -> None:
+    """A delivered object is listed with a link to its item on the project's IA site."""
+    [oid] = harness.accept(1)
+    harness.tick()
+    harness.sink.succeed(oid)
+    data_dir = harness.index.path.parent
+    survey = take_survey(data_dir, IDS, harness.clock.seconds())
+    view = StatusView("i", survey, 1, (), item_urls={"example": "https://archive.example/"})
+    page = render_status(view).decode()
+    link = f'<a href="https://archive.example/details/item-{oid}">item-{oid}</a>'
+    assert re.search(r'<table id="recent-deliveries">.*' + re.escape(link), page, re.S)
+    assert 'id="no-failures"' in page
