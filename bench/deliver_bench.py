@@ -39,6 +39,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -185,14 +186,18 @@ def attempt_stats(log_text: str, size: int) -> str:
     claims: dict[str, float] = {}
     uploads: dict[str, dict[str, Any]] = {}
     for e in events:
-        fmt = e.get("log_format") or ""
-        if fmt.startswith("delivering {object_id}"):
-            claims.setdefault(e["object_id"], e["log_time"])
-        elif fmt.startswith("uploaded {object_id}"):
+        text = e.get("message") or ""
+        if "time" in e:
+            e["unix_time"] = datetime.fromisoformat(e["time"]).timestamp()
+        if e.get("logger") == "canner.delivery.scheduler" and text.startswith("delivering "):
+            claims.setdefault(e["object_id"], e["unix_time"])
+        elif e.get("logger") == "canner.sinks.internet_archive" and text.startswith("uploaded "):
             uploads[e["object_id"]] = e
     if not uploads:
         return "(no attempt events in the log)"
-    check = [u["log_time"] - u["duration_s"] - claims[o] for o, u in uploads.items() if o in claims]
+    check = [
+        u["unix_time"] - u["duration_s"] - claims[o] for o, u in uploads.items() if o in claims
+    ]
     sink = [u["duration_s"] for u in uploads.values()]
     seconds = sorted({int(t) for t in claims.values()})
     per_second = len(claims) / max(1, seconds[-1] - seconds[0] + 1)

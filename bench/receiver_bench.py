@@ -258,7 +258,7 @@ class Server:
 class CannerServer(Server):
     name = "canner"
 
-    def __init__(self, work: Path, max_upload: int) -> None:
+    def __init__(self, work: Path, max_upload: int, access_log: bool = True) -> None:
         self.port = free_port()
         self.data_dir = work / "canner-data"
         self.data_dir.mkdir()
@@ -270,6 +270,7 @@ class CannerServer(Server):
             f"max_upload_bytes = {max_upload}\n"
             "min_free_bytes = 1\n"
             'partial_upload_retention = "30m"\n'
+            f"access_log = {'true' if access_log else 'false'}\n"
             f"\n[projects.{PROJECT}]\n"
         )
         self.log_path = work / "canner.log"
@@ -279,6 +280,8 @@ class CannerServer(Server):
                     str(TWISTD),
                     "--nodaemon",
                     "--pidfile=",
+                    # as under systemd: JSON lines (and the access log) on stdout
+                    "--logger=canner.logs.json_observer",
                     "canner-receiver",
                     "--config",
                     str(config),
@@ -712,7 +715,7 @@ def run_one(
         wait_idle(args.idle_wait, len(os.sched_getaffinity(0)))
     server: Server
     if server_name == "canner":
-        server = CannerServer(work, max(scenario.size, 1))
+        server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
     else:
         server = TusServer(work)
     profiler: Profiler | None = None
@@ -986,6 +989,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", action="store_true", help="keep server logs in --profile-dir")
     p.add_argument("--json", type=Path, default=None, help="also write all results here")
+    p.add_argument(
+        "--access-log",
+        choices=("on", "off"),
+        default="on",
+        help="canner's access log (default on, as in production); compare to see its cost",
+    )
     args = p.parse_args(argv)
     defaults = {
         "big_count": 4,

@@ -1,14 +1,21 @@
 """The ``canner`` command: inspection and a few repairs for operators.
 
-Every subcommand takes ``--config FILE`` (default ``/etc/canner/canner.toml``)::
+``--config FILE`` (default ``/etc/canner/canner.toml``) goes before or after the subcommand;
+``canner --version`` prints the version::
 
     canner check-config       validate, print the resolved config and example IA destinations
-    canner status [--json]    objects by delivery state, bytes pending, free space, oldest pending
-    canner show ID            receipt, tus sidecar, local payload and delivery row of one object
-    canner deliveries         one JSON line per object in the delivery index
+    canner status [--json]    deliver's state, objects by delivery state, bytes pending, free
+                              space; exit 0 ok, 1 warning, 2 critical (reasons on stderr)
+    canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
+    canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
+                              one JSON line per object in the delivery index
     canner retry ID           make a retry_wait delivery due now (a guarded update)
+    canner retry --needs-operator [--project P]
+                              make every flagged retry_wait delivery due now (after a fix)
     canner rebuild-index      add every receipt missing from delivery.sqlite (canner-deliver
                               must be stopped: it refuses while deliver.lock is held)
+
+IDs may be given by a unique prefix (the status page shows 8 characters).
 
 Reads use read-only SQLite connections, safe while both daemons run.  Run as root, the command
 first becomes the owner of the data directory, so any file SQLite creates there (``-wal``,
@@ -25,6 +32,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,9 +40,11 @@ import attrs
 from attrs import define, field, frozen
 
 from canner import inventory
-from canner.config import Config, ConfigError, load_config
+from canner.config import Config, ConfigError, load_config, parse_duration
 from canner.delivery import index as sql
-from canner.delivery.index import configure_connection, upgrade_schema
+from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.delivery.liveness import judge
+from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
 from canner.receipts import ReceiptStore
@@ -42,6 +52,7 @@ from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.plan import PlanError, plan_upload, validate_delivery
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
+from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
 EXAMPLE_FILENAME = "example.warc.gz"
@@ -68,9 +79,11 @@ def _dump(io: Io, doc: Any) -> None:
 
 
 def _object_id(config: Config, text: str) -> str:
-    if not config.object_ids.is_valid(text):
-        raise CommandError(f"{text!r} is not an object id of this node")
-    return text
+    """``text`` when it is a whole object id; otherwise the one known object it starts."""
+    try:
+        return inventory.resolve_id(config.data_dir, config.object_ids, text)
+    except inventory.UnknownId as e:
+        raise CommandError(str(e)) from None
 
 
 def _data_dir(config: Config) -> Path:
@@ -155,8 +168,30 @@ def _credential_warnings(config: Config) -> list[str]:
     return warnings
 
 
+def _listen_problem(description: str) -> str | None:
+    """Why ``description`` is no Twisted server endpoint this process could listen on."""
+    from twisted.internet import endpoints, reactor
+
+    if description.startswith("systemd:"):
+        return None  # sockets passed by systemd exist only under systemd
+    try:
+        endpoints.serverFromString(reactor, description)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{description!r} is not a Twisted endpoint description: {e or type(e).__name__}"
+    return None
+
+
 def check_config(config_path: Path, io: Io) -> int:
     config = load_config(config_path)
+    problem = _listen_problem(config.listen)
+    if problem is not None:
+        raise ConfigError("listen", problem)
+    if not config.data_dir.is_dir():
+        raise ConfigError(
+            "data_dir",
+            f"{config.data_dir} does not exist (create it, or mount its volume: canner never"
+            " creates it, so a missing mount cannot fill the root filesystem)",
+        )
     now = io.now()
     examples = {pid: delivery_example(config, pid, now) for pid in config.projects}
     warnings = _credential_warnings(config)
@@ -179,6 +214,15 @@ def check_config(config_path: Path, io: Io) -> int:
 
 def _status_text(doc: dict[str, Any], config: Config) -> str:
     lines = [f"data directory   {config.data_dir}"]
+    deliver = doc.get("deliver")
+    if deliver is not None:
+        lines.append(f"canner-deliver   {deliver['state']}: {deliver['text']}")
+        for p in deliver["in_flight"]:
+            rate = f"{human_bytes(int(p['rate']))}/s" if p["rate"] else "-"
+            lines.append(
+                f"  in flight      {p['object_id']} {p['phase']}: {human_bytes(p['sent'])}"
+                f" of {human_bytes(p['size'])}, {rate}, ETA {human_duration(p['eta_s'])}"
+            )
     free = doc["free_bytes"]
     lines.append(
         "free space       "
@@ -216,17 +260,48 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
+OK, WARNING, CRITICAL = 0, 1, 2
+
+
+def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[str]]:
+    """The exit status of ``canner status`` (0 ok, 1 warning, 2 critical) and its reasons."""
+    critical, warning = [], []
+    if survey.free_bytes is None:
+        critical.append(f"free space unknown: {survey.free_error}")
+    elif survey.free_bytes < config.min_free_bytes:
+        critical.append(
+            f"free space {survey.free_bytes} is under min_free_bytes {config.min_free_bytes}:"
+            " uploads are refused"
+        )
+    index = survey.index
+    if index is None:
+        critical.append(f"delivery index unreadable: {survey.index_error}")
+    else:
+        delivers = any(p.delivery is not None for p in config.projects.values())
+        liveness = judge(index.heartbeat, survey.taken_at)
+        if delivers and not liveness.ok:
+            critical.append(liveness.text)
+        if index.needs_operator:
+            warning.append(f"{index.needs_operator} deliveries need an operator")
+        if index.purge_overdue:
+            warning.append(f"{index.purge_overdue} local purges are overdue")
+    reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
+    return (CRITICAL if critical else WARNING if warning else OK), reasons
+
+
 def status(config_path: Path, as_json: bool, io: Io) -> int:
     config = load_config(config_path)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     survey = inventory.take_survey(data_dir, config.object_ids, io.now())
     doc = inventory.survey_json(survey, config.min_free_bytes)
+    code, reasons = judge_survey(survey, config)
+    doc["status"] = ["ok", "warning", "critical"][code]
+    doc["reasons"] = reasons
     io.out.write(json.dumps(doc, indent=2) + "\n" if as_json else _status_text(doc, config))
-    problems = [e for e in (survey.free_error, survey.index_error) if e]
-    for problem in problems:
-        io.err.write(f"canner: {problem}\n")
-    return 1 if problems else 0
+    for reason in reasons:
+        io.err.write(f"canner: {reason}\n")
+    return code
 
 
 # -- show, deliveries, retry -------------------------------------------------------------------
@@ -234,9 +309,9 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
 
 def show(config_path: Path, object_id: str, io: Io) -> int:
     config = load_config(config_path)
-    oid = _object_id(config, object_id)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
+    oid = _object_id(config, object_id)
     try:
         description = inventory.lookup_object(data_dir, oid)
     except sqlite3.Error as e:
@@ -247,23 +322,57 @@ def show(config_path: Path, object_id: str, io: Io) -> int:
     return 0
 
 
-def deliveries(config_path: Path, io: Io) -> int:
+@frozen
+class RowFilter:
+    """``canner deliveries`` filters; None matches everything."""
+
+    state: str | None = None
+    project: str | None = None
+    since: float | None = None  # updated at or after (Unix time)
+    needs_operator: bool = False
+
+    def matches(self, row: QueueRow) -> bool:
+        return (
+            (self.state is None or row.state == self.state)
+            and (self.project is None or row.project == self.project)
+            and (self.since is None or row.updated_at >= self.since)
+            and (not self.needs_operator or bool(row.needs_operator))
+        )
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: a duration back from now (``90m``, ``2h``) or an ISO 8601 time (UTC unless
+    it says otherwise)."""
+    try:
+        return now - parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise CommandError(
+            f"--since {text!r} is neither a duration (90m, 2h) nor an ISO 8601 time"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def deliveries(config_path: Path, io: Io, where: RowFilter = RowFilter()) -> int:
     config = load_config(config_path)
     become_data_dir_owner(_data_dir(config))
     conn = inventory.open_read_only(config.data_dir / inventory.INDEX_NAME)
     try:
         for row in sql.all_rows(conn.cursor()):
-            io.out.write(json.dumps(row.as_dict(), separators=(",", ":")) + "\n")
+            if where.matches(row):
+                io.out.write(json.dumps(row.as_dict(), separators=(",", ":")) + "\n")
     finally:
         conn.close()
     return 0
 
 
-def retry(config_path: Path, object_id: str, io: Io) -> int:
-    config = load_config(config_path)
-    oid = _object_id(config, object_id)
-    data_dir = _data_dir(config)
-    become_data_dir_owner(data_dir)
+def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
+    """Run the cursor function ``f`` in one write transaction on the index."""
     path = data_dir / inventory.INDEX_NAME
     if not path.exists():
         raise CommandError(f"{path} does not exist (has canner run on this data directory?)")
@@ -273,14 +382,59 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
         cur = conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            made_due = sql.make_due_now(cur, oid, io.now())
-            row = sql.get_row(cur, oid)
+            result = f(cur, *args)
         except BaseException:
             cur.execute("ROLLBACK")
             raise
         cur.execute("COMMIT")
+        return result
     finally:
         conn.close()
+
+
+def _retry_one(cur: sqlite3.Cursor, oid: str, now: float) -> tuple[bool, QueueRow | None]:
+    return sql.make_due_now(cur, oid, now), sql.get_row(cur, oid)
+
+
+def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
+    cur.execute(
+        "SELECT object_id FROM objects WHERE state = 'retry_wait' AND needs_operator != 0"
+        " AND (? IS NULL OR project = ?) ORDER BY accepted_at, object_id",
+        (project, project),
+    )
+    ids = [row[0] for row in cur.fetchall()]
+    done = []
+    for oid in ids:
+        if sql.make_due_now(cur, oid, now):
+            row = sql.get_row(cur, oid)
+            assert row is not None
+            done.append(row)
+    return done
+
+
+def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> int:
+    """Every retry_wait row flagged for an operator (of ``project``) becomes due now."""
+    config = load_config(config_path)
+    if project is not None and project not in config.projects:
+        raise CommandError(f"--project {project!r} is not a configured project")
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    rows = _write(data_dir, _retry_flagged, project, io.now())
+    for row in rows:
+        io.out.write(f"{row.object_id} ({row.project}) is due now; last error: {row.last_error}\n")
+    io.out.write(
+        f"{len(rows)} deliveries needing an operator are due now: canner-deliver retries them"
+        " within a second\n"
+    )
+    return 0
+
+
+def retry(config_path: Path, object_id: str, io: Io) -> int:
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    oid = _object_id(config, object_id)
+    made_due, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None:
         raise CommandError(f"{oid} is not in the delivery index")
     if not made_due:
@@ -407,33 +561,68 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="canner", description="Operate a canner data directory.")
+    parser.add_argument("--version", action="version", version=f"canner {version()}")
+    config_help = f"the canner TOML file (default {DEFAULT_CONFIG})"
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=config_help)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the canner TOML file")
+        # SUPPRESS: given after the subcommand it wins, absent it leaves the one given before.
+        sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=config_help)
         return sub
 
     command("check-config", "validate the config, print it resolved with example IA destinations")
-    command("status", "objects by state, bytes pending, free space, oldest pending").add_argument(
-        "--json", action="store_true", help="print JSON"
+    command(
+        "status", "deliver's state, objects by state, bytes pending, free space (exit 0/1/2)"
+    ).add_argument("--json", action="store_true", help="print JSON")
+    command("show", "everything known about one object").add_argument(
+        "object_id", help="an object id or a unique prefix of one"
     )
-    command("show", "everything known about one object").add_argument("object_id")
-    command("deliveries", "one JSON line per object in the delivery index")
-    command("retry", "make a retry_wait delivery due now").add_argument("object_id")
+    listing = command("deliveries", "one JSON line per object in the delivery index")
+    listing.add_argument("--state", choices=[s.value for s in State])
+    listing.add_argument("--project")
+    listing.add_argument(
+        "--since", help="changed since: a duration back from now (90m, 2h) or an ISO 8601 time"
+    )
+    listing.add_argument("--needs-operator", action="store_true", help="only flagged rows")
+    again = command("retry", "make a retry_wait delivery (or every flagged one) due now")
+    again.add_argument("object_id", nargs="?", help="an object id or a unique prefix of one")
+    again.add_argument(
+        "--needs-operator",
+        action="store_true",
+        help="every retry_wait delivery flagged for an operator (after fixing the cause)",
+    )
+    again.add_argument("--project", help="with --needs-operator: only this project's")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
     io = io or Io(sys.stdout, sys.stderr)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "retry" and (args.object_id is None) == (not args.needs_operator):
+        parser.error("retry takes an object id or --needs-operator (not both)")
+    if args.command == "retry" and args.project is not None and not args.needs_operator:
+        parser.error("retry --project goes with --needs-operator")
+
+    def listing() -> int:
+        since = parse_since(args.since, io.now()) if args.since else None
+        where = RowFilter(args.state, args.project, since, args.needs_operator)
+        return deliveries(args.config, io, where)
+
+    def again() -> int:
+        if args.needs_operator:
+            return retry_needing_operator(args.config, args.project, io)
+        return retry(args.config, args.object_id, io)
+
     runs: dict[str, Callable[[], int]] = {
         "check-config": lambda: check_config(args.config, io),
         "status": lambda: status(args.config, args.json, io),
         "show": lambda: show(args.config, args.object_id, io),
-        "deliveries": lambda: deliveries(args.config, io),
-        "retry": lambda: retry(args.config, args.object_id, io),
+        "deliveries": listing,
+        "retry": again,
         "rebuild-index": lambda: rebuild_index(args.config, io),
     }
     try:

@@ -35,6 +35,10 @@ _DURATION_UNITS = {
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 
 
+# The issuer of the shipped example config (/etc/canner/canner.toml): the daemons refuse it.
+PLACEHOLDER_ISSUER = "https://canner.example"
+
+
 class ConfigError(ValueError):
     """The configuration is unusable; ``str()`` names the key and the problem."""
 
@@ -139,6 +143,7 @@ class Config:
     projects: Mapping[str, ProjectConfig]
     metrics: MetricsConfig = MetricsConfig()
     manhole: ManholeConfig | None = None
+    access_log: bool = True
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -159,6 +164,7 @@ _TOP_KEYS = {
     "projects",
     "metrics",
     "manhole",
+    "access_log",
 }
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
@@ -405,6 +411,9 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     trust = raw.get("trust_forwarded_headers", False)
     if not isinstance(trust, bool):
         raise ConfigError("trust_forwarded_headers", "must be true or false")
+    access_log = raw.get("access_log", True)
+    if not isinstance(access_log, bool):
+        raise ConfigError("access_log", "must be true or false")
     retention = _duration(raw, "partial_upload_retention", "partial_upload_retention", "30m")
     if retention <= 0:
         raise ConfigError("partial_upload_retention", "must be positive")
@@ -423,6 +432,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         projects=_parse_projects(raw.get("projects"), base_dir),
         metrics=_parse_metrics(raw.get("metrics")),
         manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
+        access_log=access_log,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,15 +25,18 @@ from attrs import field, frozen
 from canner import fs
 from canner.delivery import index as sql
 from canner.delivery.index import QueueRow
+from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
 from canner.ids import ObjectIds
 from canner.receipts import ReceiptStore
+from canner.trends import TrendPoint, read_trends
 from canner.tus.store import CorruptInfo, UploadStore
 
 INDEX_NAME = "delivery.sqlite"
 # Rows in retry_wait with more attempts than this count as stuck (as do those needing an operator).
 STUCK_ATTEMPTS = 5
 RECENT_FAILURES = 10
+RECENT_DELIVERIES = 10
 _SELECT = "SELECT " + ", ".join(sql.COLUMNS) + " FROM objects"
 
 
@@ -75,7 +79,10 @@ class IndexSummary:
     needs_operator: int
     purge_overdue: int
     oldest_purge_due: float | None
+    # retry_wait rows (their latest attempt failed), newest first
     recent_failures: tuple[QueueRow, ...] = ()
+    recent_deliveries: tuple[QueueRow, ...] = ()
+    heartbeat: Heartbeat | None = None
 
     @property
     def pending_objects(self) -> int:
@@ -101,6 +108,8 @@ class Survey:
     free_error: str | None = None
     index_error: str | None = None
     unreadable_uploads: int = 0
+    # per project ('' for all), oldest first; only in surveys taken with history=True
+    trends: Mapping[str, tuple[TrendPoint, ...]] = field(factory=dict)
 
     @property
     def active_upload_bytes(self) -> int:
@@ -163,12 +172,18 @@ def summarize_index(
         (now,),
     )
     overdue, first_due = cur.fetchone()
+    # Only objects whose latest attempt failed: a delivered object is no failure, whatever
+    # its verification notes say (needs_operator counts those that need a human).
     cur.execute(
-        _SELECT + " WHERE state = 'retry_wait' OR (state = 'delivered' AND last_error IS NOT NULL"
-        " AND purged_at IS NULL) ORDER BY updated_at DESC LIMIT ?",
-        (failures,),
+        _SELECT + " WHERE state = 'retry_wait' ORDER BY updated_at DESC LIMIT ?", (failures,)
     )
     recent = tuple(QueueRow(*row) for row in cur.fetchall())
+    cur.execute(
+        _SELECT + " WHERE state = 'delivered' AND delivered_at IS NOT NULL"
+        " ORDER BY delivered_at DESC LIMIT ?",
+        (RECENT_DELIVERIES,),
+    )
+    delivered = tuple(QueueRow(*row) for row in cur.fetchall())
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,
@@ -178,6 +193,8 @@ def summarize_index(
         purge_overdue=overdue,
         oldest_purge_due=first_due,
         recent_failures=recent,
+        recent_deliveries=delivered,
+        heartbeat=read_heartbeat(cur),
     )
 
 
@@ -226,8 +243,10 @@ def scan_uploads(
     return active, unreadable
 
 
-def take_survey(data_dir: Path, ids: ObjectIds, now: float) -> Survey:
-    """Look at ``data_dir`` and its index (blocking); failures become ``*_error`` fields."""
+def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = False) -> Survey:
+    """Look at ``data_dir`` and its index (blocking); failures become ``*_error`` fields.
+
+    ``history``: also read the last 24 hours of trend samples (for the status page)."""
     free: int | None = None
     free_error = index_error = None
     try:
@@ -240,8 +259,11 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float) -> Survey:
     except OSError:
         active, unreadable = [], 0
     summary = None
+    trends: Mapping[str, tuple[TrendPoint, ...]] = {}
     try:
         summary = read_index(data_dir / INDEX_NAME, summarize_index, now)
+        if history:
+            trends = read_index(data_dir / INDEX_NAME, read_trends, now)
     except (OSError, sqlite3.Error) as e:
         index_error = str(e)
     return Survey(
@@ -252,6 +274,7 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float) -> Survey:
         free_error=free_error,
         index_error=index_error,
         unreadable_uploads=unreadable,
+        trends=trends,
     )
 
 
@@ -291,8 +314,23 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         ),
         "free_error": survey.free_error,
         "index_error": survey.index_error,
+        "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
     }
     return doc
+
+
+def deliver_json(beat: Heartbeat | None, now: float) -> dict[str, Any]:
+    """canner-deliver's state from its heartbeat, and its attempts in flight while it runs."""
+    liveness = judge(beat, now)
+    return {
+        "state": liveness.state,
+        "text": liveness.text,
+        "heartbeat_age_s": liveness.age_s,
+        "pid": beat.pid if beat else None,
+        "version": beat.version if beat else None,
+        "started_at": beat.started_at if beat else None,
+        "in_flight": [p.as_dict() for p in beat.in_flight] if beat and liveness.ok else [],
+    }
 
 
 # -- one object --------------------------------------------------------------------------------
@@ -349,7 +387,9 @@ def local_record(data_dir: Path, object_id: str) -> LocalRecord:
     return LocalRecord(object_id, receipt, origin, upload, present, tuple(problems))
 
 
-def describe_object(local: LocalRecord, row: QueueRow | None) -> dict[str, Any]:
+def describe_object(
+    local: LocalRecord, row: QueueRow | None, attempts: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """``canner show`` and the manhole's ``lookup()``: everything known about one object."""
     return {
         "object_id": local.object_id,
@@ -358,6 +398,7 @@ def describe_object(local: LocalRecord, row: QueueRow | None) -> dict[str, Any]:
         "upload": local.upload,
         "payload_present": local.payload_present,
         "delivery": row.as_dict() if row is not None else None,
+        "attempts": attempts or [],
         "problems": list(local.problems),
     }
 
@@ -365,11 +406,73 @@ def describe_object(local: LocalRecord, row: QueueRow | None) -> dict[str, Any]:
 def lookup_object(data_dir: Path, object_id: str) -> dict[str, Any]:
     """:func:`describe_object` for ``object_id`` from the disk and the index (blocking)."""
     local = local_record(data_dir, object_id)
+    attempts: list[dict[str, Any]] = []
     try:
         row = read_index(data_dir / INDEX_NAME, sql.get_row, object_id)
+        if row is not None:
+            attempts = read_index(data_dir / INDEX_NAME, _attempts, object_id)
     except FileNotFoundError:
         row = None
-    return describe_object(local, row)
+    return describe_object(local, row, attempts)
+
+
+def _attempts(cur: sqlite3.Cursor, object_id: str) -> list[dict[str, Any]]:
+    try:
+        return sql.attempt_history(cur, object_id)
+    except sqlite3.OperationalError:  # an index from before the attempts table
+        return []
+
+
+ID_PREFIX_MIN = 4
+_PREFIX = re.compile(r"[a-z0-9-]+")
+
+
+class UnknownId(ValueError):
+    """Not an object id, nor the prefix of exactly one known object."""
+
+
+def id_prefix(text: str) -> str:
+    """``text`` as an id prefix to look up (pure); :class:`UnknownId` when it cannot be one."""
+    prefix = text.strip().rstrip("…").lower()
+    if len(prefix) < ID_PREFIX_MIN or not _PREFIX.fullmatch(prefix):
+        raise UnknownId(f"{text!r} is not an object id of this node (nor a prefix of one)")
+    return prefix
+
+
+def resolve_id(data_dir: Path, ids: ObjectIds, text: str) -> str:
+    """``text`` when it is a whole object id; otherwise the one object id known anywhere (index,
+    receipts, uploads) that starts with it (at least 4 characters; a trailing … is ignored, as
+    the status page shows ids).  Raises :class:`UnknownId`.  Blocking."""
+    if ids.is_valid(text):
+        return text
+    prefix = id_prefix(text)
+    found: set[str] = set()
+    path = data_dir / INDEX_NAME
+    if path.exists():
+        conn = open_read_only(path)
+        try:
+            rows = conn.execute(
+                "SELECT object_id FROM objects WHERE substr(object_id, 1, ?) = ? LIMIT 10",
+                (len(prefix), prefix),
+            ).fetchall()
+        finally:
+            conn.close()
+        found.update(row[0] for row in rows)
+    for sub in ("receipts", "uploads"):
+        try:
+            names = os.listdir(data_dir / sub)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            candidate = name.split(".", 1)[0]
+            if candidate.startswith(prefix) and ids.is_valid(candidate):
+                found.add(candidate)
+    if not found:
+        raise UnknownId(f"no object id starts with {prefix!r}")
+    if len(found) > 1:
+        shown = ", ".join(sorted(found)[:5])
+        raise UnknownId(f"{prefix!r} is ambiguous: it starts {len(found)} object ids ({shown})")
+    return found.pop()
 
 
 def known(description: Mapping[str, Any]) -> bool:

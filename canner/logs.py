@@ -28,27 +28,38 @@ field             meaning
 ``label``         the name of a periodic job whose run failed
 ================  ============================================================================
 
-Every event also carries Twisted's own fields: ``log_time`` (Unix time), ``log_level``
-(``debug``/``info``/``warn``/``error``/``critical``), ``log_namespace`` (the emitting module,
-e.g. ``canner.acceptance``), ``log_format`` and, for unexpected errors, ``log_failure``.
+Access log events (namespace ``canner.access``, one per answered receiver request) carry
+``client``, ``method``, ``path`` (object ids cut to 8 characters), ``status``, ``bytes`` (response
+body bytes) and ``duration_s``.  Delivery failures carry ``failure_class`` (``forbidden``,
+``rate_limited``, ``server_error``, ``client_error``, ``network``, ``local_payload``,
+``timeout``, ``internal``, ``other``).
+
+Inside the process every event also carries Twisted's own fields: ``log_time`` (Unix time),
+``log_level``, ``log_namespace`` (the emitting module, e.g. ``canner.acceptance``),
+``log_format`` and, for unexpected errors, ``log_failure``.
 
 The events counted by :mod:`canner.metrics` are named in :data:`EVENTS` by namespace and the
 start of their template; :func:`event_kind` classifies an event.  Changing one of those templates
 changes a metric: ``tests/unit/test_metrics.py`` checks that each one still exists.
 
-``twistd --logger=canner.logs.json_observer`` writes one JSON object per line on stdout: the
-fields above plus ``log_format`` (the template, not the rendered text), ``log_time``,
-``log_namespace`` and ``log_level`` as an object whose ``name`` is the level, e.g.
-``jq 'select(.log_level.name == "error")'``.
+``twistd --logger=canner.logs.json_observer`` writes one flat JSON object per line on stdout
+(:func:`flat_event`): ``time`` (ISO 8601 UTC), ``level`` (``debug``, ``info``, ``warning``,
+``error``, ``critical``), ``logger`` (the namespace), ``message`` (the rendered text), then the
+event's own fields above; an unexpected error adds ``exception`` and ``traceback``.  No Twisted
+internals, e.g. ``jq 'select(.level == "error") | {time, message, object_id}'``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
 from collections.abc import Mapping
-from typing import Any
+from datetime import UTC, datetime
+from typing import IO, Any, cast
 
-from twisted.logger import ILogObserver, jsonFileLogObserver
+from twisted.logger import ILogObserver, formatEvent
+from zope.interface import provider
 
 # kind -> (log_namespace, start of log_format)
 EVENTS: Mapping[str, tuple[str, str]] = {
@@ -61,7 +72,6 @@ EVENTS: Mapping[str, tuple[str, str]] = {
     "delivery_failed": ("canner.delivery.scheduler", "delivery of {object_id} failed"),
     "verified": ("canner.delivery.scheduler", "verified {object_id} at IA"),
     "purged": ("canner.delivery.scheduler", "purged local payload of {object_id}"),
-    "uploaded": ("canner.sinks.internet_archive", "uploaded {object_id} to "),
 }
 
 _BY_NAMESPACE: dict[str, list[tuple[str, str]]] = {}
@@ -83,10 +93,60 @@ def event_kind(event: Mapping[str, Any]) -> str | None:
     return None
 
 
-def json_observer() -> ILogObserver:
-    """The observer factory named by ``twistd --logger``: JSON lines on stdout.
+# Twisted's level names, except the conventional "warning" for "warn".
+_LEVELS = {"warn": "warning"}
+# Keys of Twisted's legacy (twisted.python.log) events, which carry no facts of ours.
+_LEGACY = frozenset({"format", "message", "isError", "system", "time", "why", "failure"})
 
-    No record separator: journald stores each line as one message, and a leading RS byte
-    would make every line invalid JSON for the tools that read it back.
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if depth < 4 and isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v, depth + 1) for v in value]
+    if depth < 4 and isinstance(value, Mapping):
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
+    return str(value)
+
+
+def flat_event(event: Mapping[str, Any]) -> dict[str, Any]:
+    """One log event as a flat, conventional JSON object (see the module docstring)."""
+    when = event.get("log_time")
+    stamp = datetime.fromtimestamp(when if isinstance(when, int | float) else 0.0, UTC)
+    level = event.get("log_level")
+    doc: dict[str, Any] = {
+        "time": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "level": _LEVELS.get(name, name)
+        if isinstance(name := getattr(level, "name", None), str)
+        else "info",
+        "logger": str(event.get("log_namespace", "")),
+        "message": formatEvent(dict(event)),
+    }
+    failure = event.get("log_failure")
+    if failure is not None and hasattr(failure, "getTraceback"):
+        doc["exception"] = f"{failure.type.__name__}: {failure.getErrorMessage()}"
+        doc["traceback"] = failure.getTraceback()
+    for key, value in event.items():
+        if key.startswith("log_") or key in _LEGACY or key in doc:
+            continue
+        doc[key] = _jsonable(value)
+    return doc
+
+
+def json_observer(stream: IO[str] | None = None) -> ILogObserver:
+    """The observer factory named by ``twistd --logger``: flat JSON lines on stdout.
+
+    One line per event and no record separator: journald stores each line as one message.
+    Events logged from worker threads are written whole (a lock serialises the writes).
     """
-    return jsonFileLogObserver(sys.stdout, recordSeparator="")
+    out = stream if stream is not None else sys.stdout
+    lock = threading.Lock()
+
+    @provider(ILogObserver)
+    def observe(event: Mapping[str, Any]) -> None:
+        line = json.dumps(flat_event(event), ensure_ascii=False, default=str) + "\n"
+        with lock:
+            out.write(line)
+            out.flush()
+
+    return cast(ILogObserver, observe)

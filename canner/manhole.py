@@ -176,10 +176,17 @@ class OperatorHelpers:
     _clock: Any
 
     def lookup(self, object_id: str) -> Deferred[dict[str, Any]]:
-        """Receipt, origin, tus sidecar, payload presence and delivery row of ``object_id``."""
+        """Receipt, origin, tus sidecar, payload presence, delivery row and attempts of
+        ``object_id`` (or of the one object a prefix of at least 4 characters names)."""
+
         if not self._ids.is_valid(object_id):
-            raise ValueError(f"{object_id!r} is not an object id of this node")
-        return self._run(inventory.lookup_object, self._data_dir, object_id)
+            inventory.id_prefix(object_id)  # refuses what cannot be an id at once
+
+        def find() -> dict[str, Any]:
+            oid = inventory.resolve_id(self._data_dir, self._ids, object_id)
+            return inventory.lookup_object(self._data_dir, oid)
+
+        return self._run(find)
 
     def stuck(
         self, attempts_over: int = inventory.STUCK_ATTEMPTS

@@ -29,7 +29,16 @@ from typing import Any, ClassVar
 
 from attrs import define, field
 from klein import Klein
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -41,13 +50,18 @@ from twisted.web.iweb import IRequest
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner
+from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
 from canner.inventory import Survey
 from canner.logs import event_kind
 from canner.receipts import Receipt
 from canner.tus.store import LockedUpload
+from canner.version import version
 
 log = Logger()
+
+# No "<counter>_created" series: they double every family and no dashboard or alert reads them.
+disable_created_metrics()
 
 RECEIVER = "receiver"
 DELIVER = "deliver"
@@ -63,6 +77,20 @@ CREATION_REFUSALS = {
     503: "storage_unavailable",
 }
 CHECKSUM_MISMATCH = "checksum_mismatch"
+# DeliveryFailed.kind values (anything else is counted as "other").
+FAILURE_CLASSES = frozenset(
+    {
+        "forbidden",
+        "rate_limited",
+        "server_error",
+        "client_error",
+        "network",
+        "local_payload",
+        "timeout",
+        "internal",
+        "other",
+    }
+)
 # Label values come from clients: anything else is counted as "other", bounding the series.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PATCH", "OPTIONS", "DELETE", "PUT"})
 
@@ -157,15 +185,17 @@ class Metrics:
         )
         self.delivery_failures = Counter(
             "canner_delivery_failures",
-            "Failed delivery attempts",
-            ["project", "needs_operator"],
+            "Failed delivery attempts, by reason class (forbidden, rate_limited, network, ...)",
+            ["project", "needs_operator", "reason"],
             registry=dlv,
         )
         self.deliveries_completed = Counter(
             "canner_deliveries_completed", "Objects delivered", ["project"], registry=dlv
         )
         self.ia_sent_bytes = Counter(
-            "canner_ia_sent_bytes", "Payload bytes uploaded to the Internet Archive", registry=dlv
+            "canner_ia_sent_bytes",
+            "Payload bytes sent to the Internet Archive (counted while a PUT streams)",
+            registry=dlv,
         )
         self.verified = Counter(
             "canner_deliveries_verified", "Deliveries verified at IA", registry=dlv
@@ -181,6 +211,15 @@ class Metrics:
             self.deliveries_completed.labels(project)
         for reason in (*CREATION_REFUSALS.values(), CHECKSUM_MISMATCH):
             self.uploads_rejected.labels(reason)
+        build = Gauge(
+            "canner_build_info",
+            "Always 1; the labels say which canner this process runs",
+            ["version", "role"],
+            registry=self.registry,
+        )
+        build.labels(version(), self.role).set(1)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     def register(self, collector: Collector) -> None:
         self.registry.register(collector)
@@ -240,12 +279,13 @@ class Metrics:
 
     def _delivery_failed(self, event: Mapping[str, Any]) -> None:
         operator = "true" if event.get("needs_operator") else "false"
-        self.delivery_failures.labels(self._project(event), operator).inc()
+        kind = event.get("failure_class")
+        reason = kind if isinstance(kind, str) and kind in FAILURE_CLASSES else "other"
+        self.delivery_failures.labels(self._project(event), operator, reason).inc()
 
-    def _uploaded(self, event: Mapping[str, Any]) -> None:
-        size = _number(event.get("size"))
-        if size is not None:
-            self.ia_sent_bytes.inc(size)
+    def sent(self, n: int) -> None:
+        """Payload bytes handed to an IA connection (told by the attempts as they stream)."""
+        self.ia_sent_bytes.inc(n)
 
     def _verified(self, event: Mapping[str, Any]) -> None:
         self.verified.inc()
@@ -261,7 +301,6 @@ class Metrics:
         "attempt": _attempt,
         "delivered": _delivered,
         "delivery_failed": _delivery_failed,
-        "uploaded": _uploaded,
         "verified": _verified,
         "purged": _purged,
     }
@@ -358,12 +397,23 @@ class SurveyCollector(Collector):
 
     _cache: SurveyCache
     _min_free_bytes: int
+    # canner-deliver's own attempts; elsewhere the attempts in flight come from its heartbeat.
+    _in_flight: InFlight | None = None
 
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(
             "canner_min_free_bytes", "Configured free-space floor", value=self._min_free_bytes
         )
         survey = self._cache.latest
+        if self._in_flight is not None:
+            yield from _in_flight_gauges(
+                len(self._in_flight.snapshot()), self._in_flight.bytes_in_flight
+            )
+        elif survey is not None and survey.index is not None:
+            beat = survey.index.heartbeat
+            alive = beat is not None and judge(beat, survey.taken_at).state == RUNNING
+            attempts = beat.in_flight if beat is not None and alive else ()
+            yield from _in_flight_gauges(len(attempts), sum(p.sent for p in attempts))
         if survey is None:
             return
         yield GaugeMetricFamily(
@@ -438,6 +488,30 @@ class SurveyCollector(Collector):
             "How late the most overdue local purge is (0: none)",
             value=survey.purge_lag,
         )
+        beat = index.heartbeat
+        liveness = judge(beat, survey.taken_at)
+        yield GaugeMetricFamily(
+            "canner_deliver_up",
+            "1 when canner-deliver's heartbeat in delivery.sqlite is fresh",
+            value=1 if liveness.state == RUNNING else 0,
+        )
+        if beat is not None:
+            yield GaugeMetricFamily(
+                "canner_deliver_heartbeat_timestamp_seconds",
+                "When canner-deliver last wrote its heartbeat",
+                value=beat.beat_at,
+            )
+
+
+def _in_flight_gauges(attempts: int, sent: int) -> Iterable[Metric]:
+    yield GaugeMetricFamily(
+        "canner_delivery_attempts_in_flight", "Delivery attempts running now", value=attempts
+    )
+    yield GaugeMetricFamily(
+        "canner_delivery_bytes_in_flight",
+        "Payload bytes sent so far by the delivery attempts running now",
+        value=sent,
+    )
 
 
 @define(eq=False)

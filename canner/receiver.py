@@ -1,15 +1,16 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
 A small root resource hands ``/files...`` to :class:`TusRoutes` and everything else to
-:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, the status page at
-``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site` builds the streaming
-:class:`~canner.tus.stream.ReceiverSite` around it, and reports every finished request to the
-metrics.
+:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
+status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
+builds the streaming :class:`~canner.tus.stream.ReceiverSite` around it, and reports every
+finished request to the metrics.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,7 +25,8 @@ from canner import fs
 from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
-from canner.status_page import StatusSource, render_status
+from canner.readiness import Readiness
+from canner.status_page import StatusSource, render_status, shorten_ids
 from canner.tus.intake import UploadIntake
 from canner.tus.protocol import TusError, method_override
 from canner.tus.routes import TusRoutes, render_error
@@ -47,6 +49,7 @@ class ReceiverRoutes:
     _run: BlockingRunner
     _metrics: Metrics
     _status: StatusSource
+    _ready: Callable[[], Readiness]
 
     @app.handle_errors(TusError)
     def refusal(self, request: IRequest, failure: Any) -> bytes:
@@ -73,6 +76,16 @@ class ReceiverRoutes:
             request.setResponseCode(503)
             return json.dumps({"status": "unhealthy", "error": e.strerror}).encode()
         return json.dumps({"status": "ok", "free_bytes": free}).encode()
+
+    @app.route("/readyz", methods=["GET"])
+    async def readiness(self, request: IRequest) -> bytes:
+        """200 while uploads would be accepted; 503 with every reason while they would not."""
+        request.setHeader("Content-Type", "application/json")
+        request.setHeader("Cache-Control", "no-store")
+        ready = await self._run(self._ready)
+        if not ready.ready:
+            request.setResponseCode(503)
+        return json.dumps(ready.as_dict()).encode()
 
     @app.route("/", methods=["GET"])
     async def status_page(self, request: IRequest) -> bytes:
@@ -108,19 +121,36 @@ class _Root(Resource):
         return self._rest
 
 
+access = Logger(namespace="canner.access")
+
+
 class MeteredSite(ReceiverSite):
-    """A :class:`ReceiverSite` that reports each finished request to :class:`Metrics`."""
+    """A :class:`ReceiverSite` that reports each finished request to :class:`Metrics` and, with
+    ``access_log``, logs it as one structured event (namespace ``canner.access``)."""
 
     def __init__(
-        self, resource: Any, body_router: BodyRouter, metrics: Metrics, **kwargs: Any
+        self,
+        resource: Any,
+        body_router: BodyRouter,
+        metrics: Metrics,
+        access_log: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(resource, body_router, **kwargs)
         self._metrics = metrics
+        self._access_log = access_log
+        make_request = self.requestFactory
+
+        def stamped(*args: Any, **kw: Any) -> Any:
+            request: Any = make_request(*args, **kw)
+            request.canner_started = self.reactor.seconds()
+            return request
+
+        self.requestFactory = stamped  # type: ignore[assignment]
 
     def log(self, request: Any) -> None:
         # Twisted calls this from Request.finish for every answered request (never for one
-        # whose connection dropped first).  ReceiverSite writes no access log; a few counter
-        # increments per request are all this adds.
+        # whose connection dropped first).
         super().log(request)
         try:
             method = method_override(request.method, request.requestHeaders)
@@ -134,6 +164,26 @@ class MeteredSite(ReceiverSite):
             )
         except Exception:
             log.failure("counting a response")
+            return
+        if self._access_log:
+            try:
+                self._log_access(request, method)
+            except Exception:
+                log.failure("logging a response")
+
+    def _log_access(self, request: Any, method: bytes) -> None:
+        started = getattr(request, "canner_started", None)
+        duration = self.reactor.seconds() - started if started is not None else None
+        client = request.getClientAddress()
+        access.info(
+            "{method} {path} {status}",
+            client=getattr(client, "host", None) or str(client),
+            method=method.decode("ascii", "replace"),
+            path=shorten_ids(request.uri.decode("utf-8", "replace")),
+            status=request.code,
+            bytes=request.sentLength,
+            duration_s=round(duration, 6) if duration is not None else None,
+        )
 
 
 def receiver_site(
@@ -144,9 +194,11 @@ def receiver_site(
     run: BlockingRunner,
     metrics: Metrics,
     status: StatusSource,
+    ready: Callable[[], Readiness],
+    access_log: bool = True,
 ) -> ReceiverSite:
-    routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status)
+    routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
     root = _Root(tus.app.resource(), routes.app.resource())
-    site = MeteredSite(root, intake, metrics, timeout=HTTP_IDLE_TIMEOUT)
+    site = MeteredSite(root, intake, metrics, access_log, timeout=HTTP_IDLE_TIMEOUT)
     site.displayTracebacks = False
     return site

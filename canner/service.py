@@ -13,21 +13,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from attrs import define, field
 from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
+from twisted.internet.error import CannotListenError
 from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
 from twisted.web.server import Site
 
 from canner import fs
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config
+from canner.config import Config, ConfigError
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
+from canner.delivery.liveness import HeartbeatService, InFlight
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
@@ -42,15 +44,19 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.sinks.base import Sink
 from canner.sinks.internet_archive import internet_archive_sinks
 from canner.status_page import RecentProblems, StatusSource
+from canner.systemd import SystemdNotifier
+from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import SweepReport, sweep_stale
+from canner.version import version
 
 log = Logger()
 
@@ -101,6 +107,34 @@ class ShutdownHook(Service):
         self._on_stop()
 
 
+class Listening(MultiService):
+    """A listener whose failure to listen (port in use, no permission) ends start-up with one
+    clear line instead of a traceback."""
+
+    def __init__(self, description: str, factory: Any, reactor: Any, what: str) -> None:
+        super().__init__()
+        self._description = description
+        self._what = what
+        strports.service(description, factory, reactor=reactor).setServiceParent(self)
+
+    def _refuse(self, error: CannotListenError) -> NoReturn:
+        reason = error.socketError
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise SystemExit(f"canner: cannot listen on {self._description} ({self._what}): {text}")
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            self._refuse(e)
+
+    def startService(self) -> None:
+        try:
+            super().startService()
+        except CannotListenError as e:
+            self._refuse(e)
+
+
 @define(eq=False)
 class LogObservers(Service):
     """Adds ``observers`` to ``publisher`` while running (add it early: it stops late)."""
@@ -127,13 +161,40 @@ def _operator_surfaces(
     reactor: Any,
     publisher: LogPublisher,
     observers: Iterable[Observer] = (),
+    in_flight: InFlight | None = None,
 ) -> tuple[Metrics, SurveyCache]:
     """Metrics fed by log events (observers added to ``top``) and the survey cache behind them."""
     metrics = Metrics(role, config.projects)
     LogObservers(publisher, [metrics.observe_event, *observers]).setServiceParent(top)
     cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), reactor)
-    metrics.register(SurveyCollector(cache, config.min_free_bytes))
+    metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight))
     return metrics, cache
+
+
+def _survey_and_floor(cache: SurveyCache, floor: FloorWatch) -> Deferred[None]:
+    """Refresh the metrics survey; its free bytes also tell the floor watch, so crossing the
+    floor is logged even while no upload arrives."""
+
+    def observe(_: object) -> None:
+        if cache.latest is not None:
+            floor.observe(cache.latest.free_bytes)
+
+    return cache.refresh().addCallback(observe)
+
+
+def _trend_sampler(config: Config, index: DeliveryIndex, reactor: Any) -> IService:
+    """Records a trend sample in ``delivery.sqlite`` every minute (both daemons do)."""
+
+    def sample() -> Deferred[Any]:
+        return index.run(record_sample, config.data_dir, reactor.seconds())
+
+    return PeriodicService(reactor, SAMPLE_INTERVAL, sample, "trend sample")
+
+
+def _item_urls(config: Config) -> dict[str, str]:
+    return {
+        pid: p.delivery.metadata_url for pid, p in config.projects.items() if p.delivery is not None
+    }
 
 
 def _add_manhole(
@@ -147,6 +208,10 @@ def _add_manhole(
 
 
 def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
+    """``uploads/`` and ``receipts/`` in ``data_dir``, which must exist: a missing one is most
+    likely a volume that is not mounted, and creating it would fill the root filesystem."""
+    if not data_dir.is_dir():
+        raise ConfigError("data_dir", f"{data_dir} does not exist (is its volume mounted?)")
     for sub in ("uploads", "receipts"):
         (data_dir / sub).mkdir(parents=True, exist_ok=True)
         # A crash between linking a receipt and fsyncing its directory leaves a name that a
@@ -207,20 +272,42 @@ def receiver_service(
         enqueue,
         observe=metrics.observe_acceptance,
     )
-    intake = UploadIntake(config, uploads, receipts, acceptance, run, reactor)
+    floor = FloorWatch(config.min_free_bytes)
+    intake = UploadIntake(
+        config, uploads, receipts, acceptance, run, reactor, free_space_seen=floor.observe
+    )
     tus = TusRoutes(intake, config.max_upload_bytes)
     status = StatusSource(
         run,
-        partial(take_survey, config.data_dir, config.object_ids),
+        partial(take_survey, config.data_dir, config.object_ids, history=True),
         reactor,
         problems,
         config.issuer,
         config.min_free_bytes,
+        version=version(),
+        item_urls=_item_urls(config),
+        started_at=reactor.seconds(),
     )
-    site = receiver_site(intake, tus, config.object_ids, config.data_dir, run, metrics, status)
+    ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
+    site = receiver_site(
+        intake,
+        tus,
+        config.object_ids,
+        config.data_dir,
+        run,
+        metrics,
+        status,
+        ready,
+        access_log=config.access_log,
+    )
     PeriodicService(
-        reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
+        reactor,
+        config.metrics.refresh,
+        partial(_survey_and_floor, survey_cache, floor),
+        "metrics survey",
     ).setServiceParent(top)
+    if index is not None:
+        _trend_sampler(config, index, reactor).setServiceParent(top)
     manhole = _add_manhole(
         config,
         RECEIVER,
@@ -241,7 +328,7 @@ def receiver_service(
     )
     if manhole is not None:
         manhole.setServiceParent(top)
-    strports.service(config.listen, site, reactor=reactor).setServiceParent(top)
+    Listening(config.listen, site, reactor, "listen").setServiceParent(top)
 
     def sweep() -> Deferred[Any]:
         d = run(
@@ -263,6 +350,8 @@ def receiver_service(
             pool.close()
 
     ShutdownHook(stopping).setServiceParent(top)
+    # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
+    SystemdNotifier(reactor).setServiceParent(top)
     return top
 
 
@@ -369,7 +458,11 @@ def deliver_service(
         if added:
             log.info("rescan added {count} receipts to the delivery index", count=added)
 
-    metrics, survey_cache = _operator_surfaces(config, DELIVER, top, io, reactor, log_publisher)
+    in_flight = InFlight(reactor)
+    metrics, survey_cache = _operator_surfaces(
+        config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
+    )
+    in_flight.on_sent = metrics.sent
     PeriodicService(
         reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
     ).setServiceParent(top)
@@ -383,15 +476,21 @@ def deliver_service(
         hashing,
         reactor,
         config.delivery_concurrency,
+        in_flight=in_flight,
     )
     scheduler.setServiceParent(top)
+    # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
+    HeartbeatService(index, in_flight, reactor).setServiceParent(top)
+    _trend_sampler(config, index, reactor).setServiceParent(top)
     if config.metrics.deliver_listen is not None:
         PeriodicService(
             reactor, config.metrics.refresh, survey_cache.refresh, "metrics survey"
         ).setServiceParent(top)
         site = Site(MetricsPage(metrics).app.resource())
         site.displayTracebacks = False
-        strports.service(config.metrics.deliver_listen, site, reactor=reactor).setServiceParent(top)
+        Listening(
+            config.metrics.deliver_listen, site, reactor, "metrics.deliver_listen"
+        ).setServiceParent(top)
     manhole = _add_manhole(
         config,
         DELIVER,
@@ -411,4 +510,11 @@ def deliver_service(
     )
     if manhole is not None:
         manhole.setServiceParent(top)
+    # Ready once the index answers a query through the daemon's own connection.
+    SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
     return top
+
+
+def _index_answers(cur: Any) -> None:
+    cur.execute("SELECT count(*) FROM deliver_heartbeat")
+    cur.fetchone()

@@ -1,10 +1,13 @@
 """The receiver's status page (``GET /``): one self-contained HTML page for whoever is on call.
 
-It shows uploads still coming in, accepted and pending bytes per project, delivery states (read
-from the index), free space, the latest delivery failures and this process's recent warnings
-and errors.  :class:`StatusSource` takes a fresh survey in a thread for each request;
-:func:`render_status` is pure.  The page refreshes itself (``<meta http-equiv="refresh">``) and
-loads nothing else: no scripts, no external styles, no images.
+Its header says which canner runs, for how long, and whether canner-deliver is alive (from its
+heartbeat in ``delivery.sqlite``); then free space, the deliveries in flight with their progress,
+24-hour trends drawn as inline SVG, uploads still coming in, accepted and pending bytes per
+project, delivery states, the latest failures (with their next retry) and deliveries (linked to
+their IA items), and this process's recent warnings and errors.  :class:`StatusSource` takes a
+fresh survey in a thread for each request; :func:`render_status` is pure and renders with
+``twisted.web.template``.  The page refreshes itself (``<meta http-equiv="refresh">``) and loads
+nothing else: no scripts, no external styles, no images.
 
 The page is served on the receiver's public port, so upload ids (which let their holder append
 to an upload) are shortened to their first 8 characters, in tables and in log messages alike.
@@ -12,7 +15,6 @@ to an upload) are shortened to their first 8 characters, in tables and in log me
 
 from __future__ import annotations
 
-import html
 import re
 import time
 from collections import deque
@@ -24,10 +26,14 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import LogLevel, formatEvent
 from twisted.python.failure import Failure
+from twisted.web.template import Tag, flatten, tags
 
 from canner.blocking import BlockingRunner
+from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
 from canner.inventory import Survey
+from canner.trends import ALL, WINDOW, levels, per_minute
+from canner.trends import projects as trend_projects
 
 REFRESH_SECONDS = 10
 # Requests within this many seconds of a survey are answered from it.
@@ -91,6 +97,15 @@ class StatusView:
     min_free_bytes: int
     problems: tuple[Problem, ...]
     refresh_s: int = REFRESH_SECONDS
+    version: str = "-"
+    started_at: float = 0.0  # when this receiver started
+    # project -> base URL of its IA item pages (the delivery's metadata_url)
+    item_urls: Mapping[str, str] = field(factory=dict)
+
+    @property
+    def deliver(self) -> Liveness:
+        beat = self.survey.index.heartbeat if self.survey.index is not None else None
+        return judge(beat, self.survey.taken_at)
 
 
 @define(eq=False)
@@ -110,10 +125,24 @@ class StatusSource:
     _max_age: float = SURVEY_MAX_AGE
     _latest: Survey | None = None
     _waiting: list[Deferred[Survey]] | None = None
+    _version: str = "-"
+    _item_urls: Mapping[str, str] = field(factory=dict)
+    _started_at: float | None = None
 
     def view(self) -> Deferred[StatusView]:
+        if self._started_at is None:
+            self._started_at = self._clock.seconds()
+
         def build(survey: Survey) -> StatusView:
-            return StatusView(self._issuer, survey, self._min_free_bytes, self._problems.latest())
+            return StatusView(
+                self._issuer,
+                survey,
+                self._min_free_bytes,
+                self._problems.latest(),
+                version=self._version,
+                started_at=self._started_at or survey.taken_at,
+                item_urls=self._item_urls,
+            )
 
         return self._survey().addCallback(build)
 
@@ -175,181 +204,523 @@ def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _count(name: str, value: int | None) -> str:
+def _count(name: str, value: int | None) -> Tag:
     shown = "-" if value is None else f"{value:,}"
-    return f'<td class="num" data-field="{_e(name)}"><b>{shown}</b></td>'
+    return tags.td(tags.b(shown), class_="num", **{"data-field": name})
 
 
-def _bytes(name: str, value: int | None) -> str:
+def _bytes(name: str, value: int | None) -> Tag:
     if value is None:
-        return f'<td class="num" data-field="{_e(name)}"><b>-</b></td>'
-    human = f" <small>{_e(human_bytes(value))}</small>" if abs(value) >= 1024 else ""
-    return f'<td class="num" data-field="{_e(name)}"><b>{value:,}</b>{human}</td>'
+        return tags.td(tags.b("-"), class_="num", **{"data-field": name})
+    cell = tags.td(tags.b(f"{value:,}"), class_="num", **{"data-field": name})
+    if abs(value) >= 1024:
+        cell(" ", tags.small(human_bytes(value)))
+    return cell
+
+
+def _row(*cells: Tag | str, **attrs: str) -> Tag:
+    return tags.tr(*cells, **attrs)
+
+
+def _head(*names: str) -> Tag:
+    return tags.tr(*(tags.th(n) for n in names))
+
+
+def _bar(share: float) -> Tag:
+    return tags.span(tags.span(style=f"width:{share:.0f}%"), class_="bar")
 
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
 h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.1em;margin:1.4em 0 .4em}
+h3{font-size:1em;margin:.8em 0 .2em}
 table{border-collapse:collapse;background:#fff;min-width:30em}
 th,td{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:top}
 th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums}
 small{color:#666}.meta{color:#666}.bad{color:#a00;font-weight:bold}.ok{color:#070}
+.banner{padding:.6em 1em;border:2px solid #a00;background:#fee;font-size:1.1em}
 .bar{background:#e5e5e5;width:8em;height:.8em;display:inline-block}
 .bar span{background:#4a8;height:100%;display:block}
 .lvl-error,.lvl-critical{color:#a00}.lvl-warn{color:#a60}
 td.msg{font-family:monospace;white-space:pre-wrap;max-width:60em}
+.charts{display:flex;flex-wrap:wrap;gap:1em}
+figure{margin:0;background:#fff;border:1px solid #ddd;padding:.4em}
+figcaption{font-size:.9em;color:#444}
+svg text{font:11px system-ui,sans-serif;fill:#666}
+.key{display:inline-block;width:.8em;height:.8em;margin:0 .2em 0 .6em}
 """
 
 
-def _storage(view: StatusView) -> str:
+# -- trend charts (inline SVG) ----------------------------------------------------------------
+
+CHART_W, CHART_H, CHART_PAD = 420, 110, 16
+
+
+@frozen
+class Line:
+    """One series of a chart: label, colour and (time, value) points."""
+
+    label: str
+    colour: str
+    points: tuple[tuple[float, float], ...]
+    dashed: bool = False
+
+
+def _svg(name: str, **attrs: str) -> Tag:
+    return Tag(name)(**attrs)
+
+
+def _scale_text(value: float, unit: str) -> str:
+    if unit == "bytes":
+        return human_bytes(int(value))
+    return f"{value:,.0f}"
+
+
+def trend_chart(
+    chart_id: str, title: str, lines: list[Line], now: float, unit: str = "bytes"
+) -> Tag:
+    """A figure with an inline SVG of ``lines`` over the last 24 hours (pure).
+
+    The SVG says how many points it draws (``data-points``), so a test can tell an empty chart
+    from a drawn one; a chart without points says "no samples yet"."""
+    start = now - WINDOW
+    top = max((v for line in lines for _, v in line.points), default=0.0)
+    top = top * 1.1 if top > 0 else 1.0
+    inner_w, inner_h = CHART_W - 2 * CHART_PAD, CHART_H - 2 * CHART_PAD
+    svg = _svg(
+        "svg",
+        xmlns="http://www.w3.org/2000/svg",
+        width=str(CHART_W),
+        height=str(CHART_H),
+        viewBox=f"0 0 {CHART_W} {CHART_H}",
+        role="img",
+        **{"aria-label": title},
+    )
+    svg(
+        _svg(
+            "rect",
+            x=str(CHART_PAD),
+            y=str(CHART_PAD),
+            width=str(inner_w),
+            height=str(inner_h),
+            fill="#fcfcfc",
+            stroke="#ddd",
+        )
+    )
+    drawn = 0
+    for line in lines:
+        coords = []
+        for t, v in line.points:
+            if t < start or t > now + 60:
+                continue
+            x = CHART_PAD + inner_w * (t - start) / WINDOW
+            y = CHART_PAD + inner_h * (1 - v / top)
+            coords.append(f"{x:.1f},{y:.1f}")
+        drawn += len(coords)
+        if not coords:
+            continue
+        if len(coords) == 1:
+            cx, cy = coords[0].split(",")
+            svg(
+                _svg("circle", cx=cx, cy=cy, r="2", fill=line.colour, **{"data-series": line.label})
+            )
+            continue
+        attrs = {
+            "points": " ".join(coords),
+            "fill": "none",
+            "stroke": line.colour,
+            "stroke-width": "1.5",
+            "data-series": line.label,
+        }
+        if line.dashed:
+            attrs["stroke-dasharray"] = "4 3"
+        svg(_svg("polyline", **attrs))
+    svg(_svg("text", x=str(CHART_PAD + 2), y=str(CHART_PAD - 4))(_scale_text(top, unit)))
+    svg(_svg("text", x=str(CHART_PAD), y=str(CHART_H - 3))("24 h ago"))
+    svg(_svg("text", x=str(CHART_W - CHART_PAD - 22), y=str(CHART_H - 3))("now"))
+    if drawn == 0:
+        svg(_svg("text", x=str(CHART_W // 2 - 40), y=str(CHART_H // 2))("no samples yet"))
+    svg.attributes["data-points"] = str(drawn)
+    keys: list[Tag | str] = []
+    for line in lines:
+        keys += [tags.span(class_="key", style=f"background:{line.colour}"), line.label]
+    return tags.figure(svg, tags.figcaption(tags.b(title), *keys), id=chart_id)
+
+
+_RECEIVED, _DELIVERED, _BACKLOG, _FREE, _FLOOR = "#2a7", "#36c", "#c70", "#555", "#a00"
+
+
+def _trends(view: StatusView) -> Tag:
+    trends = view.survey.trends
+    now = view.survey.taken_at
+    total = trends.get(ALL, ())
+    charts = tags.div(
+        trend_chart(
+            "trend-flow",
+            "Bytes accepted and delivered per minute",
+            [
+                Line("accepted", _RECEIVED, tuple(per_minute(total, "accepted_bytes"))),
+                Line("delivered", _DELIVERED, tuple(per_minute(total, "delivered_bytes"))),
+            ],
+            now,
+        ),
+        trend_chart(
+            "trend-backlog-bytes",
+            "Backlog (bytes not yet delivered)",
+            [Line("backlog", _BACKLOG, tuple(levels(total, "pending_bytes")))],
+            now,
+        ),
+        trend_chart(
+            "trend-backlog-objects",
+            "Backlog (objects not yet delivered)",
+            [Line("objects", _BACKLOG, tuple(levels(total, "pending_objects")))],
+            now,
+            unit="objects",
+        ),
+        trend_chart(
+            "trend-free",
+            "Free space against the floor",
+            [
+                Line("free", _FREE, tuple(levels(total, "free_bytes"))),
+                Line(
+                    "floor",
+                    _FLOOR,
+                    ((now - WINDOW, float(view.min_free_bytes)), (now, float(view.min_free_bytes))),
+                    dashed=True,
+                ),
+            ],
+            now,
+        ),
+        class_="charts",
+    )
+    section = tags.section(tags.h2("Last 24 hours"), charts, id="trends")
+    for project in trend_projects(trends):
+        points = trends[project]
+        section(
+            tags.h3("project ", project),
+            tags.div(
+                trend_chart(
+                    f"trend-flow-{project}",
+                    f"{project}: accepted and delivered per minute",
+                    [
+                        Line("accepted", _RECEIVED, tuple(per_minute(points, "accepted_bytes"))),
+                        Line("delivered", _DELIVERED, tuple(per_minute(points, "delivered_bytes"))),
+                    ],
+                    now,
+                ),
+                trend_chart(
+                    f"trend-backlog-{project}",
+                    f"{project}: backlog bytes",
+                    [Line("backlog", _BACKLOG, tuple(levels(points, "pending_bytes")))],
+                    now,
+                ),
+                class_="charts",
+            ),
+        )
+    return section
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+def _header(view: StatusView) -> list[Tag]:
+    survey = view.survey
+    now = survey.taken_at
+    liveness = view.deliver
+    beat = survey.index.heartbeat if survey.index is not None else None
+    deliver = tags.span(liveness.state, id="deliver-state", class_="ok" if liveness.ok else "bad")
+    if beat is not None and liveness.ok:
+        deliver(
+            f" (up {human_duration(now - beat.started_at)}, version {beat.version},"
+            f" heartbeat {human_duration(liveness.age_s)} ago)"
+        )
+    meta = tags.p(
+        view.issuer,
+        " · canner ",
+        tags.span(view.version, id="version"),
+        " · receiver: ",
+        tags.span("running", class_="ok", id="receiver-state"),
+        f" (up {human_duration(now - view.started_at)})",
+        " · deliver: ",
+        deliver,
+        " · ",
+        tags.span(_utc(now), id="taken-at", **{"data-time": f"{now:.0f}"}),
+        f" · refreshes every {view.refresh_s}s · ",
+        tags.a("metrics", href="/metrics"),
+        " · ",
+        tags.a("readiness", href="/readyz"),
+        class_="meta",
+    )
+    parts = [tags.h1("canner"), meta]
+    if not liveness.ok:
+        parts.append(
+            tags.p(
+                liveness.text + ": nothing is being delivered to the Internet Archive.",
+                class_="banner",
+                id="deliver-banner",
+            )
+        )
+    return parts
+
+
+def _storage(view: StatusView) -> Tag:
     survey = view.survey
     free = survey.free_bytes
     if free is None:
-        verdict = f'<span class="bad">unknown: {_e(survey.free_error or "")}</span>'
+        verdict = tags.span(f"unknown: {survey.free_error or ''}", class_="bad")
     elif free < view.min_free_bytes:
-        verdict = '<span class="bad">below the floor: new uploads are refused (429)</span>'
+        verdict = tags.span("below the floor: new uploads are refused (429)", class_="bad")
     else:
-        verdict = '<span class="ok">ok</span>'
-    return (
-        '<h2>Storage</h2><table id="storage">'
-        f"<tr><th>free on the data filesystem</th>{_bytes('free_bytes', free)}</tr>"
-        f"<tr><th>floor (min_free_bytes)</th>{_bytes('min_free_bytes', view.min_free_bytes)}</tr>"
-        f'<tr><th>state</th><td id="storage-state">{verdict}</td></tr></table>'
+        verdict = tags.span("ok", class_="ok")
+    return tags.section(
+        tags.h2("Storage"),
+        tags.table(
+            _row(tags.th("free on the data filesystem"), _bytes("free_bytes", free)),
+            _row(tags.th("floor (min_free_bytes)"), _bytes("min_free_bytes", view.min_free_bytes)),
+            _row(tags.th("state"), tags.td(verdict, id="storage-state")),
+            id="storage",
+        ),
     )
 
 
-def _uploads(survey: Survey) -> str:
+def _in_flight(view: StatusView) -> Tag:
+    section = tags.section(tags.h2("Deliveries in flight"))
+    beat = view.survey.index.heartbeat if view.survey.index is not None else None
+    if not view.deliver.ok or beat is None:
+        return section(tags.p("None: ", view.deliver.text, ".", id="no-in-flight"))
+    if not beat.in_flight:
+        return section(tags.p("No delivery running right now.", id="no-in-flight"))
+    now = view.survey.taken_at
+    table = tags.table(
+        _head("object", "project", "file", "attempt", "phase", "sent", "progress", "rate", "ETA"),
+        id="in-flight",
+    )
+    for p in beat.in_flight:
+        share = min(100.0, 100.0 * p.sent / p.size) if p.size else 100.0
+        table(
+            _row(
+                tags.td(tags.code(shorten_ids(p.object_id))),
+                tags.td(p.project),
+                tags.td(p.filename or "-"),
+                tags.td(str(p.attempt), class_="num"),
+                tags.td(
+                    f"{p.phase} for {human_duration(now - p.started_at)}",
+                    *(
+                        [
+                            tags.br(),
+                            tags.span(f"no bytes for {human_duration(p.stalled_s)}", class_="bad"),
+                        ]
+                        if p.stalled_s
+                        else []
+                    ),
+                ),
+                _bytes("sent", p.sent),
+                tags.td(_bar(share), f" {share:.0f}% of {human_bytes(p.size)}"),
+                tags.td(f"{human_bytes(int(p.rate))}/s" if p.rate else "-", class_="num"),
+                tags.td(human_duration(p.eta_s), class_="num"),
+                **{"data-object": p.object_id[:8]},
+            )
+        )
+    return section(table)
+
+
+def _uploads(survey: Survey) -> Tag:
     uploads = survey.active_uploads
-    head = (
-        f'<h2>Active uploads</h2><table id="active-summary"><tr><th>uploads without a receipt</th>'
-        f"{_count('active_uploads', len(uploads))}</tr>"
-        "<tr><th>bytes stored so far</th>"
-        + _bytes("active_upload_bytes", survey.active_upload_bytes)
-        + "</tr></table>"
+    section = tags.section(
+        tags.h2("Active uploads"),
+        tags.table(
+            _row(tags.th("uploads without a receipt"), _count("active_uploads", len(uploads))),
+            _row(
+                tags.th("bytes stored so far"),
+                _bytes("active_upload_bytes", survey.active_upload_bytes),
+            ),
+            id="active-summary",
+        ),
     )
     if not uploads:
-        return head + "<p>No uploads in progress.</p>"
-    rows = []
+        return section(tags.p("No uploads in progress."))
+    table = tags.table(_head("upload", "project", "bytes", "progress", "idle"), id="active-uploads")
     for u in uploads[:ACTIVE_UPLOADS_SHOWN]:
         share = min(100.0, 100.0 * u.offset / u.size) if u.size else 100.0
-        rows.append(
-            f"<tr><td><code>{_e(shorten_ids(u.upload_id))}</code></td><td>{_e(u.project)}</td>"
-            f'<td class="num">{u.offset:,} / {u.size:,}</td>'
-            f'<td><span class="bar"><span style="width:{share:.0f}%"></span></span>'
-            f" {share:.0f}%{' (awaiting acceptance)' if u.complete else ''}</td>"
-            f'<td class="num">{_e(human_duration(u.idle_s))}</td></tr>'
+        table(
+            _row(
+                tags.td(tags.code(shorten_ids(u.upload_id))),
+                tags.td(u.project),
+                tags.td(f"{u.offset:,} / {u.size:,}", class_="num"),
+                tags.td(
+                    _bar(share),
+                    f" {share:.0f}%{' (awaiting acceptance)' if u.complete else ''}",
+                ),
+                tags.td(human_duration(u.idle_s), class_="num"),
+            )
         )
+    section(table)
     more = len(uploads) - ACTIVE_UPLOADS_SHOWN
-    tail = f"<p>… and {more} more.</p>" if more > 0 else ""
-    return (
-        head + '<table id="active-uploads"><tr><th>upload</th><th>project</th><th>bytes</th>'
-        "<th>progress</th><th>idle</th></tr>" + "".join(rows) + "</table>" + tail
-    )
+    if more > 0:
+        section(tags.p(f"… and {more} more."))
+    return section
 
 
-def _projects(survey: Survey) -> str:
+def _projects(survey: Survey) -> Tag:
     index = survey.index
+    section = tags.section(tags.h2("Projects"))
     if index is None:
-        return (
-            "<h2>Projects</h2>"
-            f'<p class="bad">The delivery index is unreadable: {_e(survey.index_error or "")}</p>'
+        return section(
+            tags.p(f"The delivery index is unreadable: {survey.index_error or ''}", class_="bad")
         )
-    rows = [
-        f'<tr data-project="{_e(p.project)}"><td>{_e(p.project)}</td>'
-        + _count("accepted_objects", p.accepted_objects)
-        + _bytes("accepted_bytes", p.accepted_bytes)
-        + _count("pending_objects", p.pending_objects)
-        + _bytes("pending_bytes", p.pending_bytes)
-        + _count("delivered_objects", p.delivered_objects)
-        + "</tr>"
-        for p in index.projects
-    ]
-    if not rows:
-        rows = ['<tr><td colspan="6">Nothing accepted yet.</td></tr>']
-    return (
-        '<h2>Projects</h2><table id="projects"><tr><th>project</th><th>accepted objects</th>'
-        "<th>accepted bytes</th><th>pending objects</th><th>pending bytes</th>"
-        "<th>delivered objects</th></tr>" + "".join(rows) + "</table>"
+    table = tags.table(
+        _head(
+            "project",
+            "accepted objects",
+            "accepted bytes",
+            "pending objects",
+            "pending bytes",
+            "delivered objects",
+        ),
+        id="projects",
     )
+    for p in index.projects:
+        table(
+            _row(
+                tags.td(p.project),
+                _count("accepted_objects", p.accepted_objects),
+                _bytes("accepted_bytes", p.accepted_bytes),
+                _count("pending_objects", p.pending_objects),
+                _bytes("pending_bytes", p.pending_bytes),
+                _count("delivered_objects", p.delivered_objects),
+                **{"data-project": p.project},
+            )
+        )
+    if not index.projects:
+        table(_row(tags.td("Nothing accepted yet.", colspan="6")))
+    return section(table)
 
 
-def _deliveries(survey: Survey) -> str:
+def _deliveries(view: StatusView) -> Tag | str:
+    survey = view.survey
     index = survey.index
     if index is None:
         return ""
-    states = "".join(
-        f'<tr data-state="{s.value}"><th>{s.value}</th>'
-        + _count(f"state_{s.value}", index.states.get(s.value, 0))
-        + _bytes(f"state_{s.value}_bytes", index.state_bytes.get(s.value, 0))
-        + "</tr>"
-        for s in State
+    states = tags.table(_head("state", "objects", "bytes"), id="states")
+    for s in State:
+        states(
+            _row(
+                tags.th(s.value),
+                _count(f"state_{s.value}", index.states.get(s.value, 0)),
+                _bytes(f"state_{s.value}_bytes", index.state_bytes.get(s.value, 0)),
+                **{"data-state": s.value},
+            )
+        )
+    summary = tags.table(
+        _row(tags.th("pending objects"), _count("pending_objects", index.pending_objects)),
+        _row(tags.th("pending bytes"), _bytes("pending_bytes", index.pending_bytes)),
+        _row(
+            tags.th("oldest undelivered"),
+            tags.td(
+                human_duration(survey.oldest_undelivered_age),
+                class_="num",
+                **{"data-field": "oldest_pending_age"},
+            ),
+        ),
+        _row(tags.th("needing an operator"), _count("needs_operator", index.needs_operator)),
+        _row(tags.th("purges overdue"), _count("purge_overdue", index.purge_overdue)),
+        id="delivery-summary",
     )
-    oldest = survey.oldest_undelivered_age
-    summary = (
-        '<table id="delivery-summary">'
-        f"<tr><th>pending objects</th>{_count('pending_objects', index.pending_objects)}</tr>"
-        f"<tr><th>pending bytes</th>{_bytes('pending_bytes', index.pending_bytes)}</tr>"
-        f'<tr><th>oldest undelivered</th><td class="num" data-field="oldest_pending_age">'
-        f"{_e(human_duration(oldest))}</td></tr>"
-        f"<tr><th>needing an operator</th>{_count('needs_operator', index.needs_operator)}</tr>"
-        f"<tr><th>purges overdue</th>{_count('purge_overdue', index.purge_overdue)}"
-        f"</tr></table>"
-    )
-    failures = ""
+    section = tags.section(tags.h2("Deliveries"), states, tags.p(), summary)
+    now = survey.taken_at
     if index.recent_failures:
-        rows = "".join(
-            f"<tr><td><code>{_e(shorten_ids(r.object_id))}</code></td><td>{_e(r.project)}</td>"
-            f'<td>{_e(r.state)}</td><td class="num">{r.attempts}</td>'
-            f"<td>{'yes' if r.needs_operator else 'no'}</td>"
-            f'<td class="msg">{_e(shorten_ids(r.last_error or ""))}</td></tr>'
-            for r in index.recent_failures
+        failures = tags.table(
+            _head("object", "project", "attempts", "needs operator", "next retry", "last error"),
+            id="delivery-failures",
         )
-        failures = (
-            '<h2>Latest delivery failures</h2><table id="delivery-failures"><tr><th>object</th>'
-            "<th>project</th><th>state</th><th>attempts</th><th>needs operator</th>"
-            "<th>last error</th></tr>" + rows + "</table>"
+        for r in index.recent_failures:
+            wait = r.next_attempt_at - now
+            failures(
+                _row(
+                    tags.td(tags.code(shorten_ids(r.object_id))),
+                    tags.td(r.project),
+                    tags.td(str(r.attempts), class_="num"),
+                    tags.td("yes" if r.needs_operator else "no"),
+                    tags.td(
+                        f"in {human_duration(wait)}" if wait > 0 else "due now",
+                        tags.br(),
+                        tags.small(_utc(r.next_attempt_at)),
+                    ),
+                    tags.td(shorten_ids(r.last_error or ""), class_="msg"),
+                )
+            )
+        section(tags.h2("Latest delivery failures"), failures)
+    else:
+        section(tags.h2("Latest delivery failures"), tags.p("None.", id="no-failures"))
+    if index.recent_deliveries:
+        recent = tags.table(
+            _head("object", "project", "delivered", "verified", "IA item"),
+            id="recent-deliveries",
         )
-    return (
-        '<h2>Deliveries</h2><table id="states"><tr><th>state</th><th>objects</th><th>bytes</th>'
-        "</tr>" + states + "</table><p></p>" + summary + failures
-    )
+        for r in index.recent_deliveries:
+            base = view.item_urls.get(r.project)
+            item: Tag | str = r.remote_identifier or "-"
+            if base and r.remote_identifier:
+                url = f"{base.rstrip('/')}/details/{r.remote_identifier}"
+                item = tags.a(r.remote_identifier, href=url)
+            recent(
+                _row(
+                    tags.td(tags.code(shorten_ids(r.object_id))),
+                    tags.td(r.project),
+                    tags.td(_utc(r.delivered_at) if r.delivered_at else "-"),
+                    tags.td("yes" if r.verified_at else "not yet"),
+                    tags.td(item),
+                )
+            )
+        section(tags.h2("Latest deliveries"), recent)
+    return section
 
 
-def _problems(problems: tuple[Problem, ...]) -> str:
+def _problems(problems: tuple[Problem, ...]) -> Tag:
+    section = tags.section(tags.h2("Recent errors"))
     if not problems:
-        return '<h2>Recent errors</h2><p id="no-problems">No warnings or errors since start.</p>'
-    rows = "".join(
-        f'<tr class="lvl-{_e(p.level)}"><td>{_e(_utc(p.time))}</td><td>{_e(p.level)}</td>'
-        f'<td class="msg">{_e(shorten_ids(p.text))}</td></tr>'
-        for p in problems
-    )
-    return (
-        '<h2>Recent errors</h2><table id="problems"><tr><th>time</th><th>level</th>'
-        "<th>message</th></tr>" + rows + "</table>"
-    )
+        return section(tags.p("No warnings or errors since start.", id="no-problems"))
+    table = tags.table(_head("time", "level", "message"), id="problems")
+    for p in problems:
+        table(
+            _row(
+                tags.td(_utc(p.time)),
+                tags.td(p.level),
+                tags.td(shorten_ids(p.text), class_="msg"),
+                class_=f"lvl-{p.level}",
+            )
+        )
+    return section(table)
 
 
 def render_status(view: StatusView) -> bytes:
-    """The whole page as UTF-8 HTML."""
-    survey = view.survey
-    body = (
-        "<!DOCTYPE html>\n"
-        '<html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="refresh" content="{view.refresh_s}">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>canner receiver: {_e(view.issuer)}</title><style>{_STYLE}</style></head><body>"
-        f'<h1>canner receiver</h1><p class="meta">{_e(view.issuer)} · '
-        f'<span id="taken-at" data-time="{survey.taken_at:.0f}">{_e(_utc(survey.taken_at))}</span>'
-        f' · refreshes every {view.refresh_s}s · <a href="/metrics">metrics</a></p>'
-        + _storage(view)
-        + _uploads(survey)
-        + _projects(survey)
-        + _deliveries(survey)
-        + _problems(view.problems)
-        + "</body></html>\n"
+    """The whole page as UTF-8 HTML, built with ``twisted.web.template`` (which escapes every
+    text and attribute by construction)."""
+    page = tags.html(
+        tags.head(
+            tags.meta(charset="utf-8"),
+            tags.meta(**{"http-equiv": "refresh", "content": str(view.refresh_s)}),
+            tags.meta(name="viewport", content="width=device-width, initial-scale=1"),
+            tags.title(f"canner: {view.issuer}"),
+            tags.style(_STYLE),
+        ),
+        tags.body(
+            *_header(view),
+            _storage(view),
+            _in_flight(view),
+            _trends(view),
+            _uploads(view.survey),
+            _projects(view.survey),
+            _deliveries(view),
+            _problems(view.problems),
+        ),
+        lang="en",
     )
-    return body.encode("utf-8")
+    out: list[bytes] = [b"<!DOCTYPE html>\n"]
+    done = flatten(None, page, out.append)
+    failures: list[Failure] = []
+    done.addErrback(failures.append)
+    if failures:  # nothing here waits, so flattening has finished
+        failures[0].raiseException()
+    out.append(b"\n")
+    return b"".join(out)

@@ -225,10 +225,26 @@ WORK=$(mktemp -d /tmp/canner-pkgtest.XXXXXX)
 chmod 0755 "$WORK"
 PORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 CONF=$WORK/canner.toml
+# the shipped config's placeholder issuer: the daemon refuses it in one line
+REFUSED=$(cd / && setpriv --reuid=canner --regid=canner --init-groups env -i PATH=/usr/bin:/bin \
+  $VENV/bin/twistd --nodaemon --pidfile= canner-receiver --config /etc/canner/canner.toml 2>&1) \
+  && rc=0 || rc=$?
+if [ "$rc" -eq 1 ] && [ "$(printf '%s\n' "$REFUSED" | wc -l)" -eq 1 ] \
+   && grep -q "config key 'issuer': is still the placeholder" <<<"$REFUSED"; then
+  pass "the receiver refuses the shipped placeholder issuer in one line: $REFUSED"
+else
+  fail "the receiver refuses the placeholder issuer in one line (exit $rc): $REFUSED"
+fi
+for u in "$RECV_UNIT" "$DLVR_UNIT"; do
+  check "$(basename "$u"): Type=notify with WatchdogSec" \
+    bash -c "grep -qx Type=notify '$u' && grep -qx NotifyAccess=main '$u' && grep -q '^WatchdogSec=' '$u'"
+done
 sed -e "s|^listen = .*|listen = \"tcp:$PORT:interface=127.0.0.1\"|" \
+    -e 's|^issuer = .*|issuer = "https://canner.pkgtest"|' \
     -e 's|^min_free_bytes = .*|min_free_bytes = 1048576|' /etc/canner/canner.toml > "$CONF"
 chmod 0644 "$CONF"
 grep -q "^listen = \"tcp:$PORT:" "$CONF" && grep -q '^min_free_bytes = 1048576$' "$CONF" \
+  && grep -q '^issuer = "https://canner.pkgtest"$' "$CONF" \
   || die "could not derive a test config from /etc/canner/canner.toml"
 grep -q "^data_dir = \"$DATA\"" "$CONF" || fail "the shipped config's data_dir is $DATA"
 # the installed unit's ExecStart, with the test config instead of /etc/canner/canner.toml

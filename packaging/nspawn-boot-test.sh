@@ -36,7 +36,8 @@ chroot "$ROOT" dpkg -i /root/canner.deb >/dev/null 2>&1
 pass "dpkg -i $(basename "$DEB") in a fresh bookworm root"
 printf '[s3]\naccess = TESTKEY\nsecret = TESTSECRET\n' > "$ROOT/etc/canner/ia.ini"
 chmod 600 "$ROOT/etc/canner/ia.ini"
-sed -i 's/^min_free_bytes = .*/min_free_bytes = 1048576/' "$ROOT/etc/canner/canner.toml"
+sed -i -e 's/^min_free_bytes = .*/min_free_bytes = 1048576/' \
+    -e 's|^issuer = .*|issuer = "https://canner.nspawn.test"|' "$ROOT/etc/canner/canner.toml"
 # probes: run inside each unit's sandbox, as its user, before the daemon starts
 for role in receiver deliver; do
   mkdir -p "$ROOT/etc/systemd/system/canner-$role.service.d"

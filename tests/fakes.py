@@ -52,8 +52,11 @@ class FakeSink:
     delivered: list[str] = field(factory=list)
     checks: dict[str, RemoteCheck] = field(factory=dict)
     hanging_verify: Deferred[RemoteCheck] | None = None
+    # each attempt's progress callback: the test reports bytes sent through it
+    progress: dict[str, Any] = field(factory=dict)
 
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
+    def deliver(self, row: QueueRow, path: Path, progress: Any = None) -> Deferred[Delivered]:
+        self.progress[row.object_id] = progress
         d: Deferred[Delivered] = Deferred()
         self.pending[row.object_id] = d
         return d

@@ -368,6 +368,7 @@ def record_delivered(
     retention: float,
 ) -> bool:
     """``delivering -> delivered`` with where and when; False when the row was not delivering."""
+    remember_attempt(cur, object_id, "delivered", None, now)
     cur.execute(
         "UPDATE objects SET state = 'delivered', remote_identifier = ?, remote_name = ?,"
         " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
@@ -387,6 +388,7 @@ def record_failure(
     now: float,
 ) -> bool:
     """``delivering -> retry_wait``; False when the row was not delivering."""
+    remember_attempt(cur, object_id, "failed", error[:2000], now)
     cur.execute(
         "UPDATE objects SET state = 'retry_wait', last_error = ?, next_attempt_at = ?,"
         " needs_operator = ?, updated_at = ?"
@@ -394,6 +396,38 @@ def record_failure(
         (error[:2000], next_attempt_at, int(needs_operator), now, object_id),
     )
     return cur.rowcount == 1
+
+
+ATTEMPTS_KEPT = 50
+
+
+def remember_attempt(
+    cur: sqlite3.Cursor, object_id: str, outcome: str, error: str | None, now: float
+) -> None:
+    """Add the attempt ending now to ``attempts`` (call before the row leaves ``delivering``:
+    its ``updated_at`` is still the claim time).  Keeps the latest :data:`ATTEMPTS_KEPT`."""
+    cur.execute(
+        "INSERT OR REPLACE INTO attempts (object_id, attempt, started_at, ended_at, outcome, error)"
+        " SELECT object_id, attempts, updated_at, ?, ?, ? FROM objects"
+        " WHERE object_id = ? AND state = 'delivering'",
+        (now, outcome, error, object_id),
+    )
+    cur.execute(
+        "DELETE FROM attempts WHERE object_id = ? AND attempt <= "
+        " (SELECT attempts FROM objects WHERE object_id = ?) - ?",
+        (object_id, object_id, ATTEMPTS_KEPT),
+    )
+
+
+def attempt_history(cur: sqlite3.Cursor, object_id: str) -> list[dict[str, Any]]:
+    """The recorded attempts of ``object_id``, oldest first."""
+    cur.execute(
+        "SELECT attempt, started_at, ended_at, outcome, error FROM attempts"
+        " WHERE object_id = ? ORDER BY attempt",
+        (object_id,),
+    )
+    names = ("attempt", "started_at", "ended_at", "outcome", "error")
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
 def follow_ups_due(
@@ -427,7 +461,8 @@ def _marks(values: list[str]) -> str:
 
 def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
     cur.execute(
-        "UPDATE objects SET verified_at = ?, next_check_at = max(?, purge_after), updated_at = ?"
+        "UPDATE objects SET verified_at = ?, next_check_at = max(?, purge_after), updated_at = ?,"
+        " last_error = NULL, needs_operator = 0"
         " WHERE object_id = ? AND state = 'delivered' AND verified_at IS NULL",
         (now, now, now, object_id),
     )

@@ -6,7 +6,9 @@ the local payload against its receipt (BLAKE3, computing the MD5 once and storin
 the project's sink, and records ``delivered`` or ``retry_wait`` through guarded updates.  The same
 tick follows delivered rows up: verify the remote copy, then purge the local payload once verified
 and past retention.  Attempts are cancellable, bounded by 24 hours, and cancelled on stop; a
-cancelled attempt is due again right after restart.
+cancelled attempt is due again right after restart.  Each attempt's phase and the payload bytes
+its sink reports are tracked in :class:`~canner.delivery.liveness.InFlight` (the heartbeat,
+``/metrics`` and the manhole's ``scheduler.active`` read it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
+from canner.delivery.liveness import InFlight
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
 from canner.receipts import ReceiptStore
@@ -43,6 +46,8 @@ ORPHAN_CHECK_INTERVAL = 60.0
 # Verifications and purges running at once, and the bound on each.
 FOLLOW_UP_CONCURRENCY = 4
 FOLLOW_UP_LIMIT = 600.0
+# DeliveryFailed.kind of a local payload that is missing, unreadable or changed.
+LOCAL_PAYLOAD = "local_payload"
 
 
 @define(eq=False)
@@ -68,6 +73,11 @@ class DeliveryService(Service):
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
+    in_flight: InFlight | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.in_flight is None:
+            self.in_flight = InFlight(self._clock)
 
     def startService(self) -> None:
         super().startService()
@@ -96,8 +106,10 @@ class DeliveryService(Service):
         return DeferredList(waits, consumeErrors=True)
 
     @property
-    def active(self) -> list[str]:
-        return sorted(self._active)
+    def active(self) -> list[dict[str, Any]]:
+        """The attempts in flight: object, phase, bytes sent, rate, ETA (for the manhole)."""
+        assert self.in_flight is not None
+        return [p.as_dict() for p in self.in_flight.snapshot()]
 
     def _guarded_tick(self) -> Deferred[None]:
         return self.tick().addErrback(lambda f: log.failure("delivery tick failed", f))
@@ -202,6 +214,14 @@ class DeliveryService(Service):
         attempt.addBoth(lambda _: self._refill())
 
     async def _attempt(self, row: QueueRow) -> None:
+        assert self.in_flight is not None
+        self.in_flight.begin(row)
+        try:
+            await self._attempt_tracked(row, self.in_flight)
+        finally:
+            self.in_flight.end(row.object_id)
+
+    async def _attempt_tracked(self, row: QueueRow, in_flight: InFlight) -> None:
         log.info(
             "delivering {object_id} (attempt {attempt})",
             object_id=row.object_id,
@@ -211,11 +231,15 @@ class DeliveryService(Service):
         try:
             row = await self._prepare(row)
             delivered = await self._sinks[row.project].deliver(
-                row, self._uploads.data_path(row.object_id)
+                row, self._uploads.data_path(row.object_id), in_flight.uploading(row.object_id)
             )
         except DeliveryFailed as e:
             await self._record_failure(
-                row, e.reason, needs_operator=e.needs_operator, at_least=e.retry_after or 0.0
+                row,
+                e.reason,
+                needs_operator=e.needs_operator,
+                at_least=e.retry_after or 0.0,
+                kind=e.kind,
             )
             return
         now = self._clock.seconds()
@@ -244,21 +268,32 @@ class DeliveryService(Service):
         try:
             blake, md5_hex, size = await self._hash(delivery_digests, path, self._stopping)
         except FileNotFoundError:
-            raise DeliveryFailed("the local payload is missing", needs_operator=True) from None
+            raise DeliveryFailed(
+                "the local payload is missing", needs_operator=True, kind=LOCAL_PAYLOAD
+            ) from None
         except HashCancelled:
             raise CancelledError() from None
         except OSError as e:
-            raise DeliveryFailed(f"reading the local payload failed: {e.strerror}") from None
+            raise DeliveryFailed(
+                f"reading the local payload failed: {e.strerror}", kind=LOCAL_PAYLOAD
+            ) from None
         if size != row.size_bytes or str(blake) != row.checksum:
             raise DeliveryFailed(
                 f"the local payload ({size} bytes, {blake}) does not match its receipt",
                 needs_operator=True,
+                kind=LOCAL_PAYLOAD,
             )
         await self._index.run(sql.set_content_md5, row.object_id, md5_hex)
         return evolve(row, content_md5=md5_hex)
 
     async def _record_failure(
-        self, row: QueueRow, reason: str, *, needs_operator: bool, at_least: float = 0.0
+        self,
+        row: QueueRow,
+        reason: str,
+        *,
+        needs_operator: bool,
+        at_least: float = 0.0,
+        kind: str = "other",
     ) -> None:
         """``retry_wait`` with backoff; ``at_least`` is the sink's Retry-After, if any."""
         now = self._clock.seconds()
@@ -276,6 +311,7 @@ class DeliveryService(Service):
             delay=delay,
             error=reason,
             needs_operator=needs_operator,
+            failure_class=kind,
         )
 
     def _record_interruption(self, failure: Any, row: QueueRow) -> Deferred[None]:
@@ -286,11 +322,13 @@ class DeliveryService(Service):
                 sql.record_failure, row.object_id, "interrupted by shutdown", now, False, now
             )
         if failure.check(TimeoutError, CancelledError):
-            reason = f"the attempt was cut off after {ATTEMPT_LIMIT:.0f}s"
+            reason, kind = f"the attempt was cut off after {ATTEMPT_LIMIT:.0f}s", "timeout"
         else:
             log.failure("delivery attempt on {object_id} crashed", failure, object_id=row.object_id)
-            reason = f"internal error: {failure.value}"
-        return Deferred.fromCoroutine(self._record_failure(row, reason, needs_operator=False))
+            reason, kind = f"internal error: {failure.value}", "internal"
+        return Deferred.fromCoroutine(
+            self._record_failure(row, reason, needs_operator=False, kind=kind)
+        )
 
     # -- after delivery ---------------------------------------------------------------------
 

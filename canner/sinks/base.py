@@ -7,6 +7,7 @@ which they turn into :class:`Delivered` or :class:`DeliveryFailed`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Protocol
@@ -29,12 +30,19 @@ class DeliveryFailed(Exception):
     """An attempt failed; ``needs_operator`` when retrying alone will not fix it (403, ...)."""
 
     def __init__(
-        self, reason: str, *, needs_operator: bool = False, retry_after: float | None = None
+        self,
+        reason: str,
+        *,
+        needs_operator: bool = False,
+        retry_after: float | None = None,
+        kind: str = "other",
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.needs_operator = needs_operator
         self.retry_after = retry_after
+        # The reason class operators alert on (forbidden, rate_limited, network, ...).
+        self.kind = kind
 
 
 @frozen
@@ -49,8 +57,12 @@ class RemoteCheck:
 class Sink(Protocol):
     """A delivery destination (the Internet Archive in production)."""
 
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
-        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`."""
+    def deliver(
+        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+    ) -> Deferred[Delivered]:
+        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`.
+
+        ``progress(n)`` is told about payload bytes as they are sent."""
         ...
 
     def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:

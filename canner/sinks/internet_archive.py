@@ -12,6 +12,7 @@ against IA's metadata API.  The rules are ``reference/internet-archive.md``'s.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
@@ -39,7 +40,14 @@ from canner.sinks.transport import (
     make_http_client,
     read_bounded,
 )
-from canner.sinks.wire import Lookup, RemoteFile, Unknown, classify, parse_metadata
+from canner.sinks.wire import (
+    Lookup,
+    RemoteFile,
+    Unknown,
+    classify,
+    failure_class,
+    parse_metadata,
+)
 
 log = Logger()
 
@@ -126,7 +134,9 @@ class IASink:
         """:meth:`remote_file` by name, e.g. for a delivered row's recorded destination."""
         return Deferred.fromCoroutine(self._lookup(identifier, remote_name))
 
-    def deliver(self, plan: ItemPlan, path: Path) -> Deferred[DeliveryResult]:
+    def deliver(
+        self, plan: ItemPlan, path: Path, on_progress: Callable[[int], None] | None = None
+    ) -> Deferred[DeliveryResult]:
         """One delivery attempt of the file at ``path`` to ``plan``'s destination.
 
         Skips the upload when the metadata API already shows the file with the plan's size and
@@ -134,9 +144,10 @@ class IASink:
         redirects.  Fires with a :class:`DeliveryResult` for every I/O outcome, including the
         watchdog, the answer timeout and the ``attempt_timeout`` cap (all transient).
         Cancelling the returned Deferred aborts the transfer; it then fails with
-        ``CancelledError`` and nothing is to be recorded but a retry.
+        ``CancelledError`` and nothing is to be recorded but a retry.  ``on_progress(n)`` is
+        told about each chunk of payload handed to the connection.
         """
-        attempt = _Attempt(self, plan, path)
+        attempt = _Attempt(self, plan, path, on_progress)
         return attempt.start()
 
     # -- helpers used by _Attempt ----------------------------------------------------------
@@ -247,6 +258,7 @@ class _Attempt:
     _sink: IASink
     _plan: ItemPlan
     _path: Path
+    _on_progress: Callable[[int], None] | None = None
     _current: Deferred[Any] | None = None
     _abort_reason: str | None = None
     _cancelled: bool = False
@@ -462,6 +474,8 @@ class _Attempt:
     def _progress(self, n: int) -> None:
         self._bytes_sent += n
         self._put_sent += n
+        if self._on_progress is not None:
+            self._on_progress(n)
         if self._put_sent >= self._plan.size:
             # The last byte is with the transport: wait for the answer, not for progress.
             self._arm(answer=True)
@@ -514,18 +528,23 @@ class IADeliverySink:
             row.content_md5,
         )
 
-    def deliver(self, row: QueueRow, path: Path) -> Deferred[Delivered]:
-        return Deferred.fromCoroutine(self._deliver(row, path))
+    def deliver(
+        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+    ) -> Deferred[Delivered]:
+        return Deferred.fromCoroutine(self._deliver(row, path, progress))
 
-    async def _deliver(self, row: QueueRow, path: Path) -> Delivered:
+    async def _deliver(
+        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+    ) -> Delivered:
         plan = self.plan(row)
-        result = await self._sink.deliver(plan, path)
+        result = await self._sink.deliver(plan, path, progress)
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
         raise DeliveryFailed(
             result.outcome.reason,
             needs_operator=result.outcome.needs_operator,
             retry_after=result.outcome.retry_after,
+            kind=failure_class(result.status, result.outcome.reason),
         )
 
     def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:

@@ -150,3 +150,28 @@ def parse_metadata(body: bytes, remote_name: str) -> Lookup:
             sha1=sha1 if isinstance(sha1, str) else None,
         )
     return None
+
+
+def failure_class(status: int | None, reason: str) -> str:
+    """The class of a failed IA attempt, for metrics and alerts (pure).
+
+    ``forbidden`` (credentials or permissions: an operator must act), ``rate_limited``,
+    ``server_error``, ``client_error``, ``local_payload`` or ``network`` (no HTTP answer:
+    connection, DNS, timeouts)."""
+    if status is None:
+        if reason.startswith("local file"):
+            return "local_payload"
+        if reason.startswith(("503 SlowDown", "429")):
+            return "rate_limited"
+        if reason.startswith(("401", "403")):
+            return "forbidden"
+        return "network"
+    if status in (401, 403):
+        return "forbidden"
+    if status in (429, 503):
+        return "rate_limited"
+    if status >= 500:
+        return "server_error"
+    if status >= 400:
+        return "client_error"
+    return "other"

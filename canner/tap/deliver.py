@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from twisted.application.service import IService
 
 from canner.tap.receiver import Options
@@ -20,5 +18,4 @@ def makeService(options: Options) -> IService:
     try:
         return deliver_service(options.loaded, reactor)
     except (DeliverLocked, ConfigError) as e:
-        sys.stderr.write(f"canner-deliver: {e}\n")
-        raise SystemExit(1) from None
+        raise SystemExit(f"canner-deliver: {e}") from None

@@ -101,6 +101,8 @@ class UploadIntake:
     _acceptance: Acceptance
     _run: BlockingRunner
     _clock: IReactorTime
+    # Told the free bytes (None: unknown) each admission saw, from a worker thread.
+    free_space_seen: Callable[[int | None], None] = lambda available: None
 
     # -- the streaming seam -------------------------------------------------------------------
 
@@ -257,7 +259,9 @@ class UploadIntake:
         try:
             available = fs.free_bytes(self._config.data_dir)
         except OSError:
+            self.free_space_seen(None)
             raise protocol.space_unknown() from None
+        self.free_space_seen(available)
         if available < self._config.min_free_bytes:
             raise protocol.no_space(available, self._config.min_free_bytes)
 

@@ -180,6 +180,8 @@ class Receiver:
         return rcv
 
     def write_config(self, **overrides: Any) -> None:
+        # The daemons refuse a missing data directory (a volume that is not mounted).
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         config: dict[str, Any] = {
             "issuer": ISSUER,
             "data_dir": str(self.data_dir),

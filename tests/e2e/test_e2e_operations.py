@@ -501,12 +501,17 @@ def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_d
             10,
             "deliver's gauges to show the delivery",
         )
-        assert metric(samples, "canner_ia_sent_bytes_total") == 200_000
+        # Bytes are counted as they stream: the refused attempt sent the body too.
+        assert metric(samples, "canner_ia_sent_bytes_total") == 2 * 200_000
         assert metric(samples, "canner_delivered_bytes") == 200_000
         assert metric(samples, "canner_deliveries_completed_total", project=PROJECT) == 1
         assert metric(samples, "canner_delivery_retries_total", project=PROJECT) >= 1
         failures = metric(
-            samples, "canner_delivery_failures_total", project=PROJECT, needs_operator="true"
+            samples,
+            "canner_delivery_failures_total",
+            project=PROJECT,
+            needs_operator="true",
+            reason="forbidden",
         )
         assert failures >= 1
         assert metric(samples, "canner_deliveries_needing_operator") == 0
@@ -519,3 +524,103 @@ def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_d
         fake.stop()
     assert code in (0, -signal.SIGTERM), deliver.log_tail()
     assert "Traceback" not in deliver.log_text(), deliver.log_tail()
+
+
+# -- the status page as a person sees it -----------------------------------------------------
+
+
+def page_dom(url: str, profile: Path) -> str:
+    dump = chromium("--dump-dom", url, profile=profile)
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    return dump.stdout
+
+
+def screenshot(url: str, path: Path, profile: Path) -> None:
+    taken = chromium(f"--screenshot={path}", "--window-size=1280,2400", url, profile=profile)
+    assert taken.returncode == 0 and path.exists(), taken.stderr[-2000:]
+    width, height, distinct = png_facts(path)
+    assert (width, height) == (1280, 2400)
+    assert distinct > 16, f"{path.name} is (nearly) uniform"
+
+
+def chart_points(dom: str, chart_id: str) -> int:
+    found = re.search(rf'<figure id="{chart_id}">\s*<svg[^>]*data-points="(\d+)"', dom)
+    assert found, f"no chart {chart_id} on the page"
+    return int(found.group(1))
+
+
+def section(dom: str, element_id: str) -> str:
+    found = re.search(rf'<table id="{element_id}">.*?</table>', dom, re.S)
+    assert found, f"no table {element_id} on the page"
+    return found.group(0)
+
+
+def test_status_page_idle_uploading_and_delivering_with_a_failure(tmp_path: Path) -> None:
+    """Headless Chromium at three moments (screenshots in the test's tmp dir): idle with deliver
+    alive and trend charts drawn; an upload coming in; a delivery streaming (bytes, progress)
+    beside a refused one (listed with its next retry).  Once deliver stops, the page says so."""
+    fake = FakeIA(tmp_path / "fake")
+    fake.start()
+    rcv = DeliveryReceiver.configured(tmp_path / "canner", fake.url, retention="1h")
+    deliver = Deliver(rcv.config_path, rcv.data_dir, tmp_path / "canner" / "deliver.log")
+    profile = tmp_path / "chromium"
+    url = rcv.base_url + "/"
+    try:
+        rcv.start()
+        deliver.start()
+
+        # 1. Idle: deliver's heartbeat is fresh, nothing moves, the charts have their samples.
+        idle = wait_for(
+            lambda: d if 'id="deliver-state" class="ok"' in (d := page_dom(url, profile)) else None,
+            20,
+            "the page to see deliver's heartbeat",
+        )
+        screenshot(url, tmp_path / "1-idle.png", profile)
+        assert 'id="deliver-banner"' not in idle
+        assert "No delivery running right now." in idle and "No uploads in progress." in idle
+        assert chart_points(idle, "trend-free") >= 1
+        assert chart_points(idle, "trend-backlog-bytes") >= 1
+        assert re.search(r'id="version">\d', idle)
+
+        # 2. Uploading: a tus upload 40 % in.
+        partial = rcv.new_upload(b"u" * 100_000)
+        assert rcv.patch(partial, 0, b"u" * 40_000).status_code == 204
+        uploading = page_dom(url, profile)
+        screenshot(url, tmp_path / "2-uploading.png", profile)
+        row = section(uploading, "active-uploads")
+        assert partial[:8] + "…" in row and "40%" in row and partial not in uploading
+
+        # 3. Delivering with a failure: one object refused (403), another stalled mid-PUT.
+        fake.add_fault("forbidden", count=1)
+        refused, _ = rcv.upload_all(os.urandom(50_000), filename="refused.warc")
+        wait_for(
+            lambda: refused[:8] in page_dom(url, profile), 20, "the refusal on the status page"
+        )
+        fake.add_fault("stall", count=1, after_bytes=1 << 20)
+        streaming, _ = rcv.upload_all(os.urandom(24 << 20), filename="big.warc")
+
+        def in_flight() -> str | None:
+            dom = page_dom(url, profile)
+            return dom if 'id="in-flight"' in dom and streaming[:8] in dom else None
+
+        delivering = wait_for(in_flight, 30, "the stalled PUT among the deliveries in flight")
+        screenshot(url, tmp_path / "3-delivering.png", profile)
+        moving = section(delivering, "in-flight")
+        sent = re.search(r'data-field="sent"><b>([0-9,]+)</b>', moving)
+        assert sent and int(sent.group(1).replace(",", "")) >= 1 << 20
+        assert "uploading" in moving and "big.warc" in moving
+        failures = section(delivering, "delivery-failures")
+        assert refused[:8] + "…" in failures and "403" in failures
+        wait = re.search(r"in (\d+)m \d+s", failures)
+        assert wait and 55 <= int(wait.group(1)) <= 70, "the next retry is about an hour away"
+        assert streaming[:8] not in failures
+
+        # Deliver stops: the page says plainly that nothing is being delivered.
+        assert deliver.stop() in (0, -signal.SIGTERM)
+        stopped = page_dom(url, profile)
+        assert 'id="deliver-banner"' in stopped and "not running" in stopped
+        assert 'id="in-flight"' not in stopped
+    finally:
+        deliver.stop()
+        rcv.close()
+        fake.stop()

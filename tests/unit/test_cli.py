@@ -20,6 +20,7 @@ from canner.checksum import parse_checksum
 from canner.cli import Io, main
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
+from canner.delivery.liveness import Heartbeat, write_heartbeat
 from canner.fs import DataDirLock
 from canner.receipts import Origin, Receipt, ReceiptStore
 from tests.fakes import SyncIndex
@@ -173,9 +174,10 @@ def test_status_text(run: Run, indexed: SyncIndex) -> None:
 
 
 def test_status_without_index_or_data_dir_fails_clearly(run: Run) -> None:
-    """No index yet: the rest is shown, exit 1; no data directory: exit 1, named."""
+    """No index yet: the rest is shown, exit 2 (critical); no data directory: exit 1, named."""
     code, out, err = run("status")
-    assert code == 1 and "delivery index   unreadable" in out
+    assert code == 2 and "delivery index   unreadable" in out
+    assert "canner: critical: delivery index unreadable" in err
     assert "delivery.sqlite does not exist" in err
     shutil.rmtree(run.data_dir)
     code, out, err = run("status")
@@ -360,3 +362,152 @@ def test_root_becomes_the_data_directory_owner() -> None:
         assert {p.stat().st_uid for p in created} == {65534}
     finally:
         shutil.rmtree(root)
+
+
+# -- exit codes for monitoring, prefixes, filters, bulk retry ----------------------------------
+
+
+def beat(index: SyncIndex, age: float, stopped: bool = False) -> None:
+    index.run(
+        write_heartbeat,
+        Heartbeat(7, "1.0", NOW - 600, NOW - age, NOW - age if stopped else None),
+    )
+
+
+def test_status_exit_codes_say_ok_warning_critical(run: Run, indexed: SyncIndex) -> None:
+    """0 when all is well; 1 with a flagged delivery; 2 when deliver (configured) is not running
+    or its heartbeat is stale, each reason on stderr."""
+    (run.root / "keys").write_text("access\nsecret\n")
+    run.write_config(DELIVERY.replace("{identifier}", "example-{date}-{object_id}"))
+    beat(indexed, 2)
+    code, out, err = run("status", "--json")
+    assert (code, err) == (0, "")
+    doc = json.loads(out)
+    assert doc["status"] == "ok" and doc["deliver"]["state"] == "running"
+    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(2))
+    code, out, err = run("status")
+    assert code == 1 and err == "canner: warning: 1 deliveries need an operator\n"
+    assert "canner-deliver   running" in out
+    beat(indexed, 45)
+    code, _, err = run("status")
+    assert code == 2 and "critical: canner-deliver is not running or wedged" in err
+    beat(indexed, 5, stopped=True)
+    code, _, err = run("status")
+    assert code == 2 and "critical: canner-deliver is not running (stopped cleanly)" in err
+
+
+def test_status_ignores_deliver_when_nothing_is_delivered(run: Run, indexed: SyncIndex) -> None:
+    """Without a delivery table anywhere, a missing canner-deliver is no problem."""
+    code, out, err = run("status", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["deliver"]["state"] == "never started"
+
+
+def test_config_before_or_after_the_subcommand_and_version(run: Run) -> None:
+    """``--config`` works on either side of the subcommand; ``--version`` names the version."""
+    out = io.StringIO()
+    code = main(["--config", str(run.config), "status", "--json"], Io(out, io.StringIO()))
+    assert code == 2 and json.loads(out.getvalue())["min_free_bytes"] == 1
+    shown = canner("--version")
+    assert shown.returncode == 0 and shown.stdout.startswith("canner ")
+
+
+def test_ids_by_unique_prefix(run: Run, indexed: SyncIndex) -> None:
+    """show and retry take a unique prefix (as the page shows it, with or without its …);
+    an ambiguous or unknown prefix is refused, naming the candidates."""
+    indexed.run(
+        sql.insert_objects, [AcceptedObject("abcd" + "0" * 28, "example", None, 5, CHECKSUM, 1)], 0
+    )
+    indexed.run(
+        sql.insert_objects, [AcceptedObject("abce" + "0" * 28, "example", None, 5, CHECKSUM, 1)], 0
+    )
+    code, out, err = run("show", "abcd0000…")
+    assert code == 0, err
+    assert json.loads(out)["object_id"] == "abcd" + "0" * 28
+    code, _, err = run("show", "abc")
+    assert code == 1 and "not an object id" in err
+    code, _, err = run("show", "abcd")
+    assert code == 0
+    code, _, err = run("show", "00000000")
+    assert code == 1 and "ambiguous: it starts 3 object ids" in err
+    code, _, err = run("show", "ffff")
+    assert code == 1 and "no object id starts with 'ffff'" in err
+    indexed.query("UPDATE objects SET state = 'retry_wait' WHERE object_id LIKE 'abce%'")
+    code, out, err = run("retry", "abce")
+    assert code == 0 and "abce" + "0" * 28 + " is due now" in out
+
+
+def test_deliveries_filters(run: Run, indexed: SyncIndex) -> None:
+    """--state, --project, --since (duration or ISO time) and --needs-operator narrow the list."""
+    indexed.query(
+        "UPDATE objects SET updated_at = ?, needs_operator = 1 WHERE object_id = ?",
+        NOW - 30,
+        oid(2),
+    )
+
+    def listed(*argv: str) -> list[str]:
+        code, out, err = run("deliveries", *argv)
+        assert code == 0, err
+        return [json.loads(line)["object_id"] for line in out.splitlines()]
+
+    assert listed("--state", "retry_wait") == [oid(2)]
+    assert listed("--project", "other") == [oid(3)]
+    assert listed("--since", "1m") == [oid(2)]
+    assert listed("--since", "2026-07-23T00:00:00") == []
+    assert listed("--since", "2026-07-22T23:59:00+00:00") == [oid(2)]
+    assert listed("--needs-operator") == [oid(2)]
+    assert listed("--state", "pending", "--project", "example") == [oid(1)]
+    code, _, err = run("deliveries", "--since", "yesterday")
+    assert code == 1 and "neither a duration" in err
+
+
+def test_bulk_retry_of_rows_needing_an_operator(run: Run, indexed: SyncIndex) -> None:
+    """After credentials are fixed: every flagged retry_wait row (of a project) is due now;
+    rows not flagged, or of another project, keep waiting."""
+    indexed.run(
+        sql.insert_objects, [AcceptedObject(oid(4), "other", None, 5, CHECKSUM, 1)], NOW - 10
+    )
+    indexed.query(
+        "UPDATE objects SET state = 'retry_wait', needs_operator = 1, next_attempt_at = ?"
+        " WHERE object_id IN (?, ?)",
+        NOW + 3600,
+        oid(2),
+        oid(4),
+    )
+    code, out, err = run("retry", "--needs-operator", "--project", "example")
+    assert code == 0, err
+    assert "1 deliveries needing an operator are due now" in out and oid(2) in out
+    due = dict(indexed.query("SELECT object_id, next_attempt_at FROM objects"))
+    assert due[oid(2)] == NOW and due[oid(4)] == NOW + 3600
+    code, out, _ = run("retry", "--needs-operator")
+    assert code == 0 and "2 deliveries" in out and oid(4) in out
+    assert canner("retry", "--needs-operator", oid(2), "--config", str(run.config)).returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("listen", "ok"),
+    [
+        ("tcp:8080:interface=127.0.0.1", True),
+        ("unix:/run/canner/receiver.sock", True),
+        ("systemd:domain=INET:index=0", True),
+        ("tcp:eighty", False),
+        ("carrier-pigeon:1", False),
+    ],
+)
+def test_check_config_validates_listen(run: Run, listen: str, ok: bool) -> None:
+    """``listen`` must be a Twisted endpoint description that parses."""
+    text = run.config.read_text().replace("min_free_bytes", f'listen = "{listen}"\nmin_free_bytes')
+    run.config.write_text(text)
+    code, _, err = run("check-config")
+    if ok:
+        assert code == 0, err
+    else:
+        assert code == 1 and err.startswith("canner: config key 'listen'"), err
+
+
+def test_check_config_refuses_a_missing_data_dir(run: Run) -> None:
+    """A data directory that does not exist (an unmounted volume) is refused, not created."""
+    shutil.rmtree(run.data_dir)
+    code, _, err = run("check-config")
+    assert code == 1 and err.startswith("canner: config key 'data_dir'") and "mount" in err
+    assert not run.data_dir.exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from canner.delivery.index import (
     AcceptedObject,
+    _migrations,
     configure_connection,
     insert_objects,
     upgrade_schema,
@@ -20,12 +21,13 @@ def obj(oid: str) -> AcceptedObject:
 def test_upgrade_creates_the_schema_once(tmp_path: Path) -> None:
     """Upgrading twice is a no-op; WAL is on."""
     path = tmp_path / "delivery.sqlite"
-    assert upgrade_schema(path) == 1
-    assert upgrade_schema(path) == 1
+    steps = [number for number, _ in _migrations()]
+    assert upgrade_schema(path) == steps[-1]
+    assert upgrade_schema(path) == steps[-1]
     conn = sqlite3.connect(path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == len(steps)
     finally:
         conn.close()
 

@@ -329,6 +329,7 @@ def test_lookup_of_an_upload_in_progress(data_dir: Path) -> None:
     found = succeeded(helpers.lookup(OID))
     assert found["receipt"] is None and found["delivery"] is None
     assert found["upload"]["size"] == 10 and found["upload"]["offset"] == 0
+    assert succeeded(helpers.lookup(OID[:8] + "…")) == found, "a prefix as the page shows it"
 
 
 def test_generated_key_loads_with_conch(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
 from canner.service import LogObservers, PeriodicService
@@ -111,19 +113,44 @@ def test_receiver_events_are_counted_by_project_and_reason() -> None:
 
 
 def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None:
-    """Attempts after the first are retries; IA bytes come from the upload events."""
+    """Attempts after the first are retries; failures are counted by reason class; IA bytes
+    are counted as the attempts report them."""
     m = Metrics(DELIVER, ["example"])
     m.observe_event(event("attempt", project="example", attempt=1))
-    m.observe_event(event("delivery_failed", project="example", attempt=1, needs_operator=True))
+    m.observe_event(
+        event(
+            "delivery_failed",
+            project="example",
+            attempt=1,
+            needs_operator=True,
+            failure_class="forbidden",
+        )
+    )
+    m.observe_event(event("delivery_failed", project="example", failure_class="<made up>"))
     m.observe_event(event("attempt", project="example", attempt=2))
-    m.observe_event(event("uploaded", size=1234, identifier="x"))
+    m.sent(1000)
+    m.sent(234)
     m.observe_event(event("delivered", project="example", identifier="x"))
     m.observe_event(event("verified", identifier="x"))
     m.observe_event(event("purged", identifier="x"))
     assert sample(m, "canner_delivery_attempts_total", project="example") == 2
     assert sample(m, "canner_delivery_retries_total", project="example") == 1
-    failures = sample(m, "canner_delivery_failures_total", project="example", needs_operator="true")
+    failures = sample(
+        m,
+        "canner_delivery_failures_total",
+        project="example",
+        needs_operator="true",
+        reason="forbidden",
+    )
     assert failures == 1
+    other = sample(
+        m,
+        "canner_delivery_failures_total",
+        project="example",
+        needs_operator="false",
+        reason="other",
+    )
+    assert other == 1
     assert sample(m, "canner_ia_sent_bytes_total") == 1234
     assert sample(m, "canner_deliveries_completed_total", project="example") == 1
     assert sample(m, "canner_deliveries_verified_total") == 1
@@ -507,7 +534,7 @@ def test_status_page_shows_the_survey_numbers(data_dir: Path, index: SyncIndex) 
         assert match, f"no cell {name}"
         return int(match.group(1).replace(",", ""))
 
-    assert '<meta http-equiv="refresh" content="10">' in page
+    assert '<meta http-equiv="refresh" content="10" />' in page
     assert cell("free_bytes") == survey.free_bytes
     assert cell("active_uploads") == 1 and cell("active_upload_bytes") == 400
     summary = re.search(r'<table id="delivery-summary">.*?</table>', page)
@@ -554,7 +581,13 @@ def test_receiver_serves_status_page_and_metrics(data_dir: Path, index: SyncInde
         10,
     )
     routes = ReceiverRoutes(
-        ReceiptStore(data_dir / "receipts"), IDS, data_dir, run_inline, m, status
+        ReceiptStore(data_dir / "receipts"),
+        IDS,
+        data_dir,
+        run_inline,
+        m,
+        status,
+        partial(check_readiness, data_dir, 10, FloorWatch(10)),
     )
     treq = StubTreq(routes.app.resource())
     page = succeeded(treq.get("http://localhost/"))

@@ -1,0 +1,106 @@
+"""Is this receiver fit to take uploads?  ``GET /readyz`` and the free-space floor watch.
+
+``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
+accepted now: free space at or above ``min_free_bytes`` (and known), the data directory's
+``uploads/`` and ``receipts/`` writable, ``delivery.sqlite`` readable.  A load balancer that
+polls ``/readyz`` stops sending work while it answers 503.  :class:`FloorWatch` logs crossing the
+floor and recovering once each, however many requests see it.  Everything here that touches the
+disk blocks: call it through the blocking runner.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from pathlib import Path
+
+from attrs import define, field, frozen
+from twisted.logger import Logger
+
+from canner import fs
+from canner.inventory import INDEX_NAME, read_index
+
+log = Logger()
+
+OK, BELOW, UNKNOWN = "ok", "below", "unknown"
+
+
+@define(eq=False)
+class FloorWatch:
+    """Remembers which side of the floor free space was last seen on; logs each change once.
+
+    ``observe`` may be called from any thread."""
+
+    floor: int
+    _state: str | None = None
+    _lock: threading.Lock = field(factory=threading.Lock)
+
+    def observe(self, available: int | None) -> None:
+        if available is None:
+            state = UNKNOWN
+        else:
+            state = BELOW if available < self.floor else OK
+        with self._lock:
+            previous, self._state = self._state, state
+        if state == previous:
+            return
+        if state == BELOW:
+            log.warn(
+                "free space {free_bytes} is under the floor {min_free_bytes}: uploads are refused"
+                " (429) until it recovers",
+                free_bytes=available,
+                min_free_bytes=self.floor,
+            )
+        elif state == UNKNOWN:
+            log.error("free space on the data directory cannot be determined: uploads are refused")
+        elif previous is not None:
+            log.info(
+                "free space {free_bytes} is back over the floor {min_free_bytes}: uploads are"
+                " accepted again",
+                free_bytes=available,
+                min_free_bytes=self.floor,
+            )
+
+
+@frozen
+class Readiness:
+    ready: bool
+    reasons: tuple[str, ...]
+    free_bytes: int | None
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "status": "ready" if self.ready else "not ready",
+            "reasons": list(self.reasons),
+            "free_bytes": self.free_bytes,
+        }
+
+
+def _index_readable(cur: sqlite3.Cursor) -> None:
+    cur.execute("SELECT max(version) FROM schema_version")
+    cur.fetchone()
+
+
+def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> Readiness:
+    """Whether uploads would be accepted now, and every reason they would not (blocking)."""
+    reasons = []
+    free: int | None = None
+    try:
+        free = fs.free_bytes(data_dir)
+    except OSError as e:
+        reasons.append(f"free space cannot be determined: {e.strerror or e}")
+    watch.observe(free)
+    if free is not None and free < min_free_bytes:
+        reasons.append(
+            f"free space under the floor: {free} bytes free, min_free_bytes is {min_free_bytes}"
+        )
+    for sub in ("uploads", "receipts"):
+        path = data_dir / sub
+        if not os.access(path, os.W_OK | os.X_OK):
+            reasons.append(f"data directory unusable: {path} is missing or not writable")
+    try:
+        read_index(data_dir / INDEX_NAME, _index_readable)
+    except (OSError, sqlite3.Error) as e:
+        reasons.append(f"delivery index unusable: {e}")
+    return Readiness(not reasons, tuple(reasons), free)

@@ -1,0 +1,119 @@
+"""What Prometheus and Grafana get: the shipped alert rules pass ``promtool check rules``, and
+every metric named by the rules and the dashboard exists in a live scrape of both daemons.
+
+Needs the Debian package ``prometheus`` (``promtool``); ``./dev test`` installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+from deliver_support import make_env, wait_for
+from e2e_support import REPO, free_port
+
+pytestmark = pytest.mark.e2e
+
+RULES = REPO / "conf" / "prometheus" / "canner-alerts.yml"
+DASHBOARD = REPO / "conf" / "grafana" / "canner.json"
+METRIC = re.compile(r"\b((?:canner|process)_[a-z0-9_]+)\b")
+
+
+def promtool() -> str:
+    found = subprocess.run(["sh", "-c", "command -v promtool"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.fail("promtool is missing: apt-get install prometheus (./dev test installs it)")
+    return found.stdout.strip()
+
+
+def rule_expressions() -> list[str]:
+    text = RULES.read_text(encoding="utf-8")
+    return [m.group(1) for m in re.finditer(r"^\s+expr: (.+)$", text, re.M)]
+
+
+def dashboard_expressions() -> list[str]:
+    doc = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return [t["expr"] for panel in doc["panels"] for t in panel["targets"]]
+
+
+def test_alert_rules_pass_promtool() -> None:
+    """``promtool check rules`` accepts the shipped rules, and they alert on what the issue
+    asks: deliver down, backlog age, needs-operator rows, free space, purges, acceptance."""
+    checked = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 10 rules found" in checked.stdout
+    names = set(METRIC.findall(" ".join(rule_expressions())))
+    for needed in (
+        "canner_deliver_up",
+        "canner_oldest_undelivered_age_seconds",
+        "canner_deliveries_needing_operator",
+        "canner_data_free_bytes",
+        "canner_purge_lag_seconds",
+        "canner_acceptance_failures_total",
+    ):
+        assert needed in names, needed
+
+
+def test_dashboard_is_grafana_json_with_a_query_per_panel() -> None:
+    """The dashboard parses, every panel has a datasource and at least one PromQL target."""
+    doc = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    assert doc["title"] == "canner" and doc["panels"]
+    for panel in doc["panels"]:
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+        assert panel["datasource"]["type"] == "prometheus"
+
+
+def exported_names(text: str) -> set[str]:
+    """Every metric name a scrape carries: families (``# TYPE``) and sample names."""
+    names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    names |= set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M))
+    return names
+
+
+def test_every_metric_in_dashboard_and_alerts_exists_in_a_live_scrape(tmp_path: Path) -> None:
+    """Scrape a running receiver and deliver: no metric named by a rule or a panel is missing,
+    and there are no ``_created`` series."""
+    metrics_port = free_port()
+    env = make_env(tmp_path, start_deliver=False)
+    try:
+        with open(env.config, "a", encoding="utf-8") as f:
+            f.write(
+                f'\n[metrics]\ndeliver_listen = "tcp:{metrics_port}:interface=127.0.0.1"\n'
+                'refresh = "1s"\n'
+            )
+        env.receiver.close()
+        env.receiver.start()
+        env.deliver.start()
+        env.upload(b"m" * 5000, filename="m.warc")
+
+        def scraped() -> str | None:
+            receiver = requests.get(env.receiver.base_url + "/metrics", timeout=10).text
+            deliver = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            both = receiver + "\n" + deliver
+            ready = (
+                "canner_deliver_heartbeat_timestamp_seconds" in receiver
+                and "canner_deliver_up 1.0" in deliver
+            )
+            return both if ready else None
+
+        text = wait_for(scraped, 20, "both daemons to export the heartbeat gauges")
+    finally:
+        env.close()
+    exported = exported_names(text)
+    wanted = set()
+    for expr in rule_expressions() + dashboard_expressions():
+        wanted |= set(METRIC.findall(expr))
+    missing = sorted(wanted - exported)
+    assert not missing, f"named by rules or dashboard but not exported: {missing}"
+    assert not [n for n in exported if n.endswith("_created")]
+    assert 'canner_build_info{role="receiver"' in text and 'role="deliver"' in text
