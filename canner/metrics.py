@@ -167,8 +167,13 @@ class Metrics:
         self.ia_sent_bytes = Counter(
             "canner_ia_sent_bytes", "Payload bytes uploaded to the Internet Archive", registry=dlv
         )
+        self.copied_bytes = Counter(
+            "canner_directory_copied_bytes",
+            "Payload bytes copied by directory sinks",
+            registry=dlv,
+        )
         self.verified = Counter(
-            "canner_deliveries_verified", "Deliveries verified at IA", registry=dlv
+            "canner_deliveries_verified", "Deliveries verified at their destination", registry=dlv
         )
         self.purged = Counter(
             "canner_purged", "Local payloads purged after verified delivery", registry=dlv
@@ -247,6 +252,11 @@ class Metrics:
         if size is not None:
             self.ia_sent_bytes.inc(size)
 
+    def _copied(self, event: Mapping[str, Any]) -> None:
+        size = _number(event.get("size"))
+        if size is not None:
+            self.copied_bytes.inc(size)
+
     def _verified(self, event: Mapping[str, Any]) -> None:
         self.verified.inc()
 
@@ -262,6 +272,7 @@ class Metrics:
         "delivered": _delivered,
         "delivery_failed": _delivery_failed,
         "uploaded": _uploaded,
+        "copied": _copied,
         "verified": _verified,
         "purged": _purged,
     }
