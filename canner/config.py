@@ -1,7 +1,8 @@
 """The configuration tree shared by both daemons.
 
-``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping of DESIGN.md §8 into a
-frozen :class:`Config` or raises :class:`ConfigError` naming the key and the problem.
+``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping (docs/architecture.md,
+"Configuration") into a frozen :class:`Config` or raises :class:`ConfigError` naming the key
+and the problem.
 ``load_config(path)`` reads the file.  Everything after this module trusts the values it returns.
 """
 

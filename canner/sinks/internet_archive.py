@@ -6,7 +6,7 @@ injected runner), cancellable, with a no-progress watchdog and bounded response 
 :class:`IADeliverySink` adapts it to the scheduler's :class:`~canner.sinks.base.Sink`: it plans the
 destination from stable row values only (so a retry always resolves to the same item and name),
 maps the attempt's outcome to ``Delivered`` or ``DeliveryFailed``, and verifies a delivered row
-against IA's metadata API.  The rules are ``reference/internet-archive.md``'s.
+against IA's metadata API.  The rules are ``docs/reference/internet-archive.md``'s.
 """
 
 from __future__ import annotations
