@@ -119,11 +119,15 @@ class Progress:
 # --- blocking steps (run through the runners) ----------------------------------------------
 
 
-def inspect_file(path: Path, stop: threading.Event) -> tuple[Checksum, int] | None:
+def inspect_file(
+    path: Path, root: Path, root_device: int, stop: threading.Event
+) -> tuple[Checksum, int] | None:
     """BLAKE3 and size of the file at ``path``, or None when nothing is there (blocking).
 
-    Raises ``IsADirectoryError`` (an ``OSError``) when ``path`` is not a regular file.
+    Raises ``IsADirectoryError`` when ``path`` is not a regular file, and ``OSError`` when ``root``
+    is no longer on ``root_device`` (:func:`check_root`).
     """
+    check_root(root, root_device)
     try:
         if not path.is_file():
             if path.exists():
@@ -134,11 +138,12 @@ def inspect_file(path: Path, stop: threading.Event) -> tuple[Checksum, int] | No
         return None
 
 
-def _make_dirs(directory: Path) -> None:
-    """Create ``directory`` and missing parents, each new name fsynced in its parent."""
+def _make_dirs(root: Path, directory: Path) -> None:
+    """Create ``directory`` below ``root`` with its missing parents, each new name fsynced in its
+    parent.  ``root`` itself is never created: a missing root (an unmounted NAS) is an error."""
     missing = []
     current = directory
-    while not current.is_dir():
+    while current != root and not current.is_dir():
         missing.append(current)
         current = current.parent
     for new in reversed(missing):
@@ -149,8 +154,28 @@ def _make_dirs(directory: Path) -> None:
         fsync_dir(new.parent)
 
 
+def check_root(root: Path, device: int) -> None:
+    """Raise ``OSError`` unless ``root`` is a directory on filesystem ``device`` (blocking).
+
+    A destination unmounted since start-up leaves an empty mount point on another filesystem;
+    writing there would fill the wrong disk and vanish when the NAS comes back.
+    """
+    st = os.stat(root)
+    if st.st_dev != device:
+        raise OSError(
+            errno.ENODEV,
+            "the destination is not on the filesystem it was on at start-up (unmounted?)",
+            str(root),
+        )
+
+
 def copy_into_place(
-    source: Path, place: Placement, size: int, progress: Progress, stop: threading.Event
+    source: Path,
+    place: Placement,
+    size: int,
+    root_device: int,
+    progress: Progress,
+    stop: threading.Event,
 ) -> bool:
     """Copy ``source`` to ``place.final`` durably; False when the final name already existed.
 
@@ -158,9 +183,10 @@ def copy_into_place(
     it, links it to the final name (or renames it where links are not supported) and fsyncs the
     directory.  On any failure, or once ``stop`` is set (:class:`CopyStopped`), the partial file
     is removed.  Raises ``OSError`` for I/O errors (``ENOSPC`` ...) and :class:`ValueError` when
-    ``source`` is not ``size`` bytes.
+    ``source`` is not ``size`` bytes; checks first that the root is still on ``root_device``.
     """
-    _make_dirs(place.final.parent)
+    check_root(place.root, root_device)
+    _make_dirs(place.root, place.final.parent)
     place.partial.unlink(missing_ok=True)
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -234,6 +260,7 @@ class DirectorySink:
 
     _delivery: DeliveryConfig
     _root: Path
+    _root_device: int
     _run: BlockingRunner
     _hash: BlockingRunner
     _clock: IReactorTime
@@ -248,8 +275,12 @@ class DirectorySink:
         hash: BlockingRunner,
         clock: IReactorTime,
     ) -> DirectorySink:
-        """A sink for one project's directory delivery; checks the table (blocking)."""
-        return cls(delivery, validate_directory(project_id, delivery), run, hash, clock)
+        """A sink for one project's directory delivery; checks the table (blocking).
+
+        Remembers the filesystem ``path`` is on: copies refuse to go anywhere else later.
+        """
+        root = validate_directory(project_id, delivery)
+        return cls(delivery, root, os.stat(root).st_dev, run, hash, clock)
 
     def place(self, row: QueueRow) -> Placement:
         assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
@@ -279,7 +310,14 @@ class DirectorySink:
         progress = Progress()
         try:
             placed = await self._watched(
-                copy_into_place, progress, self._run, path, place, row.size_bytes, progress
+                copy_into_place,
+                progress,
+                self._run,
+                path,
+                place,
+                row.size_bytes,
+                self._root_device,
+                progress,
             )
         except ValueError as e:
             raise DeliveryFailed(str(e), needs_operator=True) from None
@@ -305,11 +343,15 @@ class DirectorySink:
     async def _already_there(self, row: QueueRow, place: Placement) -> bool:
         """True when the final name holds this object; DeliveryFailed when it holds another."""
         try:
-            found = await self._watched(inspect_file, None, self._hash, place.final)
-        except OSError as e:
+            found = await self._watched(
+                inspect_file, None, self._hash, place.final, self._root, self._root_device
+            )
+        except IsADirectoryError:
             raise DeliveryFailed(
-                f"{place.final} is unreadable: {e.strerror or e}", needs_operator=True
+                f"{place.final} exists and is not a regular file", needs_operator=True
             ) from None
+        except OSError as e:
+            raise DeliveryFailed(f"{place.final} is unreadable: {e.strerror or e}") from None
         if found is None:
             return False
         checksum, size = found
@@ -333,7 +375,9 @@ class DirectorySink:
         assert row.remote_identifier is not None and row.remote_name is not None
         final = self._root / row.remote_identifier / row.remote_name
         try:
-            found = await self._watched(inspect_file, None, self._hash, final)
+            found = await self._watched(
+                inspect_file, None, self._hash, final, self._root, self._root_device
+            )
         except OSError as e:
             return RemoteCheck(False, f"{final} is unreadable: {e.strerror or e}")
         if found is None:

@@ -352,3 +352,22 @@ def test_sigkill_mid_copy_never_shows_a_partial_file(
     assert final.stat().st_size == len(data)
     assert blake3_hex(final.read_bytes()) == blake3_hex(data)
     assert partials(archive) == []
+
+
+def test_unmounted_destination_gets_nothing_until_it_is_back(
+    mount_tmpfs: Callable[[str, str], Path], make_env: Callable[..., DirEnv]
+) -> None:
+    """With the destination unmounted after start-up, nothing is written into the bare mount
+    point; the attempt is retried, and succeeds once the filesystem is mounted again."""
+    archive = mount_tmpfs("archive", "16m")
+    env = make_env(archive)
+    subprocess.run(["umount", str(archive)], check=True)
+    data = payload(MiB)
+    object_id, _ = env.receiver.upload_all(data, filename="crawl.warc.gz")
+    row = env.wait_row(object_id, lambda r: r["state"] == "retry_wait", "the failed attempt")
+    assert "unmounted?" in row["last_error"] and row["needs_operator"] == 0
+    assert list(archive.iterdir()) == []
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(archive)], check=True)
+    assert make_due_now(env.db) == 1
+    env.wait_row(object_id, lambda r: r["purged_at"] is not None, "delivery once mounted")
+    assert env.final(object_id, "crawl.warc.gz").read_bytes() == data

@@ -172,6 +172,29 @@ def test_a_payload_of_the_wrong_size_is_not_copied(setup: Setup) -> None:
     assert os.listdir(setup.final.parent) == []
 
 
+def test_a_destination_on_another_filesystem_than_at_start_gets_nothing(setup: Setup) -> None:
+    """When path is no longer on the filesystem it was on at start-up (an unmounted NAS leaves
+    its mount point), nothing is written and the attempt is retried."""
+    config = delivery(str(setup.root.parent / "{project}"))
+    moved = os.stat(setup.root).st_dev + 1
+    sink = DirectorySink(config, setup.root, moved, run_inline, run_inline, setup.clock)
+    with pytest.raises(DeliveryFailed) as info:
+        fired(sink.deliver(row_for(setup.payload), setup.payload))
+    assert not info.value.needs_operator
+    assert "unmounted?" in info.value.reason
+    assert os.listdir(setup.root) == []
+
+
+def test_a_missing_destination_root_is_never_created(setup: Setup) -> None:
+    """A path that disappeared after start-up is an error for the attempt, not recreated."""
+    sink = setup.sink()
+    setup.root.rmdir()
+    with pytest.raises(DeliveryFailed) as info:
+        fired(sink.deliver(row_for(setup.payload), setup.payload))
+    assert not info.value.needs_operator
+    assert not setup.root.exists()
+
+
 def test_verify_re_reads_the_destination(setup: Setup) -> None:
     """Verification compares the destination's BLAKE3 with the receipt; tampering is flagged."""
     sink = setup.sink()
