@@ -2,10 +2,11 @@
 against ``cp`` followed by ``sync FILE`` (the same bytes made durable), and the verification
 re-read.
 
-    .venv/bin/python bench/directory_bench.py [--size-mib 1024] [--count 2] [--dest DIR]
+    .venv/bin/python bench/directory_bench.py [--size-mib 1024] [--count 2] [--src DIR] [--dest DIR]
 
-The payloads are written to a temp directory beside the destination (``--dest``, default a temp
-directory; point it at another filesystem to measure a cross-filesystem copy).  Each sink copy
+The payloads are written to a temp directory under ``--src`` and copied to one under ``--dest``
+(both default to the system's temp directory; point ``--dest`` at another filesystem to measure a
+cross-filesystem copy, where ``copy_file_range`` gives way to read and write).  Each sink copy
 runs as in canner-deliver: a real reactor, the copy in a thread of the I/O pool, the hash in a
 thread of the hash pool.  Page cache: every payload is read once before timing, so both sides
 read from memory and the numbers compare the write paths.  Everything is removed at the end.
@@ -64,13 +65,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--count", type=int, default=2)
+    parser.add_argument("--src", type=Path, default=None)
     parser.add_argument("--dest", type=Path, default=None)
     args = parser.parse_args()
     size = args.size_mib * MiB
     base = Path(tempfile.mkdtemp(prefix="canner-dirbench-", dir=args.dest))
+    src = Path(tempfile.mkdtemp(prefix="canner-dirbench-src-", dir=args.src))
     try:
-        src, dst, cp_dst = base / "src", base / "archive", base / "cp"
-        for d in (src, dst, cp_dst):
+        dst, cp_dst = base / "archive", base / "cp"
+        for d in (dst, cp_dst):
             d.mkdir()
         payloads = []
         for i in range(args.count):
@@ -86,6 +89,7 @@ def main() -> None:
             subprocess.run(["cp", str(path), str(target)], check=True)
             subprocess.run(["sync", str(target)], check=True)
         cp_s = time.monotonic() - started
+        shutil.rmtree(cp_dst)  # room for the sink's copies on a small destination
 
         results: dict[str, float] = {}
 
@@ -124,13 +128,14 @@ def main() -> None:
         if e.code not in (0, None):
             raise
         total = args.count * size / MiB
-        print(f"payloads: {args.count} x {args.size_mib} MiB, destination {base}")
+        print(f"payloads: {args.count} x {args.size_mib} MiB, {src} -> {base}")
         print(f"cp + sync FILE      : {total / cp_s:8.1f} MiB/s ({cp_s:.2f} s)")
         copy_s, verify_s = results["copy_s"], results["verify_s"]
         print(f"DirectorySink copy  : {total / copy_s:8.1f} MiB/s ({copy_s:.2f} s, with fsyncs)")
         print(f"DirectorySink verify: {total / verify_s:8.1f} MiB/s ({verify_s:.2f} s, BLAKE3)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
 
 
 if __name__ == "__main__":
