@@ -1,4 +1,6 @@
-"""The acceptance commit sequence (DESIGN.md §4), run on the request that completes an upload.
+"""The acceptance commit sequence, run on the request that completes an upload.
+
+See docs/architecture.md, "Acceptance".
 
 ``sync_upload`` (data file, info sidecar, ``uploads/``; the origin record is written here too) ->
 ``verify_checksum`` (BLAKE3 of the stored bytes, in the hash pool) -> ``commit_receipt`` (the

@@ -49,6 +49,7 @@ from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.directory import validate_directory
 from canner.sinks.plan import PlanError, plan_upload, validate_delivery
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
@@ -135,14 +136,19 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
         )
     except PlanError as e:
         raise ConfigError(f"projects.{project_id}.delivery", str(e)) from None
-    return {
+    example = {
         "object_id": object_id,
         "filename": EXAMPLE_FILENAME,
         "accepted_at": int(now),
         "identifier": plan.identifier,
         "remote_name": plan.remote_name,
-        "url": f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}",
     }
+    if delivery.sink == "directory":
+        root = validate_directory(project_id, delivery)
+        example["path"] = str(root / plan.identifier / plan.remote_name)
+    else:
+        example["url"] = f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}"
+    return example
 
 
 def _credential_warnings(config: Config) -> list[str]:
@@ -152,6 +158,8 @@ def _credential_warnings(config: Config) -> list[str]:
             warnings.append(f"projects.{pid}: no delivery table, artifacts stay local")
             continue
         path = project.delivery.credentials
+        if path is None:
+            continue  # a directory sink: delivery_example checked its path
         key = f"projects.{pid}.delivery.credentials"
         if path.exists() and not os.access(path, os.R_OK):
             warnings.append(f"{key}: {path} is not readable by this user (not checked)")

@@ -1,13 +1,15 @@
 """The configuration tree shared by both daemons.
 
-``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping of DESIGN.md §8 into a
-frozen :class:`Config` or raises :class:`ConfigError` naming the key and the problem.
+``parse_config(mapping, base_dir)`` is pure: it turns the TOML mapping (docs/architecture.md,
+"Configuration") into a frozen :class:`Config` or raises :class:`ConfigError` naming the key
+and the problem.
 ``load_config(path)`` reads the file.  Everything after this module trusts the values it returns.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -77,13 +79,16 @@ class DeliveryConfig:
     """``[projects.<id>.delivery]``: where and how a project's artifacts go."""
 
     sink: str
-    credentials: Path
+    # internet_archive only: the IA-S3 keys.
+    credentials: Path | None
     identifier: str
     remote_name: str
     local_artifact_retention: float
     s3_url: str
     metadata_url: str
     metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
+    # directory only: the absolute destination root, a template that may hold {project}.
+    path: str | None = None
 
 
 @frozen
@@ -190,8 +195,17 @@ _DELIVERY_KEYS = {
     "s3_url",
     "metadata_url",
     "metadata",
+    "path",
 }
-_SINKS = {"internet_archive"}
+_SINKS = {"internet_archive", "directory"}
+# Keys that only one sink reads; anything else in the table is common to both.
+_SINK_ONLY_KEYS = {
+    "credentials": "internet_archive",
+    "s3_url": "internet_archive",
+    "metadata_url": "internet_archive",
+    "metadata": "internet_archive",
+    "path": "directory",
+}
 
 
 def _unknown(keys: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
@@ -243,7 +257,12 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
     _unknown(raw, _DELIVERY_KEYS, name + ".")
     sink = _string(raw, "sink", name + ".sink")
     if sink not in _SINKS:
-        raise ConfigError(name + ".sink", f"unknown sink {sink!r} (known: internet_archive)")
+        raise ConfigError(
+            name + ".sink", f"unknown sink {sink!r} (known: directory, internet_archive)"
+        )
+    for key, owner in _SINK_ONLY_KEYS.items():
+        if key in raw and owner != sink:
+            raise ConfigError(f"{name}.{key}", f"only for sink = {owner!r}, not {sink!r}")
     retention = _duration(raw, "local_artifact_retention", name + ".local_artifact_retention", None)
     if retention < 1.0:
         raise ConfigError(name + ".local_artifact_retention", "must be at least 1s")
@@ -256,9 +275,17 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
         if not values or not all(isinstance(v, str) for v in values):
             raise ConfigError(f"{name}.metadata.{key}", "must be a string or a list of strings")
         metadata[key] = tuple(values)
+    credentials = path = None
+    if sink == "internet_archive":
+        credentials = (base_dir / _string(raw, "credentials", name + ".credentials")).resolve()
+    else:
+        # Relative to the config file's directory, like every other path; the sink checks at
+        # start-up that the expanded directory exists.
+        path = os.path.abspath(base_dir / _string(raw, "path", name + ".path"))
     return DeliveryConfig(
         sink=sink,
-        credentials=(base_dir / _string(raw, "credentials", name + ".credentials")).resolve(),
+        credentials=credentials,
+        path=path,
         identifier=_string(raw, "identifier", name + ".identifier"),
         remote_name=_string(raw, "remote_name", name + ".remote_name", "{filename}"),
         local_artifact_retention=retention,

@@ -70,8 +70,9 @@ EVENTS: Mapping[str, tuple[str, str]] = {
     "attempt": ("canner.delivery.scheduler", "delivering {object_id} (attempt"),
     "delivered": ("canner.delivery.scheduler", "delivered {object_id} as "),
     "delivery_failed": ("canner.delivery.scheduler", "delivery of {object_id} failed"),
-    "verified": ("canner.delivery.scheduler", "verified {object_id} at IA"),
+    "verified": ("canner.delivery.scheduler", "verified {object_id} at "),
     "purged": ("canner.delivery.scheduler", "purged local payload of {object_id}"),
+    "copied": ("canner.sinks.directory", "copied {object_id} to "),
 }
 
 _BY_NAMESPACE: dict[str, list[tuple[str, str]]] = {}

@@ -197,8 +197,13 @@ class Metrics:
             "Payload bytes sent to the Internet Archive (counted while a PUT streams)",
             registry=dlv,
         )
+        self.copied_bytes = Counter(
+            "canner_directory_copied_bytes",
+            "Payload bytes copied by directory sinks",
+            registry=dlv,
+        )
         self.verified = Counter(
-            "canner_deliveries_verified", "Deliveries verified at IA", registry=dlv
+            "canner_deliveries_verified", "Deliveries verified at their destination", registry=dlv
         )
         self.purged = Counter(
             "canner_purged", "Local payloads purged after verified delivery", registry=dlv
@@ -287,6 +292,11 @@ class Metrics:
         """Payload bytes handed to an IA connection (told by the attempts as they stream)."""
         self.ia_sent_bytes.inc(n)
 
+    def _copied(self, event: Mapping[str, Any]) -> None:
+        size = _number(event.get("size"))
+        if size is not None:
+            self.copied_bytes.inc(size)
+
     def _verified(self, event: Mapping[str, Any]) -> None:
         self.verified.inc()
 
@@ -301,6 +311,7 @@ class Metrics:
         "attempt": _attempt,
         "delivered": _delivered,
         "delivery_failed": _delivery_failed,
+        "copied": _copied,
         "verified": _verified,
         "purged": _purged,
     }

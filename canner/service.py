@@ -48,7 +48,7 @@ from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.sinks.base import Sink
-from canner.sinks.internet_archive import internet_archive_sinks
+from canner.sinks.projects import project_sinks
 from canner.status_page import RecentProblems, StatusSource
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
@@ -381,9 +381,9 @@ class _DeliverRoot(MultiService):
 
 
 def _sinks(
-    config: Config, reactor: Any, run: BlockingRunner
+    config: Config, reactor: Any, run: BlockingRunner, hashing: BlockingRunner
 ) -> tuple[dict[str, Sink], dict[str, float]]:
-    sinks = internet_archive_sinks(config, reactor, run)
+    sinks = project_sinks(config, reactor, run, hashing)
     retention = {
         pid: project.delivery.local_artifact_retention
         for pid, project in config.projects.items()
@@ -411,10 +411,11 @@ def deliver_service(
     Raises :class:`DeliverLocked` when another deliver process owns the data directory.
     ``sinks`` replaces the configured sinks (tests).
     """
-    # Made here, started with the process: sinks read payloads through it.
+    # Made here, started with the process: sinks read payloads through them.
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
+    hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     if sinks is None:
-        sinks, retention = _sinks(config, reactor, io)
+        sinks, retention = _sinks(config, reactor, io, hashing)
     else:
         retention = {
             pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
@@ -438,7 +439,6 @@ def deliver_service(
         lock.release()
 
     top = _DeliverRoot(stopped)
-    hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     io.setServiceParent(top)
     hashing.setServiceParent(top)
     ids = config.object_ids

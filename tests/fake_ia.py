@@ -1,6 +1,7 @@
 """A fake Internet Archive that speaks IA's HTTP protocol over a real socket.
 
-It implements what ``reference/internet-archive.md`` describes, independently of ``canner.sinks``:
+It implements what ``docs/reference/internet-archive.md`` describes, independently of
+``canner.sinks``:
 
 * ``PUT /{identifier}/{remote name}``: S3-style upload with ``authorization: LOW access:secret``,
   ``x-archive-auto-make-bucket`` (or ``x-amz-``), ``Content-MD5`` (32 lowercase hex; a mismatch is

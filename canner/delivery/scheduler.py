@@ -339,7 +339,7 @@ class DeliveryService(Service):
             if check.verified:
                 await self._index.run(sql.record_verified, row.object_id, now)
                 log.info(
-                    "verified {object_id} at IA",
+                    "verified {object_id} at its destination",
                     object_id=row.object_id,
                     project=row.project,
                     identifier=row.remote_identifier,

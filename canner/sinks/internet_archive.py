@@ -6,7 +6,7 @@ injected runner), cancellable, with a no-progress watchdog and bounded response 
 :class:`IADeliverySink` adapts it to the scheduler's :class:`~canner.sinks.base.Sink`: it plans the
 destination from stable row values only (so a retry always resolves to the same item and name),
 maps the attempt's outcome to ``Delivered`` or ``DeliveryFailed``, and verifies a delivered row
-against IA's metadata API.  The rules are ``reference/internet-archive.md``'s.
+against IA's metadata API.  The rules are ``docs/reference/internet-archive.md``'s.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from canner.blocking import BlockingRunner
-from canner.config import Config, ConfigError, DeliveryConfig
+from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
-from canner.sinks.base import Delivered, DeliveryFailed, Outcome, RemoteCheck, Sink, Verdict
+from canner.sinks.base import Delivered, DeliveryFailed, Outcome, RemoteCheck, Verdict
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
 from canner.sinks.plan import ItemPlan, is_loopback, plan_upload, validate_delivery
@@ -37,7 +37,6 @@ from canner.sinks.transport import (
     canner_user_agent,
     describe_failure,
     first_headers,
-    make_http_client,
     read_bounded,
 )
 from canner.sinks.wire import (
@@ -111,6 +110,8 @@ class IASink:
         **kwargs: Any,
     ) -> IASink:
         """A sink for one project's delivery config; reads its credentials (blocking)."""
+        if delivery.credentials is None:
+            raise CredentialsError("no credentials file configured")
         return cls(
             http,
             clock,
@@ -566,26 +567,18 @@ class IADeliverySink:
         return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
 
 
-def internet_archive_sinks(config: Config, reactor: Any, run: BlockingRunner) -> dict[str, Sink]:
-    """A sink per project with a delivery table; validates templates and reads credentials.
+def internet_archive_sink(
+    project_id: str, delivery: DeliveryConfig, http: HTTPClient, reactor: Any, run: BlockingRunner
+) -> IADeliverySink:
+    """One project's IA sink; validates its templates and reads its credentials (blocking).
 
-    ``run`` is the blocking runner that reads payloads off the reactor thread.
-
-    Raises :class:`ConfigError` naming the key when a template or the credentials are unusable,
-    so a bad project refuses to start instead of failing every attempt later.
+    ``run`` is the blocking runner that reads payloads off the reactor thread.  Raises
+    :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
+    project refuses to start instead of failing every attempt later.
     """
-    sinks: dict[str, Sink] = {}
-    http = None
-    for project_id, project in config.projects.items():
-        delivery = project.delivery
-        if delivery is None:
-            continue
-        validate_delivery(project_id, delivery)
-        if http is None:
-            http = make_http_client(reactor)
-        try:
-            sink = IASink.for_delivery(delivery, http, reactor, run)
-        except CredentialsError as e:
-            raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
-        sinks[project_id] = IADeliverySink(delivery, sink)
-    return sinks
+    validate_delivery(project_id, delivery)
+    try:
+        sink = IASink.for_delivery(delivery, http, reactor, run)
+    except CredentialsError as e:
+        raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
+    return IADeliverySink(delivery, sink)

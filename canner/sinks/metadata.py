@@ -1,4 +1,6 @@
-"""IA item metadata as ``x-archive-meta`` PUT headers (pure; ``reference/internet-archive.md``).
+"""IA item metadata as ``x-archive-meta`` PUT headers (pure).
+
+The rules are ``docs/reference/internet-archive.md``'s.
 
 Keys are checked against what a header can express; values are stripped of what XML forbids and
 sent as ``uri(...)`` when they hold anything but printable ASCII.

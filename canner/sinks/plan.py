@@ -2,7 +2,7 @@
 
 :func:`validate_delivery` checks a project's templates at config load with worst-case values;
 :func:`plan_upload` expands them for one object into an :class:`ItemPlan` (identifier, remote
-name, every non-secret PUT header).  The rules are IA's (``reference/internet-archive.md`` §3).
+name, every non-secret PUT header).  The rules are IA's (``docs/reference/internet-archive.md`` §3).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Reading IA's answers (pure): an S3 answer becomes an :class:`Outcome`, a metadata API body a
-:class:`Lookup` (``reference/internet-archive.md`` §6 and §7)."""
+:class:`Lookup` (``docs/reference/internet-archive.md`` §6 and §7)."""
 
 from __future__ import annotations
 

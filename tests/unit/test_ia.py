@@ -212,7 +212,7 @@ def test_sanitized_filenames_are_always_safe(name: str | None) -> None:
 
 
 def test_validate_accepts_the_design_example() -> None:
-    """The DESIGN.md §8 example config is valid."""
+    """The example delivery table of docs/architecture.md ("Configuration") is valid."""
     validate_delivery(
         "example",
         delivery(

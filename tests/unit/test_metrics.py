@@ -130,6 +130,7 @@ def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None
     m.observe_event(event("attempt", project="example", attempt=2))
     m.sent(1000)
     m.sent(234)
+    m.observe_event(event("copied", size=99, path="/archive/x/y"))
     m.observe_event(event("delivered", project="example", identifier="x"))
     m.observe_event(event("verified", identifier="x"))
     m.observe_event(event("purged", identifier="x"))
@@ -152,6 +153,7 @@ def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None
     )
     assert other == 1
     assert sample(m, "canner_ia_sent_bytes_total") == 1234
+    assert sample(m, "canner_directory_copied_bytes_total") == 99
     assert sample(m, "canner_deliveries_completed_total", project="example") == 1
     assert sample(m, "canner_deliveries_verified_total") == 1
     assert sample(m, "canner_purged_total") == 1

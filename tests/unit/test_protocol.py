@@ -118,7 +118,7 @@ def test_creation_parses_project_checksum_and_filename() -> None:
 def test_bad_creations_are_refused_before_anything_exists(
     values: dict[str, str | None], status: int
 ) -> None:
-    """Creation errors map to 400 or 413 as DESIGN.md §3 says."""
+    """Creation errors map to 400 or 413 as docs/architecture.md ("Wire protocol") says."""
     base = {
         "Upload_Length": "10",
         "Upload_Metadata": metadata(project="example", checksum=CHECKSUM),

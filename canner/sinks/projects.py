@@ -1,0 +1,37 @@
+"""One sink per project, as its ``[projects.<id>.delivery]`` table says (``sink = ...``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treq.client import HTTPClient
+
+from canner.blocking import BlockingRunner
+from canner.config import Config
+from canner.sinks.base import Sink
+from canner.sinks.directory import DirectorySink
+from canner.sinks.internet_archive import internet_archive_sink
+from canner.sinks.transport import make_http_client
+
+
+def project_sinks(
+    config: Config, reactor: Any, run: BlockingRunner, hash: BlockingRunner
+) -> dict[str, Sink]:
+    """A sink per project with a delivery table (blocking: reads credentials, stats paths).
+
+    ``run`` does the sinks' file I/O, ``hash`` their BLAKE3 re-reads.  Raises
+    :class:`~canner.config.ConfigError` naming the key when a project's table is unusable.
+    """
+    sinks: dict[str, Sink] = {}
+    http: HTTPClient | None = None
+    for project_id, project in config.projects.items():
+        delivery = project.delivery
+        if delivery is None:
+            continue
+        if delivery.sink == "directory":
+            sinks[project_id] = DirectorySink.for_delivery(project_id, delivery, run, hash, reactor)
+            continue
+        if http is None:
+            http = make_http_client(reactor)
+        sinks[project_id] = internet_archive_sink(project_id, delivery, http, reactor, run)
+    return sinks
