@@ -197,7 +197,8 @@ def test_dev_config_upload_receipt_archive_purge(tmp_path: Path) -> None:
     config = conf / "canner.dev.toml"
     config.write_text(text, encoding="utf-8")
     run = tmp_path / "run"
-    (run / "archive").mkdir(parents=True)  # ./dev run makes it
+    for sub in ("archive", "data"):
+        (run / sub).mkdir(parents=True)  # ./dev run makes both
     data_dir, archive = run / "data", run / "archive"
     procs: list[subprocess.Popen[bytes]] = []
     try:

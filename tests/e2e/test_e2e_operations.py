@@ -585,7 +585,12 @@ def test_status_page_idle_uploading_and_delivering_with_a_failure(tmp_path: Path
         # 2. Uploading: a tus upload 40 % in.
         partial = rcv.new_upload(b"u" * 100_000)
         assert rcv.patch(partial, 0, b"u" * 40_000).status_code == 204
-        uploading = page_dom(url, profile)
+        # The page shares a survey for up to 2 s: wait for one taken after the PATCH.
+        uploading = wait_for(
+            lambda: d if 'id="active-uploads"' in (d := page_dom(url, profile)) else None,
+            20,
+            "the upload on the status page",
+        )
         screenshot(url, tmp_path / "2-uploading.png", profile)
         row = section(uploading, "active-uploads")
         assert partial[:8] + "…" in row and "40%" in row and partial not in uploading
@@ -617,8 +622,12 @@ def test_status_page_idle_uploading_and_delivering_with_a_failure(tmp_path: Path
 
         # Deliver stops: the page says plainly that nothing is being delivered.
         assert deliver.stop() in (0, -signal.SIGTERM)
-        stopped = page_dom(url, profile)
-        assert 'id="deliver-banner"' in stopped and "not running" in stopped
+        stopped = wait_for(
+            lambda: d if 'id="deliver-banner"' in (d := page_dom(url, profile)) else None,
+            20,
+            "the page to say deliver stopped",
+        )
+        assert "not running" in stopped
         assert 'id="in-flight"' not in stopped
     finally:
         deliver.stop()
