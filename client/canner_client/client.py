@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -149,6 +150,13 @@ class _Body:
             yield block
 
 
+def _describe(error: Exception) -> str:
+    """A transport error in one line: its kind and the system's reason when there is one."""
+    text = str(error)
+    reason = re.search(r"\[Errno \d+\] [^'\")]+", text)
+    return f"{type(error).__name__}: {reason.group(0) if reason else text[:300]}"
+
+
 def _server_message(response: requests.Response) -> str:
     text = response.text.strip() if response.content else ""
     return text[:500] or response.reason or f"HTTP {response.status_code}"
@@ -274,7 +282,7 @@ class Client:
                 backoff.wait(str(e), e.retry_after)
                 continue
             except requests.RequestException as e:
-                backoff.wait(f"GET receipt: {e}")
+                backoff.wait(f"GET receipt: {_describe(e)}")
                 continue
             if found is None:
                 raise UnknownObject(f"the server has no receipt for {object_id}")
@@ -289,7 +297,7 @@ class Client:
             try:
                 r = self._request("GET", url, timeout=self._timeout(self.timeouts.read))
             except requests.RequestException as e:
-                backoff.wait(f"GET status: {e}")
+                backoff.wait(f"GET status: {_describe(e)}")
                 continue
             if r.status_code == 200:
                 return _parse_status(object_id, r)
@@ -355,6 +363,7 @@ class Client:
         name = os.path.basename(path) if filename is None else filename
         metadata = _metadata([("project", project), ("checksum", checksum), ("filename", name)])
         headers = {"Upload-Length": str(after.st_size), "Upload-Metadata": metadata}
+        notify.emit("uploading", 0, after.st_size)
         while True:
             backoff.check()
             try:
@@ -365,7 +374,9 @@ class Client:
                     timeout=self._timeout(self.timeouts.read),
                 )
             except requests.RequestException as e:
-                backoff.wait(f"POST: {e}")
+                message = f"POST: {_describe(e)}"
+                notify.emit("waiting", 0, after.st_size, None, message)
+                backoff.wait(message)
                 continue
             if r.status_code == 201 and r.headers.get("Location"):
                 break
@@ -425,7 +436,7 @@ class Client:
                     backoff.wait(str(e), e.retry_after)
                 except requests.RequestException as e:
                     offset = None
-                    message = f"{type(e).__name__}: {e}"
+                    message = _describe(e)
                     notify.emit("waiting", 0, size, oid, message)
                     backoff.wait(message)
                 except _Gone as e:

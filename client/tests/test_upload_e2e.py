@@ -14,7 +14,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from e2e_support import ISSUER, Receiver
+from e2e_support import ISSUER, Receiver, free_port
 from fault_proxy import Fault, FaultProxy, final_patch, is_method
 from upload_support import cli_command, make_file, run_cli
 
@@ -438,3 +438,32 @@ def _backoff() -> object:
     from canner_client.retry import Backoff
 
     return Backoff(FAST_RETRY)
+
+
+def test_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    """Interrupted while retrying (nothing listens), the command ends at once with 130 and
+    says how to resume, instead of waiting for its uploads to finish."""
+    path = make_file(tmp_path / "f.bin", 10)
+    proc = subprocess.Popen(
+        cli_command(
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--project",
+            "example",
+            "--state-dir",
+            tmp_path / "state",
+            path,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.0)  # hashed, and retrying the creation
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=5)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Connection refused" in err and "run the same command again to resume" in err
