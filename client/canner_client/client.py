@@ -412,16 +412,22 @@ class Client:
         """Bring ``session`` to its receipt: HEAD, PATCH, and receipt recovery, with retries."""
         size, oid = session.size, session.object_id
         lost = 0
+        # Bytes handed to the socket by the last PATCH: once all were, the server may be busy
+        # accepting, and a HEAD (which a receiver may hold until then) gets a long timeout.
+        reached = [0]
         with open(session.path, "rb") as f:
             while True:
                 backoff.check()
                 try:
                     if offset is None:
-                        offset, receipt = self._head(session)
+                        wait = self.timeouts.acceptance if reached[0] >= size else None
+                        offset, receipt = self._head(session, wait)
                     elif offset < size:
                         _check_unchanged(session)
-                        offset, receipt = self._patch(session, f, offset, notify, backoff)
+                        reached[0] = offset
+                        offset, receipt = self._patch(session, f, offset, notify, backoff, reached)
                     else:
+                        reached[0] = size
                         notify.emit("accepting", size, size, oid)
                         receipt = self._recover_receipt(session)
                         if receipt is None:
@@ -456,8 +462,11 @@ class Client:
                         ) from None
                     backoff.wait(f"upload {oid} not found")
 
-    def _head(self, session: UploadSession) -> tuple[int | None, Receipt | None]:
-        r = self._request("HEAD", session.upload_url, timeout=self._timeout(self.timeouts.read))
+    def _head(
+        self, session: UploadSession, wait: float | None = None
+    ) -> tuple[int | None, Receipt | None]:
+        read = self.timeouts.read if wait is None else wait
+        r = self._request("HEAD", session.upload_url, timeout=self._timeout(read))
         if r.status_code != 200:
             raise _classify(r, "HEAD")
         receipt = _receipt_header(r)
@@ -474,14 +483,20 @@ class Client:
         return int(offset), None
 
     def _patch(
-        self, session: UploadSession, f: Any, offset: int, notify: _Notifier, backoff: Backoff
+        self,
+        session: UploadSession,
+        f: Any,
+        offset: int,
+        notify: _Notifier,
+        backoff: Backoff,
+        position: list[int],
     ) -> tuple[int | None, Receipt | None]:
+        """One PATCH from ``offset``; ``position[0]`` follows the bytes handed to the socket."""
         size = session.size
         length = size - offset
         if self.chunk_size is not None:
             length = min(length, self.chunk_size)
         final = offset + length == size
-        position = [offset]
 
         def sent(n: int) -> None:
             position[0] += n

@@ -221,6 +221,24 @@ def test_head_says_complete_before_the_receipt_exists(
     assert empty_patches and empty_patches[0].status == 204
 
 
+def test_head_held_during_acceptance_is_waited_for(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A receiver may hold HEAD until a running acceptance ends.  After the last byte was sent,
+    the client waits for that HEAD as long as for acceptance, not its short read timeout."""
+    size = 2 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=13)
+    drop = proxy.add(Fault("drop", final_patch(size), drop_if_header="Artifact-Receipt"))
+    after_drop = lambda r: r.method == "HEAD" and drop.reached.is_set()  # noqa: E731
+    proxy.add(Fault("delay", after_drop, delay=2.5))
+    client = make_client(proxy.url, tmp_path, timeout=Timeouts(connect=5, read=1, acceptance=30))
+    events: list[ProgressEvent] = []
+    receipt = client.upload(path, "example", progress=events.append)
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert [r.status for r in proxy.seen("HEAD")] == [200], "one HEAD, answered"
+    assert len([e for e in events if e.phase == "waiting"]) == 1, "only the lost answer"
+
+
 def test_head_404_after_a_lost_response_asks_for_the_receipt(
     receiver: Receiver, proxy: FaultProxy, tmp_path: Path
 ) -> None:
