@@ -7,15 +7,16 @@ under ``--dir`` (default: the system temp dir) and deleted at the end.
 
 * Hashing: ``b3sum FILE`` against the client's own hasher (``canner_client.hashing.blake3_file``,
   run in a child process, timed around the call; the child's whole run is printed too), best of
-  ``--repeat``, both on the same file, warm in the page cache.  Peak RSS: ``VmHWM`` sampled.
+  ``--repeat`` (at least 5) rounds, both on the same file, warm in the page cache.  Peak RSS of
+  every child: its ``VmHWM``, sampled every 10 ms.
   Without ``b3sum`` (Debian: ``apt-get install b3sum``) the baseline is the blake3 module's
   ``update_mmap`` with all threads (the same Rust code b3sum runs), and the table says so.
 * Upload: one ``twistd canner-receiver`` on loopback (fresh data directory per run).  Baseline:
   the creation ``POST`` with ``requests``, then ``curl -X PATCH -T FILE`` with the tus headers,
   timed from curl's start to its exit (the answer comes after the receiver's acceptance: its fsync
-  and BLAKE3 of the stored file).  Client: ``canner-upload`` in a child process; its upload time is
-  from its first ``uploading`` event to its exit (the same span as curl's), and its total includes
-  its own hashing.
+  and BLAKE3 of the stored file).  Client: ``Client.upload`` (what ``canner-upload`` runs) in a
+  child process; its upload time is from its first ``uploading`` event to the receipt (the span
+  curl's time covers), and its total includes its own hashing.  Runs alternate curl and client.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def bench_hashing(path: Path, size: int, repeat: int) -> dict[str, Any]:
     base_times, client_times, client_rss, base_rss = [], [], [], []
     client_process: list[float] = []
     checksums = set()
+    os.sync()
     for i in range(repeat):
         log(f"hashing, round {i + 1}/{repeat}")
         if b3sum:
@@ -218,6 +220,9 @@ def bench_upload(path: Path, size: int, work: Path, repeat: int, checksum: str) 
             root = work / f"receiver-{who}-{i}"
             receiver = Receiver.in_dir(root, max_upload_bytes=size + MiB)
             receiver.start()
+            # The receiver fsyncs the upload before it answers: start each run with no dirty
+            # pages left from the previous one, so that runs do not pay for each other.
+            os.sync()
             try:
                 if who == "curl":
                     wall, rss = curl_upload(receiver, path, size, checksum)
@@ -231,6 +236,8 @@ def bench_upload(path: Path, size: int, work: Path, repeat: int, checksum: str) 
                 receiver.close()
                 shutil.rmtree(root, ignore_errors=True)
     best_client = min(client_runs, key=lambda r: r["upload"])
+    log("curl runs (s): " + ", ".join(f"{t:.2f}" for t in curl_times))
+    log("client upload parts (s): " + ", ".join(f"{r['upload']:.2f}" for r in client_runs))
     return {
         "curl_s": min(curl_times),
         "client_upload_s": best_client["upload"],
@@ -258,7 +265,7 @@ def main() -> int:
         path = work / "artifact.warc"
         log(f"writing {args.size / (1 << 30):.2f} GiB to {path}")
         write_file(path, args.size)
-        hashing = bench_hashing(path, args.size, args.repeat)
+        hashing = bench_hashing(path, args.size, max(5, args.repeat))
         from canner_client.hashing import blake3_file
 
         checksum, _ = blake3_file(str(path))

@@ -142,12 +142,18 @@ def _run(client: Client, args: argparse.Namespace, files: list[str], reporter: R
         return True
 
     reporter.start()
+    pool = ThreadPoolExecutor(max_workers=min(args.parallel, len(files)))
     try:
-        with ThreadPoolExecutor(max_workers=min(args.parallel, len(files))) as pool:
-            for ok in pool.map(one, files):
-                failures += not ok
-    finally:
+        for ok in pool.map(one, files):
+            failures += not ok
+    except KeyboardInterrupt:
+        # Resume state is durable before any byte is sent: stop at once, not after the uploads.
         reporter.stop()
+        sys.stderr.write("canner-upload: interrupted; run the same command again to resume\n")
+        sys.stderr.flush()
+        os._exit(130)
+    pool.shutdown()
+    reporter.stop()
     return 1 if failures else 0
 
 

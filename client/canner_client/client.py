@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -149,6 +150,13 @@ class _Body:
             yield block
 
 
+def _describe(error: Exception) -> str:
+    """A transport error in one line: its kind and the system's reason when there is one."""
+    text = str(error)
+    reason = re.search(r"\[Errno \d+\] [^'\")]+", text)
+    return f"{type(error).__name__}: {reason.group(0) if reason else text[:300]}"
+
+
 def _server_message(response: requests.Response) -> str:
     text = response.text.strip() if response.content else ""
     return text[:500] or response.reason or f"HTTP {response.status_code}"
@@ -274,7 +282,7 @@ class Client:
                 backoff.wait(str(e), e.retry_after)
                 continue
             except requests.RequestException as e:
-                backoff.wait(f"GET receipt: {e}")
+                backoff.wait(f"GET receipt: {_describe(e)}")
                 continue
             if found is None:
                 raise UnknownObject(f"the server has no receipt for {object_id}")
@@ -289,7 +297,7 @@ class Client:
             try:
                 r = self._request("GET", url, timeout=self._timeout(self.timeouts.read))
             except requests.RequestException as e:
-                backoff.wait(f"GET status: {e}")
+                backoff.wait(f"GET status: {_describe(e)}")
                 continue
             if r.status_code == 200:
                 return _parse_status(object_id, r)
@@ -355,6 +363,7 @@ class Client:
         name = os.path.basename(path) if filename is None else filename
         metadata = _metadata([("project", project), ("checksum", checksum), ("filename", name)])
         headers = {"Upload-Length": str(after.st_size), "Upload-Metadata": metadata}
+        notify.emit("uploading", 0, after.st_size)
         while True:
             backoff.check()
             try:
@@ -365,7 +374,9 @@ class Client:
                     timeout=self._timeout(self.timeouts.read),
                 )
             except requests.RequestException as e:
-                backoff.wait(f"POST: {e}")
+                message = f"POST: {_describe(e)}"
+                notify.emit("waiting", 0, after.st_size, None, message)
+                backoff.wait(message)
                 continue
             if r.status_code == 201 and r.headers.get("Location"):
                 break
@@ -401,16 +412,22 @@ class Client:
         """Bring ``session`` to its receipt: HEAD, PATCH, and receipt recovery, with retries."""
         size, oid = session.size, session.object_id
         lost = 0
+        # Bytes handed to the socket by the last PATCH: once all were, the server may be busy
+        # accepting, and a HEAD (which a receiver may hold until then) gets a long timeout.
+        reached = [0]
         with open(session.path, "rb") as f:
             while True:
                 backoff.check()
                 try:
                     if offset is None:
-                        offset, receipt = self._head(session)
+                        wait = self.timeouts.acceptance if reached[0] >= size else None
+                        offset, receipt = self._head(session, wait)
                     elif offset < size:
                         _check_unchanged(session)
-                        offset, receipt = self._patch(session, f, offset, notify, backoff)
+                        reached[0] = offset
+                        offset, receipt = self._patch(session, f, offset, notify, backoff, reached)
                     else:
+                        reached[0] = size
                         notify.emit("accepting", size, size, oid)
                         receipt = self._recover_receipt(session)
                         if receipt is None:
@@ -425,7 +442,7 @@ class Client:
                     backoff.wait(str(e), e.retry_after)
                 except requests.RequestException as e:
                     offset = None
-                    message = f"{type(e).__name__}: {e}"
+                    message = _describe(e)
                     notify.emit("waiting", 0, size, oid, message)
                     backoff.wait(message)
                 except _Gone as e:
@@ -445,8 +462,11 @@ class Client:
                         ) from None
                     backoff.wait(f"upload {oid} not found")
 
-    def _head(self, session: UploadSession) -> tuple[int | None, Receipt | None]:
-        r = self._request("HEAD", session.upload_url, timeout=self._timeout(self.timeouts.read))
+    def _head(
+        self, session: UploadSession, wait: float | None = None
+    ) -> tuple[int | None, Receipt | None]:
+        read = self.timeouts.read if wait is None else wait
+        r = self._request("HEAD", session.upload_url, timeout=self._timeout(read))
         if r.status_code != 200:
             raise _classify(r, "HEAD")
         receipt = _receipt_header(r)
@@ -463,14 +483,20 @@ class Client:
         return int(offset), None
 
     def _patch(
-        self, session: UploadSession, f: Any, offset: int, notify: _Notifier, backoff: Backoff
+        self,
+        session: UploadSession,
+        f: Any,
+        offset: int,
+        notify: _Notifier,
+        backoff: Backoff,
+        position: list[int],
     ) -> tuple[int | None, Receipt | None]:
+        """One PATCH from ``offset``; ``position[0]`` follows the bytes handed to the socket."""
         size = session.size
         length = size - offset
         if self.chunk_size is not None:
             length = min(length, self.chunk_size)
         final = offset + length == size
-        position = [offset]
 
         def sent(n: int) -> None:
             position[0] += n

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +39,8 @@ class Request:
 class Fault:
     """One fault, applied to the next ``times`` requests that ``match``.
 
-    ``kind``: ``reply`` (answer ``status`` with ``headers``, never forward), ``cut`` (close both
+    ``kind``: ``reply`` (answer ``status`` with ``headers``, never forward), ``delay`` (forward
+    after ``delay`` seconds, like a receiver that holds a request), ``cut`` (close both
     sides after ``after`` body bytes), ``stall`` (forward ``after`` body bytes, swallow the rest
     until ``release`` is set or the client goes away, then close), ``drop`` (forward, then close
     the client's connection instead of answering when the answer has ``drop_if_header``).
@@ -52,6 +54,7 @@ class Fault:
     after: int = 0
     release: threading.Event = field(default_factory=threading.Event)
     drop_if_header: str | None = None
+    delay: float = 0.0
     reached: threading.Event = field(default_factory=threading.Event)  # set when applied
 
 
@@ -155,6 +158,8 @@ class FaultProxy:
                 )
                 request.status = fault.status
                 return
+            if fault is not None and fault.kind == "delay":
+                time.sleep(fault.delay)
             upstream = socket.create_connection(self.upstream, timeout=60)
             upstream.sendall(head)
             limit = fault.after if fault is not None and fault.kind in ("cut", "stall") else None

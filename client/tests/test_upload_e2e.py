@@ -14,7 +14,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from e2e_support import ISSUER, Receiver
+from e2e_support import ISSUER, Receiver, free_port
 from fault_proxy import Fault, FaultProxy, final_patch, is_method
 from upload_support import cli_command, make_file, run_cli
 
@@ -118,13 +118,12 @@ def test_cli_uploads_files_in_parallel(receiver: Receiver, tmp_path: Path) -> No
     lines = result.stdout.splitlines()
     assert len(lines) == len(paths)
     receipts = [Receipt.from_json(line) for line in lines]
+    for line, receipt in zip(lines, receipts):
+        served = receiver.get_receipt(receipt.object_id).content
+        assert line.encode() == served, "the printed line is the server's receipt, byte for byte"
     by_checksum = {r.checksum: r for r in receipts}
     for path in paths:
-        receipt = by_checksum[checksum_of(path)]
-        assert json.loads(receipt.to_json()) == json.loads(lines[receipts.index(receipt)]), (
-            "the printed line is the receipt"
-        )
-        assert_receipted(receiver, receipt, path, tmp_path)
+        assert_receipted(receiver, by_checksum[checksum_of(path)], path, tmp_path)
     progress = [json.loads(line) for line in result.stderr.splitlines()]
     done = {p["file"] for p in progress if p["phase"] == "done"}
     assert done == {str(p) for p in paths}
@@ -220,6 +219,24 @@ def test_head_says_complete_before_the_receipt_exists(
     assert "accepting" in [e.phase for e in events]
     empty_patches = [r for r in proxy.seen("PATCH") if r.length == 0]
     assert empty_patches and empty_patches[0].status == 204
+
+
+def test_head_held_during_acceptance_is_waited_for(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A receiver may hold HEAD until a running acceptance ends.  After the last byte was sent,
+    the client waits for that HEAD as long as for acceptance, not its short read timeout."""
+    size = 2 * MiB
+    path = make_file(tmp_path / "f.bin", size, seed=13)
+    drop = proxy.add(Fault("drop", final_patch(size), drop_if_header="Artifact-Receipt"))
+    after_drop = lambda r: r.method == "HEAD" and drop.reached.is_set()  # noqa: E731
+    proxy.add(Fault("delay", after_drop, delay=2.5))
+    client = make_client(proxy.url, tmp_path, timeout=Timeouts(connect=5, read=1, acceptance=30))
+    events: list[ProgressEvent] = []
+    receipt = client.upload(path, "example", progress=events.append)
+    assert_receipted(receiver, receipt, path, tmp_path)
+    assert [r.status for r in proxy.seen("HEAD")] == [200], "one HEAD, answered"
+    assert len([e for e in events if e.phase == "waiting"]) == 1, "only the lost answer"
 
 
 def test_head_404_after_a_lost_response_asks_for_the_receipt(
@@ -438,3 +455,32 @@ def _backoff() -> object:
     from canner_client.retry import Backoff
 
     return Backoff(FAST_RETRY)
+
+
+def test_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    """Interrupted while retrying (nothing listens), the command ends at once with 130 and
+    says how to resume, instead of waiting for its uploads to finish."""
+    path = make_file(tmp_path / "f.bin", 10)
+    proc = subprocess.Popen(
+        cli_command(
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--project",
+            "example",
+            "--state-dir",
+            tmp_path / "state",
+            path,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.0)  # hashed, and retrying the creation
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=5)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Connection refused" in err and "run the same command again to resume" in err
