@@ -15,7 +15,9 @@ from typing import Protocol
 from attrs import frozen
 from twisted.internet.defer import Deferred
 
+from canner.config import DeliveryConfig
 from canner.delivery.index import QueueRow
+from canner.sinks.plan import ItemPlan, plan_upload
 
 
 @frozen
@@ -93,3 +95,17 @@ class Outcome:
     @property
     def needs_operator(self) -> bool:
         return self.verdict is Verdict.OPERATOR
+
+
+def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:
+    """Where ``row`` goes, from its stable values only, so a retry resolves the same place."""
+    assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
+    return plan_upload(
+        delivery,
+        row.project,
+        row.object_id,
+        row.filename,
+        row.accepted_at,
+        row.size_bytes,
+        row.content_md5,
+    )

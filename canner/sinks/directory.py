@@ -37,8 +37,8 @@ from canner.checksum import Checksum, HashCancelled, blake3_file
 from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
 from canner.fs import fsync_dir
-from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
-from canner.sinks.plan import PlanError, plan_upload, validate_delivery
+from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, plan_row
+from canner.sinks.plan import PlanError, validate_delivery
 
 log = Logger()
 
@@ -325,16 +325,7 @@ class DirectorySink:
         return cls(delivery, root, os.stat(root).st_dev, run, hash, clock)
 
     def place(self, row: QueueRow) -> Placement:
-        assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
-        plan = plan_upload(
-            self._delivery,
-            row.project,
-            row.object_id,
-            row.filename,
-            row.accepted_at,
-            row.size_bytes,
-            row.content_md5,
-        )
+        plan = plan_row(self._delivery, row)
         return Placement(self._root, plan.identifier, plan.remote_name, row.object_id)
 
     def deliver(

@@ -29,10 +29,17 @@ from twisted.web.http_headers import Headers
 from canner.blocking import BlockingRunner
 from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
-from canner.sinks.base import Delivered, DeliveryFailed, Outcome, RemoteCheck, Verdict
+from canner.sinks.base import (
+    Delivered,
+    DeliveryFailed,
+    Outcome,
+    RemoteCheck,
+    Verdict,
+    plan_row,
+)
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
-from canner.sinks.plan import ItemPlan, is_loopback, plan_upload, validate_delivery
+from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
 from canner.sinks.transport import (
     canner_user_agent,
     describe_failure,
@@ -518,16 +525,7 @@ class IADeliverySink:
     _sink: IASink
 
     def plan(self, row: QueueRow) -> ItemPlan:
-        assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
-        return plan_upload(
-            self._delivery,
-            row.project,
-            row.object_id,
-            row.filename,
-            row.accepted_at,
-            row.size_bytes,
-            row.content_md5,
-        )
+        return plan_row(self._delivery, row)
 
     def deliver(
         self, row: QueueRow, path: Path, progress: Callable[[int], None]
