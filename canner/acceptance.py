@@ -34,7 +34,7 @@ from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, blake3_file
 from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import LockedUpload, StorageFault, UploadStore
+from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
 
 log = Logger()
 
@@ -157,7 +157,7 @@ class Acceptance:
                 error=str(e),
             )
             raise AcceptanceFailed(
-                f"storage failure: {e.strerror}", no_space=e.errno in (errno.ENOSPC, errno.EDQUOT)
+                f"storage failure: {e.strerror}", no_space=e.errno in NO_SPACE_ERRNOS
             ) from None
         if existing is not None:
             return existing

@@ -318,8 +318,8 @@ class UploadStore:
         except OSError:
             pass  # marked: the next open_locked tries again
         return StorageFault(
-            f"storage failure ({reason}); the upload was reset to offset {upload.offset}:"
-            " send it again",
+            f"storage failure ({reason}); the upload is reset: send it again from the offset"
+            " HEAD reports",
             no_space=error.errno in NO_SPACE_ERRNOS,
         )
 
