@@ -110,6 +110,18 @@ class MetricsConfig:
 
 
 @frozen
+class ConnectionsConfig:
+    """``[connections]``: what one receiver lets clients hold open."""
+
+    # Open client connections in total; kept below the open-file limit whatever is set here.
+    max: int = 4096
+    # Per client address; 0: no per-address cap (behind a proxy that limits clients itself).
+    max_per_client: int = 256
+    # A request head (request line and headers) must arrive whole within this many seconds.
+    header_timeout: float = 30.0
+
+
+@frozen
 class ManholeConfig:
     """``[manhole]``: the operator's SSH shell (absent: no manhole, the default).
 
@@ -149,6 +161,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     manhole: ManholeConfig | None = None
     access_log: bool = True
+    connections: ConnectionsConfig = ConnectionsConfig()
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -170,7 +183,9 @@ _TOP_KEYS = {
     "metrics",
     "manhole",
     "access_log",
+    "connections",
 }
+_CONNECTIONS_KEYS = {"max", "max_per_client", "header_timeout"}
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
     "authorized_keys",
@@ -365,6 +380,25 @@ def _optional_string(mapping: Mapping[str, Any], key: str, name: str) -> str | N
     return _string(mapping, key, name)
 
 
+def _parse_connections(raw: Any) -> ConnectionsConfig:
+    if raw is None:
+        return ConnectionsConfig()
+    if not isinstance(raw, Mapping):
+        raise ConfigError("connections", "must be a table")
+    _unknown(raw, _CONNECTIONS_KEYS, "connections.")
+    total = _positive_int(raw, "max", ConnectionsConfig.max, "connections.max")
+    per_client = raw.get("max_per_client", ConnectionsConfig.max_per_client)
+    if isinstance(per_client, bool) or not isinstance(per_client, int) or per_client < 0:
+        raise ConfigError(
+            "connections.max_per_client",
+            f"must be 0 (no cap) or a positive integer, not {per_client!r}",
+        )
+    header_timeout = _duration(raw, "header_timeout", "connections.header_timeout", "30s")
+    if not 1.0 <= header_timeout <= 3600.0:
+        raise ConfigError("connections.header_timeout", "must be between 1s and 1h")
+    return ConnectionsConfig(max=total, max_per_client=per_client, header_timeout=header_timeout)
+
+
 def _parse_metrics(raw: Any) -> MetricsConfig:
     if raw is None:
         return MetricsConfig()
@@ -460,6 +494,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         metrics=_parse_metrics(raw.get("metrics")),
         manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
         access_log=access_log,
+        connections=_parse_connections(raw.get("connections")),
     )
 
 

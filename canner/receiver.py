@@ -23,6 +23,7 @@ from twisted.web.resource import IResource, Resource
 
 from canner import fs
 from canner.blocking import BlockingRunner
+from canner.connections import ConnectionLimits
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
 from canner.readiness import Readiness
@@ -196,9 +197,19 @@ def receiver_site(
     status: StatusSource,
     ready: Callable[[], Readiness],
     access_log: bool = True,
+    connection_limits: ConnectionLimits | None = None,
+    header_timeout: float | None = None,
 ) -> ReceiverSite:
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
     root = _Root(tus.app.resource(), routes.app.resource())
-    site = MeteredSite(root, intake, metrics, access_log, timeout=HTTP_IDLE_TIMEOUT)
+    site = MeteredSite(
+        root,
+        intake,
+        metrics,
+        access_log,
+        connection_limits=connection_limits,
+        header_timeout=header_timeout,
+        timeout=HTTP_IDLE_TIMEOUT,
+    )
     site.displayTracebacks = False
     return site

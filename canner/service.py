@@ -27,6 +27,7 @@ from twisted.web.server import Site
 from canner import fs
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config, ConfigError
+from canner.connections import ConnectionLimits, raise_open_file_limit, usable_connections
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
 from canner.delivery.liveness import HeartbeatService, InFlight
@@ -240,6 +241,20 @@ def _index_feed(
     return IndexFeed(index).enqueue, pool, index
 
 
+def _connection_limits(config: Config) -> ConnectionLimits:
+    open_files = raise_open_file_limit()
+    total = usable_connections(config.connections.max, open_files)
+    if total < config.connections.max:
+        log.warn(
+            "open-file limit {open_files} allows {total} client connections, not"
+            " connections.max = {configured}; raise LimitNOFILE",
+            open_files=open_files,
+            total=total,
+            configured=config.connections.max,
+        )
+    return ConnectionLimits(total, config.connections.max_per_client)
+
+
 def _report_sweep(report: SweepReport) -> None:
     if report.removed:
         log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)
@@ -299,6 +314,8 @@ def receiver_service(
         status,
         ready,
         access_log=config.access_log,
+        connection_limits=_connection_limits(config),
+        header_timeout=config.connections.header_timeout,
     )
     PeriodicService(
         reactor,

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from attrs import define, frozen
-from twisted.internet import defer
+from attrs import define, field, frozen
+from twisted.internet import defer, task
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -47,6 +47,11 @@ log = Logger()
 # 100 GiB upload hashes for minutes, and proxies commonly give up on an answer after 60 s.
 ACCEPTANCE_WAIT = 20.0
 ACCEPTANCE_RETRY_AFTER = 5
+# A request writing an upload that has received nothing for this long is taken to be a client
+# gone without closing its connection, and a newer request of the same upload takes over.
+TAKEOVER_QUIET = 2.0
+# How long a newer request waits for a writer still sending to fall quiet before its 423.
+TAKEOVER_WAIT = 5.0
 
 
 @frozen
@@ -103,6 +108,8 @@ class UploadIntake:
     _clock: IReactorTime
     # Told the free bytes (None: unknown) each admission saw, from a worker thread.
     free_space_seen: Callable[[int | None], None] = lambda available: None
+    # The request writing each upload now (reactor thread only).
+    _writers: dict[str, BodyStream] = field(factory=dict)
 
     # -- the streaming seam -------------------------------------------------------------------
 
@@ -113,7 +120,7 @@ class UploadIntake:
         admit: Callable[[Headers, str, int | None], Deferred[LockedUpload | Outcome]]
         if method == b"POST" and path in (b"/files", b"/files/"):
             admit = self._admit_creation
-            target = ""
+            target = path.decode("ascii")
         elif method == b"PATCH" and path.startswith(b"/files/") and path.count(b"/") == 2:
             admit = self._admit_append
             target = unquote_to_bytes(path[len(b"/files/") :]).decode("utf-8", "replace")
@@ -126,24 +133,74 @@ class UploadIntake:
             transport,  # type: ignore[arg-type]
             self._append,
             self._finish,
+            request,
+            self._clock.seconds,
         )
         try:
             admission = admit(request.requestHeaders, target, length)
         except TusError as e:
             stream.answered(Failure(e))
             return stream
-        admission.addCallbacks(
-            lambda result: (
-                stream.admitted(result)
-                if isinstance(result, LockedUpload)
-                else stream.answered(result)
-            ),
-            lambda failure: stream.answered(_failure_status(failure)),
-        )
+
+        def admitted(result: LockedUpload | Outcome) -> None:
+            if not isinstance(result, LockedUpload):
+                stream.answered(result)
+                return
+            self._hold(result.info.upload_id, stream)
+            stream.admitted(result)
+
+        admission.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
 
+    def _hold(self, upload_id: str, stream: BodyStream) -> None:
+        """Remember which request writes ``upload_id`` until it lets go of the lock."""
+        self._writers[upload_id] = stream
+
+        def let_go(_: object) -> None:
+            if self._writers.get(upload_id) is stream:
+                del self._writers[upload_id]
+
+        stream.released().addCallback(let_go)
+
+    async def _take_over(self, upload_id: str, wait_for_live: bool) -> None:
+        """Return once no request here writes ``upload_id`` (or its acceptance runs).
+
+        A writer that has received and written nothing for :data:`TAKEOVER_QUIET` is a client
+        gone without a word (a half-open connection keeps its lock until the idle timeout): its
+        connection is dropped, what it wrote is kept, and the caller goes on once it let go of
+        the lock, so the offset read next is exact.  A writer still sending is a real second
+        writer: with ``wait_for_live`` the caller waits up to :data:`TAKEOVER_WAIT` for it to
+        fall quiet, then gets 423; without, it returns at once (HEAD reports the live offset).
+        """
+        deadline = self._clock.seconds() + TAKEOVER_WAIT
+        while (holder := self._writers.get(upload_id)) is not None:
+            if self._acceptance.is_running(upload_id):
+                return
+            now = self._clock.seconds()
+            quiet = now - holder.last_progress
+            if quiet >= TAKEOVER_QUIET:
+                log.info(
+                    "dropping a stalled request on {object_id} ({quiet:.1f} s without a byte):"
+                    " a newer request takes over",
+                    object_id=upload_id,
+                    quiet=quiet,
+                )
+                holder.end()
+                let_go = holder.released()
+                let_go.addTimeout(TAKEOVER_WAIT, self._clock)
+                try:
+                    await let_go
+                except defer.TimeoutError:
+                    raise _locked() from None
+                continue
+            if not wait_for_live:
+                return
+            if now + (TAKEOVER_QUIET - quiet) > deadline:
+                raise _locked()
+            await task.deferLater(self._clock, TAKEOVER_QUIET - quiet)
+
     def _admit_creation(
-        self, headers: Headers, _target: str, length: int | None
+        self, headers: Headers, path: str, length: int | None
     ) -> Deferred[LockedUpload | Outcome]:
         protocol.check_tus_resumable(headers)
         creation = protocol.parse_creation(
@@ -163,18 +220,17 @@ class UploadIntake:
             created_at=int(self._clock.seconds()),
         )
         # Everything the answer needs is checked before anything exists on disk.
-        location = self._location(headers, info.upload_id)
+        location = self._location(headers, path.encode("ascii"), info.upload_id)
         return self._run(self._create, info, location, length != 0)
 
-    def _location(self, headers: Headers, upload_id: str) -> str:
+    def _location(self, headers: Headers, path: bytes, upload_id: str) -> str:
         forwarded: list[tuple[str, str]] = []
         if self._config.trust_forwarded_headers:
             for key in ("proto", "host"):
                 value = protocol.single_header(headers, f"X-Forwarded-{key}")
                 if value:
                     forwarded.append((key, value.split(",")[0].strip()))
-        host = protocol.single_header(headers, "Host")
-        return protocol.location(self._config.public_url, host, False, forwarded, upload_id)
+        return protocol.location(self._config.public_url, forwarded, path, upload_id)
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_free_space()
@@ -199,12 +255,18 @@ class UploadIntake:
         if not self._config.object_ids.is_valid(upload_id):
             raise _not_found()
         offset = protocol.upload_offset(headers)
+        return Deferred.fromCoroutine(self._admit_known(upload_id, offset, length))
+
+    async def _admit_known(
+        self, upload_id: str, offset: int, length: int | None
+    ) -> LockedUpload | Outcome:
+        await self._take_over(upload_id, wait_for_live=True)
         if self._acceptance.is_running(upload_id):
             # The upload is complete and being accepted: only an empty final PATCH may join.
-            return self._run(self._join_check, upload_id, offset, length).addCallback(
-                self._join, upload_id, offset, length
-            )
-        return self._run(self._open_for_append, upload_id, offset, length)
+            size = await self._run(self._join_check, upload_id, offset, length)
+            result: LockedUpload | Outcome = await self._join(size, upload_id, offset, length)
+            return result
+        return await self._run(self._open_for_append, upload_id, offset, length)
 
     def _join(
         self, size: int, upload_id: str, offset: int, length: int | None
@@ -346,6 +408,7 @@ class UploadIntake:
         return Deferred.fromCoroutine(self._head(upload_id))
 
     async def _head(self, upload_id: str) -> Outcome:
+        await self._take_over(upload_id, wait_for_live=False)
         outcome: Outcome = await self._committed(upload_id, self._status)
         return self._maybe_resume_acceptance(outcome)
 

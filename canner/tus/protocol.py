@@ -24,6 +24,7 @@ FILENAME_MAX_BYTES = 1024
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _METADATA_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_AUTHORITY = re.compile(r"[A-Za-z0-9.:\[\]-]{1,255}")
 # 2**63 - 1: the largest offset any filesystem or tus server handles.
 _MAX_INT = 9223372036854775807
 
@@ -38,6 +39,21 @@ class TusError(Exception):
 
     def __str__(self) -> str:
         return f"{self.status} {self.message}"
+
+
+# Reason phrases Twisted's table lacks (it would send "Unknown Status").
+_REASONS = {
+    422: b"Unprocessable Content",
+    423: b"Locked",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    507: b"Insufficient Storage",
+}
+
+
+def reason(status: int) -> bytes | None:
+    """The reason phrase to send with ``status`` when Twisted does not know it (else None)."""
+    return _REASONS.get(status)
 
 
 def _retry_later(status: int, message: str) -> TusError:
@@ -203,22 +219,25 @@ def parse_creation(headers: Headers, projects: Container[str], max_upload_bytes:
 
 def location(
     base_url: str | None,
-    host: str | None,
-    secure: bool,
     forwarded: Sequence[tuple[str, str]],
+    request_path: bytes,
     upload_id: str,
 ) -> str:
     """The ``Location`` of a new upload.
 
     ``base_url`` (the configured ``public_url``) wins.  Otherwise ``forwarded`` holds the trusted
-    ``X-Forwarded-Proto``/``X-Forwarded-Host`` values (empty unless configured as trusted), and the
-    request's own ``Host`` is the last resort.
+    ``X-Forwarded-Proto``/``X-Forwarded-Host`` values (empty unless configured as trusted); with
+    both, the Location is absolute.  Otherwise it is relative to the creation URL (tus 1.0.0
+    allows that): the client resolves it against the URL *it* used, so it stays right behind a
+    TLS-terminating proxy, on an ``ssl:`` listener and under a path prefix, with nothing to set.
     """
     if base_url is not None:
         return f"{base_url}files/{upload_id}"
     values = dict(forwarded)
-    scheme = values.get("proto") or ("https" if secure else "http")
-    authority = values.get("host") or host or "localhost"
-    if scheme not in ("http", "https") or not re.fullmatch(r"[A-Za-z0-9.:\[\]-]{1,255}", authority):
-        raise TusError(400, "cannot build a Location from the Host/forwarded headers")
-    return f"{scheme}://{authority}/files/{upload_id}"
+    scheme, authority = values.get("proto"), values.get("host")
+    if scheme and authority:
+        if scheme not in ("http", "https") or not _AUTHORITY.fullmatch(authority):
+            raise TusError(400, "cannot build a Location from the forwarded headers")
+        return f"{scheme}://{authority}/files/{upload_id}"
+    # "/files/" + "./id" and "/files" + "files/id" both name /files/id, below any prefix.
+    return f"./{upload_id}" if request_path.endswith(b"/") else f"files/{upload_id}"

@@ -22,18 +22,8 @@ from canner.tus.stream import BodyStream
 log = Logger()
 
 
-# Reason phrases Twisted's table lacks (it would send "Unknown Status").
-_REASONS = {
-    422: b"Unprocessable Content",
-    423: b"Locked",
-    429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large",
-    507: b"Insufficient Storage",
-}
-
-
 def render_error(request: IRequest, error: TusError) -> bytes:
-    request.setResponseCode(error.status, _REASONS.get(error.status))
+    request.setResponseCode(error.status, protocol.reason(error.status))
     for name, value in error.headers:
         request.setHeader(name, value)
     request.setHeader("Content-Type", "text/plain; charset=utf-8")

@@ -7,8 +7,16 @@ whether the body belongs to an upload; if so each chunk goes to a :class:`BodySt
 the request (in a thread), writes chunks at the upload's offset (in a thread), pauses the socket
 while writes lag behind, and keeps what was written when the connection drops.
 
+A refusal decided before the body has arrived (from the head, or at admission: 404, 409, 412,
+413, 415, 423, 429, ...) is answered at once, without ``100 Continue``, and the connection is then
+closed rather than read to the end of a body nobody wants (:meth:`ReceiverRequest.answer_now`).
+
 Other requests may carry at most :data:`SMALL_BODY_MAX` bytes; larger bodies are discarded unread
 and answered with 413.
+
+The channel also guards the process: a request head must arrive whole within its deadline, and
+:class:`~canner.connections.ConnectionLimits` caps open connections in total and per client
+address (over the cap a connection gets a bare 503 and is closed).
 """
 
 from __future__ import annotations
@@ -18,14 +26,17 @@ from io import BytesIO
 from typing import Any, Protocol
 
 from attrs import define, field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import HTTPChannel
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from canner.blocking import BlockingRunner
-from canner.tus.protocol import TUS_VERSION, TusError, method_override
+from canner.connections import ConnectionLimits
+from canner.tus.protocol import TUS_VERSION, TusError, method_override, reason
 from canner.tus.store import LockedUpload
 
 log = Logger()
@@ -38,6 +49,11 @@ PENDING_HIGH_WATER = 1 << 20
 # byte; 1 MiB reads measured 1.5x faster.  Small requests keep the default, because every recv()
 # allocates its full buffer size.
 STREAM_READ_SIZE = 1 << 20
+# After an early refusal, what the client may still send before the connection is cut: a short
+# grace lets it read the answer before a reset can destroy it.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1 << 20
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class BodySink(Protocol):
@@ -57,8 +73,93 @@ class BodyRouter(Protocol):
 
 
 class ReceiverChannel(HTTPChannel):
-    """HTTP/1.1 channel whose own protocol-error answers also carry ``Tus-Resumable``, and
-    which answers an oversized request head with 431 instead of a silent close."""
+    """HTTP/1.1 channel for the receiver.
+
+    Its own protocol-error answers carry ``Tus-Resumable``; an oversized head is 431, a head not
+    finished within the site's ``header_timeout`` is 408; ``100 Continue`` for an upload body
+    waits for its admission; and after an early answer the rest of the request is discarded for a
+    short grace, then the connection is cut.
+    """
+
+    _limited_host: str | None = None
+    _head_deadline: IDelayedCall | None = None
+    _answered_early: bool = False
+    _discarded: int = 0
+    _linger: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        site: Any = self.factory
+        limits: ConnectionLimits | None = getattr(site, "connection_limits", None)
+        if limits is not None:
+            host = _peer_host(self.transport)
+            if not limits.admit(host):
+                # Over the cap: say so cheaply (tus clients retry a 503) and close.
+                self.transport.write(  # type: ignore[union-attr]
+                    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\n"
+                    b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+                self.transport.loseConnection()  # type: ignore[union-attr]
+                self.dataReceived = lambda data: None  # type: ignore[method-assign]
+                return
+            self._limited_host = host
+        super().connectionMade()
+        self._start_head_deadline()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_head_deadline()
+        if self._linger is not None and self._linger.active():
+            self._linger.cancel()
+        if self._limited_host is not None:
+            self.factory.connection_limits.release(self._limited_host)
+            self._limited_host = None
+        super().connectionLost(reason)
+
+    # -- the head deadline: the idle timer restarts on every byte, so a client trickling a head
+    # byte by byte would hold its connection forever without it.
+
+    _between_requests: bool = False
+    _head_bytes: int = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._between_requests:
+            # A kept-alive connection starts its next request: its head has the same deadline.
+            self._between_requests = False
+            self._start_head_deadline()
+        if self._head_deadline is not None:
+            self._head_bytes += len(data)
+        super().dataReceived(data)
+
+    def _start_head_deadline(self) -> None:
+        timeout = getattr(self.factory, "header_timeout", None)
+        if timeout and self._head_deadline is None:
+            self._head_bytes = 0
+            self._head_deadline = self.callLater(timeout, self._head_too_slow)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            if self._head_deadline.active():
+                self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self._head_bytes:
+            self._refuse(b"408 Request Timeout")
+        else:
+            # A new connection that never said anything: no request to answer.
+            self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def allHeadersReceived(self) -> None:
+        self._cancel_head_deadline()
+        super().allHeadersReceived()
+
+    def requestDone(self, request: Any) -> None:
+        super().requestDone(request)
+        if self.persistent and not self._answered_early:
+            # An idle kept-alive connection is left to the idle timeout: the clock of the next
+            # head starts with its first byte (closing it earlier would race the client's
+            # next request on its pooled connection).
+            self._between_requests = True
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted answers malformed framing (bad Content-Length, bad chunking, bad header
@@ -66,6 +167,8 @@ class ReceiverChannel(HTTPChannel):
         self._refuse(b"400 Bad Request")
 
     def lineReceived(self, line: bytes) -> None:
+        if self._answered_early:
+            return
         # Twisted counts the head's size and answers 400 past totalHeadersSize; say what it is.
         if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
             self._refuse(b"431 Request Header Fields Too Large")
@@ -76,7 +179,14 @@ class ReceiverChannel(HTTPChannel):
         # One line (request line or header) past MAX_LENGTH: LineReceiver would just close.
         self._refuse(b"431 Request Header Fields Too Large")
 
+    def rawDataReceived(self, data: bytes) -> None:
+        if self._answered_early:
+            self._discard(data)
+            return
+        super().rawDataReceived(data)
+
     def _refuse(self, status: bytes) -> None:
+        self._cancel_head_deadline()
         self.transport.write(  # type: ignore[union-attr]
             b"HTTP/1.1 "
             + status
@@ -86,15 +196,60 @@ class ReceiverChannel(HTTPChannel):
         )
         self.loseConnection()
 
+    # -- 100 Continue and early answers
+
+    def _send100Continue(self) -> None:
+        request = self.requests[-1] if self.requests else None
+        if isinstance(request, ReceiverRequest) and request.body_sink is not None:
+            request.continue_wanted()  # sent once the upload admits the body, never on refusal
+            return
+        super()._send100Continue()
+
+    def send_continue(self) -> None:
+        if not self._answered_early and self.transport is not None:
+            self.transport.write(_CONTINUE)
+
+    def answer_and_close(self, response: bytes) -> None:
+        """Send a complete response for the request whose body is still arriving, then stop
+        parsing: discard what follows for :data:`LINGER_SECONDS` (at most :data:`LINGER_BYTES`)
+        so the client can read the answer, and cut the connection after that."""
+        self._answered_early = True
+        self._cancel_head_deadline()
+        self.setRawMode()
+        transport: Any = self.transport
+        transport.write(response)
+        transport.loseWriteConnection()
+        self._linger = self.callLater(LINGER_SECONDS, transport.abortConnection)
+
+    def _discard(self, data: bytes) -> None:
+        self._discarded += len(data)
+        if self._discarded > LINGER_BYTES:
+            # It keeps sending: it is not reading, and we will not read a body nobody wants.
+            self.transport.abortConnection()  # type: ignore[union-attr]
+
+
+def _peer_host(transport: Any) -> str:
+    peer = transport.getPeer() if transport is not None else None
+    return str(getattr(peer, "host", None) or peer)
+
 
 class ReceiverSite(Site):
     """A Site whose requests stream upload bodies through ``body_router`` (HTTP/1.1 only)."""
 
     protocol = ReceiverChannel  # type: ignore[assignment]
 
-    def __init__(self, resource: Any, body_router: BodyRouter, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        resource: Any,
+        body_router: BodyRouter,
+        connection_limits: ConnectionLimits | None = None,
+        header_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(resource, requestFactory=ReceiverRequest, **kwargs)
         self.body_router = body_router
+        self.connection_limits = connection_limits
+        self.header_timeout = header_timeout
 
     def log(self, request: Any) -> None:
         """No per-request access log: at hundreds of uploads a second it costs a fifth of the
@@ -108,9 +263,14 @@ class ReceiverRequest(Request):
     body_too_large: bool = False
     _big_reads: bool = False
     _router_failed: bool = False
+    _body_length: int | None = None
+    _body_done: bool = False
+    _wants_continue: bool = False
+    _admitted: bool = False
 
     def gotLength(self, length: int | None) -> None:
         channel: Any = self.channel
+        self._body_length = length
         # The request line reaches a Request only after its body; until then the channel keeps
         # it in _command/_path (private, but unchanged since Twisted 16).
         method = method_override(channel._command, self.requestHeaders)
@@ -139,6 +299,7 @@ class ReceiverRequest(Request):
             super().handleContentChunk(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        self._body_done = True
         if self._big_reads:  # the body is in; later small requests get the default read size
             del self.transport.bufferSize  # type: ignore[union-attr]
         if self.body_sink is not None:
@@ -165,10 +326,70 @@ class ReceiverRequest(Request):
         if self.body_sink is not None:
             self.body_sink.connection_lost()
 
+    # -- the gate a BodyStream talks to
+
+    def continue_wanted(self) -> None:
+        """The client waits for ``100 Continue`` before sending its body."""
+        self._wants_continue = True
+        if self._admitted:
+            self._send_continue()
+
+    def go_ahead(self) -> None:
+        """The body is admitted: a client waiting for ``100 Continue`` gets it now."""
+        self._admitted = True
+        if self._wants_continue:
+            self._send_continue()
+
+    def _send_continue(self) -> None:
+        self._wants_continue = False
+        if not self._disconnected and not self._body_done:
+            channel: Any = self.channel
+            channel.send_continue()
+
+    def answer_now(self, error: TusError) -> bool:
+        """Answer ``error`` before the rest of the body arrives and close the connection;
+        False (nothing done) when the request will reach its route anyway: an empty body, a
+        body that has ended, a connection that is gone."""
+        if self._body_done or self._body_length == 0 or self._disconnected:
+            return False
+        channel: Any = self.channel
+        self.method = method_override(channel._command, self.requestHeaders)
+        self.uri = channel._path
+        self.path = self.uri.split(b"?", 1)[0]
+        self.code = error.status
+        phrase = reason(error.status) or RESPONSES.get(error.status, b"Error")
+        body = (error.message + "\n").encode("utf-8")
+        head = [
+            b"HTTP/1.1 %d %s" % (error.status, phrase),
+            b"Tus-Resumable: " + TUS_VERSION.encode(),
+            *(f"{name}: {value}".encode("latin-1") for name, value in error.headers),
+            b"Content-Type: text/plain; charset=utf-8",
+            b"Content-Length: %d" % len(body),
+            b"Connection: close",
+        ]
+        channel.answer_and_close(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        self.sentLength = len(body)
+        channel.site.log(self)  # metrics and the access log, as for any answered request
+        return True
+
+    def end(self) -> None:
+        """Drop the connection now (a newer request takes over a stalled upload)."""
+        if not self._disconnected and self.channel is not None:
+            transport: Any = self.channel.transport
+            transport.abortConnection()
+
 
 class _Transport(Protocol):
     def pauseProducing(self) -> None: ...
     def resumeProducing(self) -> None: ...
+
+
+class Gate(Protocol):
+    """The request behind a :class:`BodyStream` (see :class:`ReceiverRequest`)."""
+
+    def go_ahead(self) -> None: ...
+    def answer_now(self, error: TusError) -> bool: ...
+    def end(self) -> None: ...
 
 
 Write = Callable[[LockedUpload, list[bytes]], "Deferred[int]"]
@@ -187,12 +408,23 @@ class BodyStream:
     ``finish(upload, lost)``
     runs and its result is what :meth:`result` gives.  A body that would run past the upload's
     length is refused with 413 and the bytes it wrote are truncated away.
+
+    A refusal known while the body is still arriving is answered through ``gate`` at once (the
+    upload's lock released first), not after the whole body.  ``last_progress`` (``now()`` of
+    the last byte received or written) tells a stalled writer from a live one;
+    :meth:`released` fires once the stream no longer holds the upload's lock.
     """
 
     _run: BlockingRunner
     _transport: _Transport
     _write: Write
     _finish: Finish
+    _gate: Gate | None = None
+    _now: Callable[[], float] = lambda: 0.0
+    last_progress: float = 0.0
+    _early: bool = False
+    _let_go: bool = False
+    _release_waiters: list[Deferred[None]] = field(factory=list)
     _result: object = None
     _waiters: list[Deferred[Any]] = field(factory=list)
     _upload: LockedUpload | None = None
@@ -206,10 +438,35 @@ class BodyStream:
     _lost: bool = False
     _settled: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        self.last_progress = self._now()
+
     def admitted(self, upload: LockedUpload) -> None:
         self._upload = upload
         self._start_offset = upload.offset
+        self.last_progress = self._now()
+        if self._gate is not None and not self._ended and not self._lost:
+            self._gate.go_ahead()
         self._pump()
+
+    def end(self) -> None:
+        """Drop the request's connection; what it wrote is kept, then the lock is released."""
+        if self._gate is not None:
+            self._gate.end()
+
+    def released(self) -> Deferred[None]:
+        """Fires once this stream holds no lock on its upload (at once if it never did)."""
+        if self._let_go or self._upload is None:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._release_waiters.append(waiter)
+        return waiter
+
+    def _release(self, _: object = None) -> None:
+        self._let_go = True
+        waiters, self._release_waiters = self._release_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def answered(self, result: object) -> None:
         self._answer = result
@@ -219,6 +476,7 @@ class BodyStream:
     def chunk(self, data: bytes) -> None:
         if self._answer is not None or self._settled:
             return
+        self.last_progress = self._now()
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes >= PENDING_HIGH_WATER and not self._paused and not self._lost:
@@ -250,6 +508,9 @@ class BodyStream:
         if self._answer is not None:
             if self._ended or self._lost:
                 self._settle()
+            elif self._can_answer_now():
+                self._early = True
+                self._settle()
             return
         upload = self._upload
         if upload is None:
@@ -266,8 +527,17 @@ class BodyStream:
         elif self._ended or self._lost:
             self._settle()
 
+    def _can_answer_now(self) -> bool:
+        answer = self._answer
+        return (
+            self._gate is not None
+            and isinstance(answer, Failure)
+            and answer.check(TusError) is not None
+        )
+
     def _written(self, result: object) -> None:
         self._writing = False
+        self.last_progress = self._now()
         if isinstance(result, Failure):
             if not result.check(TusError):
                 log.error(
@@ -291,13 +561,18 @@ class BodyStream:
     def _settle(self) -> None:
         self._settled = True
         upload, answer = self._upload, self._answer
-        if answer is not None:
-            if upload is not None:
-                self._run(upload.close).addErrback(lambda f: log.failure("closing an upload", f))
-            self._fire(answer)
+        if answer is None:
+            assert upload is not None
+            self._finish(upload, self._lost).addBoth(self._finished)
             return
-        assert upload is not None
-        self._finish(upload, self._lost).addBoth(self._fire)
+        closing: Deferred[Any] = self._run(upload.close) if upload is not None else succeed(None)
+        closing.addErrback(lambda f: log.failure("closing an upload", f))
+        # The lock goes first, so a client retrying at once after the answer finds it free.
+        closing.addCallback(self._release).addCallback(lambda _: self._fire(answer))
+
+    def _finished(self, result: object) -> None:
+        self._release()
+        self._fire(result)
 
     def result(self) -> Deferred[Any]:
         """The stream's final result (now or later); cancelling it does not affect the stream.
@@ -317,6 +592,10 @@ class BodyStream:
             log.failure("upload stream ended badly", result)
             result = Failure(TusError(500, "internal error"))
         self._result = result
+        if self._early and not self._ended and self._gate is not None:
+            assert isinstance(result, Failure) and isinstance(result.value, TusError)
+            if self._gate.answer_now(result.value):
+                return
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.called:  # a waiter cancelled by its route (connection lost)

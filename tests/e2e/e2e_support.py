@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import blake3
 import requests
@@ -306,7 +307,8 @@ class Receiver:
         return self.object_id(r)
 
     def object_id(self, response: requests.Response) -> str:
-        location = response.headers.get("Location", "")
+        # Resolved against the creation URL, as every tus client does (it may be relative).
+        location = urljoin(self.files_url, response.headers.get("Location", ""))
         match = re.fullmatch(re.escape(self.files_url) + r"([0-9a-f]{32})", location)
         assert match, f"unexpected Location {location!r}"
         return match.group(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from urllib.parse import urljoin
 
 import pytest
 from hypothesis import given
@@ -161,19 +162,33 @@ def test_method_override() -> None:
     assert protocol.method_override(b"POST", headers()) == b"POST"
 
 
-def test_location_prefers_public_url_then_trusted_forwarded_then_host() -> None:
-    """Location comes from public_url, else trusted forwarded headers, else Host."""
+def test_location_prefers_public_url_then_trusted_forwarded_then_relative() -> None:
+    """Location comes from public_url, else trusted forwarded headers, else it is relative."""
     oid = "0" * 32
-    assert protocol.location("https://c.example/", "h", False, [], oid) == (
+    assert protocol.location("https://c.example/", [], b"/files/", oid) == (
         f"https://c.example/files/{oid}"
     )
     forwarded = [("proto", "https"), ("host", "public.example")]
-    assert protocol.location(None, "h:1", False, forwarded, oid) == (
+    assert protocol.location(None, forwarded, b"/files/", oid) == (
         f"https://public.example/files/{oid}"
     )
-    assert protocol.location(None, "h:1", False, [], oid) == f"http://h:1/files/{oid}"
     with pytest.raises(TusError):
-        protocol.location(None, "evil/host", False, [], oid)
+        protocol.location(None, [("proto", "https"), ("host", "evil/host")], b"/files/", oid)
+    # Only one of the two forwarded values: not enough for an absolute URL.
+    assert protocol.location(None, [("proto", "https")], b"/files/", oid) == f"./{oid}"
+
+
+@pytest.mark.parametrize("base", ["https://proxy.example/", "http://10.0.0.1:8080/x/canner/"])
+@pytest.mark.parametrize("collection", ["files", "files/"])
+def test_relative_location_resolves_to_the_upload_under_any_prefix(
+    base: str, collection: str
+) -> None:
+    """Whatever URL the client created the upload at, the Location resolves to the upload
+    beside it (same scheme, host and path prefix), as clients resolve it (RFC 3986)."""
+    oid = "n1-" + "a" * 32
+    url = base + collection
+    resolved = urljoin(url, protocol.location(None, [], b"/" + collection.encode(), oid))
+    assert resolved == f"{base}files/{oid}"
 
 
 @given(st.text(max_size=40))
