@@ -409,8 +409,8 @@ class BodyStream:
     runs and its result is what :meth:`result` gives.  A body that would run past the upload's
     length is refused with 413 and the bytes it wrote are truncated away.
 
-    A refusal known while the body is still arriving is answered through ``gate`` at once (the
-    upload's lock released first), not after the whole body.  ``last_progress`` (``now()`` of
+    A refusal made at admission while the body is still arriving is answered through ``gate``
+    at once, not after the whole body.  ``last_progress`` (``now()`` of
     the last byte received or written) tells a stalled writer from a live one;
     :meth:`released` fires once the stream no longer holds the upload's lock.
     """
@@ -455,8 +455,8 @@ class BodyStream:
             self._gate.end()
 
     def released(self) -> Deferred[None]:
-        """Fires once this stream holds no lock on its upload (at once if it never did)."""
-        if self._let_go or self._upload is None:
+        """Fires once this stream holds no lock on its upload any more."""
+        if self._let_go:
             return succeed(None)
         waiter: Deferred[None] = Deferred()
         self._release_waiters.append(waiter)
@@ -528,9 +528,13 @@ class BodyStream:
             self._settle()
 
     def _can_answer_now(self) -> bool:
+        # Only refusals made at admission, before any byte of the body was written: after a
+        # failure mid-body (a full disk) the client still gets its answer after the body, as
+        # clients that do not read while they send (tuspy, requests) could not see it earlier.
         answer = self._answer
         return (
             self._gate is not None
+            and self._upload is None
             and isinstance(answer, Failure)
             and answer.check(TusError) is not None
         )

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -82,15 +83,22 @@ def twistd_command() -> list[str]:
 
 
 def spawn_daemon(
-    role: str, config_path: Path, log_path: Path, start: int, extra: Iterable[str] = ()
+    role: str,
+    config_path: Path,
+    log_path: Path,
+    start: int,
+    extra: Iterable[str] = (),
+    prefix: Iterable[str] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``twistd --nodaemon canner-<role> --config ...`` from the repository root, its
-    output appended to ``log_path`` under a "start #N" banner."""
+    output appended to ``log_path`` under a "start #N" banner; ``prefix`` wraps the command
+    (for example ``prlimit --nofile=1024``)."""
     with open(log_path, "ab") as log:
         log.write(f"\n===== start #{start} =====\n".encode())
         log.flush()
         return subprocess.Popen(
             [
+                *prefix,
                 *twistd_command(),
                 "--nodaemon",
                 "--pidfile=",
@@ -104,6 +112,12 @@ def spawn_daemon(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else str(value)
 
 
 def end_process(
@@ -162,6 +176,7 @@ class Receiver:
     proc: subprocess.Popen[bytes] | None = None
     session: requests.Session = field(default_factory=requests.Session)
     starts: int = 0
+    launch_prefix: list[str] = field(default_factory=list)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -193,10 +208,13 @@ class Receiver:
         }
         config.update(overrides)
         self.config = config
-        lines = []
+        lines: list[str] = []
+        tables = {k: v for k, v in config.items() if isinstance(v, dict)}
         for key, value in config.items():
-            rendered = json.dumps(value) if isinstance(value, str) else str(value)
-            lines.append(f"{key} = {rendered}")
+            if key not in tables:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for name, table in tables.items():
+            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
         lines += ["", "[projects.example]", "", "[projects.other]", ""]
         self.config_path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -219,7 +237,9 @@ class Receiver:
     def start(self, timeout: float = START_TIMEOUT) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.starts += 1
-        self.proc = spawn_daemon("receiver", self.config_path, self.log_path, self.starts)
+        self.proc = spawn_daemon(
+            "receiver", self.config_path, self.log_path, self.starts, prefix=self.launch_prefix
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -485,6 +505,35 @@ class Receiver:
         assert len(stored) == doc["size_bytes"], "stored size differs from the receipt"
         assert blake3_hex(stored) == doc["checksum"], "stored bytes do not match the receipt"
         return doc
+
+
+class Trickle:
+    """A live writer: sends ``body`` on ``sock`` ``step`` bytes every ``interval`` seconds from
+    a thread, until :meth:`stop` or the end of ``body`` (a stalled writer sends nothing)."""
+
+    def __init__(self, sock: socket.socket, body: bytes, step: int = 64, interval: float = 0.1):
+        self.sock, self.body, self.step, self.interval = sock, body, step, interval
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Trickle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while self.sent < len(self.body) and not self._stop.wait(self.interval):
+            self.sock.sendall(self.body[self.sent : self.sent + self.step])
+            self.sent += len(self.body[self.sent : self.sent + self.step])
+
+    def stop(self) -> int:
+        """Stop sending; returns how many bytes of ``body`` were sent."""
+        self._stop.set()
+        self._thread.join()
+        return self.sent
 
 
 def raw_exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:

@@ -4,10 +4,16 @@ concurrent PATCHes, and ``X-HTTP-Method-Override``."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
-from e2e_support import OFFSET_TYPE, TUS_VERSION, Receiver, blake3_hex, read_http_response
+from e2e_support import (
+    OFFSET_TYPE,
+    TUS_VERSION,
+    Receiver,
+    Trickle,
+    blake3_hex,
+    read_http_response,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -131,24 +137,25 @@ def test_cut_off_patch_keeps_received_bytes(
 
 
 def test_concurrent_patch_is_refused_without_interleaving(shared_receiver: Receiver) -> None:
+    """While one PATCH keeps sending, others get 409/423 and write nothing; the first ends
+    normally.  (A PATCH that stalls is taken over instead: test_e2e_real_networks.)"""
     rcv = shared_receiver
     data = payload(300_000, seed=2)
     other = payload(300_000, seed=3)
     oid = rcv.new_upload(data)
     with rcv.open_patch(oid, 0, len(data), data[:100_000]) as sock:
         assert rcv.wait_offset(oid, 100_000) == 100_000, "the slow PATCH's bytes did not land"
-        for offset in (0, 100_000):
-            second = rcv.patch(oid, offset, other[offset:])
-            assert second.status_code in (409, 423), (
-                f"second PATCH at {offset} while one is streaming: {second.status_code}"
-            )
-            assert "Artifact-Receipt" not in second.headers
-        tail = rcv.patch(oid, 100_000, other[100_000:150_000])
-        assert tail.status_code in (409, 423)
-        time.sleep(0.2)
-        assert rcv.offset(oid) == 100_000
-        assert rcv.stored(oid) == data[:100_000]
-        sock.sendall(data[100_000:])
+        with Trickle(sock, data[100_000:200_000]) as live:
+            for offset in (0, 100_000):
+                second = rcv.patch(oid, offset, other[offset:])
+                assert second.status_code in (409, 423), (
+                    f"second PATCH at {offset} while one is streaming: {second.status_code}"
+                )
+                assert "Artifact-Receipt" not in second.headers
+            sent = 100_000 + live.stop()
+        assert rcv.wait_offset(oid, sent) == sent
+        assert rcv.stored(oid) == data[:sent], "a refused PATCH wrote into the upload"
+        sock.sendall(data[sent:])
         status, headers, _ = read_http_response(sock, "PATCH")
     assert status == 204, f"the first PATCH, finished after the refused ones: {status}"
     assert int(headers["Upload-Offset"]) == len(data)

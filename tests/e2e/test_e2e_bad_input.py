@@ -19,6 +19,7 @@ from e2e_support import (
     OFFSET_TYPE,
     TUS_VERSION,
     Receiver,
+    Trickle,
     b64,
     blake3_hex,
     metadata_header,
@@ -374,9 +375,11 @@ def test_second_patch_while_first_streams_is_refused(rcv: Receiver) -> None:
     oid = rcv.new_upload(DATA)
     with rcv.open_patch(oid, 0, len(DATA), DATA[:100]) as sock:
         assert rcv.wait_offset(oid, 100) == 100
-        r = rcv.patch(oid, 100, b"Z" * (len(DATA) - 100))
-        assert r.status_code in (409, 423), r.status_code
-        sock.sendall(DATA[100:])
+        with Trickle(sock, DATA[100:2000], step=8) as live:
+            r = rcv.patch(oid, 100, b"Z" * (len(DATA) - 100))
+            assert r.status_code in (409, 423), r.status_code
+            sent = 100 + live.stop()
+        sock.sendall(DATA[sent:])
         status, headers, _ = read_http_response(sock, "PATCH")
     assert status == 204
     assert rcv.stored(oid) == DATA
