@@ -386,8 +386,9 @@ def _parse_connections(raw: Any) -> ConnectionsConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError("connections", "must be a table")
     _unknown(raw, _CONNECTIONS_KEYS, "connections.")
-    total = _positive_int(raw, "max", ConnectionsConfig.max, "connections.max")
-    per_client = raw.get("max_per_client", ConnectionsConfig.max_per_client)
+    defaults = ConnectionsConfig()
+    total = _positive_int(raw, "max", defaults.max, "connections.max")
+    per_client = raw.get("max_per_client", defaults.max_per_client)
     if isinstance(per_client, bool) or not isinstance(per_client, int) or per_client < 0:
         raise ConfigError(
             "connections.max_per_client",

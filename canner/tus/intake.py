@@ -416,10 +416,31 @@ class UploadIntake:
         """``read(upload_id)`` in a thread, at a moment no acceptance of it runs here: one that
         started while we read may have linked a receipt it has not committed yet."""
         while True:
+            await self._after_completing_write(upload_id)
             await self._after_acceptance(upload_id)
             result = await self._run(read, upload_id)
-            if not self._acceptance.is_running(upload_id):
+            if not self._acceptance.is_running(upload_id) and not self._completing(upload_id):
                 return result
+
+    def _completing(self, upload_id: str) -> bool:
+        writer = self._writers.get(upload_id)
+        return writer is not None and writer.completes
+
+    async def _after_completing_write(self, upload_id: str) -> None:
+        """Wait while a request here has received an upload's last byte and is still writing
+        it: its acceptance has not started yet, but the disk may already show every byte."""
+        writer = self._writers.get(upload_id)
+        if writer is None or not writer.completes:
+            return
+        let_go = writer.released()
+        let_go.addTimeout(ACCEPTANCE_WAIT, self._clock)
+        try:
+            await let_go
+        except defer.TimeoutError:
+            raise protocol.storage_trouble(
+                "the upload's last bytes are still being written; retry to get the receipt",
+                ACCEPTANCE_RETRY_AFTER,
+            ) from None
 
     def receipt(self, object_id: str) -> Deferred[bytes | None]:
         """The committed receipt of ``object_id`` (None when there is none), waiting for a

@@ -429,6 +429,7 @@ class BodyStream:
     _waiters: list[Deferred[Any]] = field(factory=list)
     _upload: LockedUpload | None = None
     _start_offset: int = 0
+    _received: int = 0
     _answer: object | None = None
     _pending: list[bytes] = field(factory=list)
     _pending_bytes: int = 0
@@ -448,6 +449,17 @@ class BodyStream:
         if self._gate is not None and not self._ended and not self._lost:
             self._gate.go_ahead()
         self._pump()
+
+    @property
+    def completes(self) -> bool:
+        """True once the bytes received (written or not yet) make the upload complete: the
+        stream will go on to acceptance unless writing fails."""
+        upload = self._upload
+        return (
+            upload is not None
+            and self._answer is None
+            and self._start_offset + self._received >= upload.info.size
+        )
 
     def end(self) -> None:
         """Drop the request's connection; what it wrote is kept, then the lock is released."""
@@ -477,6 +489,7 @@ class BodyStream:
         if self._answer is not None or self._settled:
             return
         self.last_progress = self._now()
+        self._received += len(data)
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes >= PENDING_HIGH_WATER and not self._paused and not self._lost:
