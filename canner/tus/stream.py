@@ -21,6 +21,7 @@ address (over the cap a connection gets a bare 503 and is closed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from io import BytesIO
 from typing import Any, Protocol
@@ -93,6 +94,14 @@ class ReceiverChannel(HTTPChannel):
         if limits is not None:
             host = _peer_host(self.transport)
             if not limits.admit(host):
+                if limits.due_warning(time.monotonic()):
+                    log.warn(
+                        "connection cap reached ({open} open, {per} per address): refusing"
+                        " connections with 503; {refused} refused so far",
+                        open=limits.open,
+                        per=limits.per_address or "no cap",
+                        refused=limits.refused,
+                    )
                 # Over the cap: say so cheaply (tus clients retry a 503) and close.
                 self.transport.write(  # type: ignore[union-attr]
                     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\n"
