@@ -94,11 +94,11 @@ class FlakyReceipts(ReceiptStore):
 
     error: OSError | None = None
 
-    def commit(self, receipt: Receipt) -> Receipt:
+    def prepare(self, receipt: Receipt) -> Path:
         error, FlakyReceipts.error = FlakyReceipts.error, None
         if error is not None:
             raise error
-        return super().commit(receipt)
+        return super().prepare(receipt)
 
 
 @pytest.mark.parametrize("size", [7, INLINE_HASH_MAX + 1], ids=["inline", "hash-pool"])
