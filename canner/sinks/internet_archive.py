@@ -143,19 +143,25 @@ class IASink:
         return Deferred.fromCoroutine(self._lookup(identifier, remote_name))
 
     def deliver(
-        self, plan: ItemPlan, path: Path, on_progress: Callable[[int], None] | None = None
+        self,
+        plan: ItemPlan,
+        path: Path,
+        on_progress: Callable[[int], None] | None = None,
+        *,
+        overwrite: bool = False,
     ) -> Deferred[DeliveryResult]:
         """One delivery attempt of the file at ``path`` to ``plan``'s destination.
 
         Skips the upload when the metadata API already shows the file with the plan's size and
-        MD5; probes ``check_limit`` (when enabled); then PUTs the file, streaming, following a few
+        MD5, unless ``overwrite`` (a read-back found IA serving other bytes); probes
+        ``check_limit`` (when enabled); then PUTs the file, streaming, following a few
         redirects.  Fires with a :class:`DeliveryResult` for every I/O outcome, including the
         watchdog, the answer timeout and the ``attempt_timeout`` cap (all transient).
         Cancelling the returned Deferred aborts the transfer; it then fails with
         ``CancelledError`` and nothing is to be recorded but a retry.  ``on_progress(n)`` is
         told about each chunk of payload handed to the connection.
         """
-        attempt = _Attempt(self, plan, path, on_progress)
+        attempt = _Attempt(self, plan, path, on_progress, overwrite)
         return attempt.start()
 
     # -- helpers used by _Attempt ----------------------------------------------------------
@@ -267,6 +273,7 @@ class _Attempt:
     _plan: ItemPlan
     _path: Path
     _on_progress: Callable[[int], None] | None = None
+    _overwrite: bool = False
     _current: Deferred[Any] | None = None
     _abort_reason: str | None = None
     _cancelled: bool = False
@@ -355,7 +362,16 @@ class _Attempt:
             remote = Unknown("lookup cancelled")
         if (stop := self._interrupted()) is not None:
             return stop
-        if isinstance(remote, RemoteFile) and remote.matches(plan.size, plan.content_md5):
+        listed = isinstance(remote, RemoteFile) and remote.matches(plan.size, plan.content_md5)
+        if listed and self._overwrite:
+            log.warn(
+                "{object_id} is listed at {identifier}/{remote_name}, but a read-back found other"
+                " bytes there: uploading it again",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                remote_name=plan.remote_name,
+            )
+        elif listed:
             log.info(
                 "{object_id} is already at {identifier}/{remote_name}; no upload needed",
                 object_id=plan.object_id,
@@ -536,7 +552,7 @@ class IADeliverySink:
         self, row: QueueRow, path: Path, progress: Callable[[int], None]
     ) -> Delivered:
         plan = self.plan(row)
-        result = await self._sink.deliver(plan, path, progress)
+        result = await self._sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
         raise DeliveryFailed(
@@ -546,10 +562,10 @@ class IADeliverySink:
             kind=failure_class(result.status, result.outcome.reason),
         )
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
-        return Deferred.fromCoroutine(self._verify(row))
+    def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
+        return Deferred.fromCoroutine(self._verify(row, path))
 
-    async def _verify(self, row: QueueRow) -> RemoteCheck:
+    async def _verify(self, row: QueueRow, path: Path) -> RemoteCheck:
         assert row.remote_identifier is not None and row.remote_name is not None
         found = await self._sink.lookup(row.remote_identifier, row.remote_name)
         if isinstance(found, RemoteFile):
@@ -561,7 +577,7 @@ class IADeliverySink:
                 needs_operator=True,
             )
         if found is None:
-            return RemoteCheck(False, "not listed by the metadata API yet")
+            return RemoteCheck(False, "not listed by the metadata API yet", absent=True)
         return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
 
 
