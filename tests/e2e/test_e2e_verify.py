@@ -17,7 +17,6 @@ directory, and the fake's stored files and request log.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import time
 from collections.abc import Callable

@@ -355,9 +355,7 @@ async def test_download_redirects_to_a_datanode_that_serves_ranges(served: Serve
     ]:
         response, body = await _ranged(served, datanode, header)
         assert response.code == 206, header
-        assert response.headers.getRawHeaders("content-range") == [
-            f"bytes {first}-{last}/{size}"
-        ]
+        assert response.headers.getRawHeaders("content-range") == [f"bytes {first}-{last}/{size}"]
         assert body == BODY[first : last + 1]
     response, _ = await _ranged(served, datanode, f"bytes={size}-")
     assert response.code == 416
