@@ -17,6 +17,7 @@ directory, and the fake's stored files and request log.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -102,4 +103,44 @@ def test_repeatedly_lost_file_is_flagged_then_retried(env_factory: Callable[...,
     assert row["attempts"] == 5 and row["redeliveries"] == 0 and row["needs_operator"] == 0, row
     stored = remote(env, row)
     assert stored is not None and stored["md5"] == md5_hex(data) and stored["stores"] == 1
+    assert not data_files(env.data_dir, oid)["payload"]
+
+
+def test_altered_bytes_are_flagged_and_the_payload_kept(env_factory: Callable[..., Env]) -> None:
+    """IA's metadata lists the right size and MD5 but its downloads serve other bytes: the
+    read-back before the purge flags the row with the offsets it compared, the payload stays
+    (not purged, not re-delivered, even past retention and verify_timeout); after IA is fixed,
+    ``canner retry`` uploads the file again although the metadata matches, and only then is it
+    verified and purged."""
+    env = env_factory(retention="1s", delivery=VERIFY_TIMEOUT)
+    env.fake.add_fault("altered", count=1000)
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    oid = env.upload(data, filename="rotten.warc")
+    row = env.wait_state([oid], 30, "the read-back mismatch flagged", needs_operator=1)[oid]
+    assert row["state"] == "delivered" and row["verified_at"] is None, row
+    assert row["force_upload"] == 1, row
+    error = row["last_error"]
+    assert "IA serves other bytes than the local payload at offsets" in error, row
+    offsets = re.search(r"at offsets ([0-9, -]+) \(of", error)
+    assert offsets is not None, error
+    for part in offsets.group(1).split(", "):
+        first, last = (int(x) for x in part.split("-"))
+        assert 0 <= first <= last < len(data) and last - first + 1 == 64 * 1024
+    ranged = [r for r in env.fake.requests() if "/datanode/" in r["uri"]]
+    assert ranged and all(r["status"] == 206 and "range" in r["headers"] for r in ranged)
+
+    time.sleep(3)  # past the 1 s retention and the 2 s verify_timeout
+    row = env.row(oid)
+    assert row["purged_at"] is None and row["needs_operator"] == 1 and row["attempts"] == 1, row
+    assert data_files(env.data_dir, oid)["payload"]
+    assert len(env.fake.puts()) == 1
+
+    env.fake.clear_faults()
+    retried = canner(env, "retry", oid)
+    assert retried.returncode == 0, retried.stderr
+    row = env.wait_state([oid], 30, "uploaded again, verified, purged", purged_at=...)[oid]
+    assert row["attempts"] == 2 and row["force_upload"] == 0 and row["needs_operator"] == 0
+    stored = remote(env, row)
+    assert stored is not None and (stored["puts"], stored["stores"]) == (2, 2), stored
+    assert "a read-back found other bytes there: uploading it again" in env.deliver.log_text()
     assert not data_files(env.data_dir, oid)["payload"]
