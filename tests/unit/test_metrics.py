@@ -134,6 +134,8 @@ def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None
     m.observe_event(event("delivered", project="example", identifier="x"))
     m.observe_event(event("verified", identifier="x"))
     m.observe_event(event("purged", identifier="x"))
+    m.observe_event(event("redelivered", project="example", count=1))
+    assert sample(m, "canner_redeliveries_total", project="example") == 1
     assert sample(m, "canner_delivery_attempts_total", project="example") == 2
     assert sample(m, "canner_delivery_retries_total", project="example") == 1
     failures = sample(
