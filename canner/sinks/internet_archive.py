@@ -228,13 +228,11 @@ class IASink:
         headers.setRawHeaders(b"range", [f"bytes={first}-{last}".encode("ascii")])
         where = f"read-back of bytes {first}-{last}"
         try:
+            # No authorization header: downloads of access-restricted files need a logged-in
+            # cookie, not the IA-S3 keys, so the secret would travel for nothing.
             for _hop in range(self.max_redirects + 1):
-                sent = headers.copy()
-                if self._keeps_auth(url, self.download_url or self._metadata_url):
-                    # The owner's keys can read an access-restricted item's files.
-                    sent.setRawHeaders(b"authorization", [self._credentials.authorization.encode()])
                 response = await self._http.get(
-                    url, headers=sent, allow_redirects=False, unbuffered=True
+                    url, headers=headers, allow_redirects=False, unbuffered=True
                 ).addTimeout(self.request_timeout, self._clock)
                 location = first_headers(response.headers).get("location")
                 if response.code in _REDIRECTS and location:
@@ -364,14 +362,13 @@ class IASink:
             headers.setRawHeaders(b"authorization", [self._credentials.authorization.encode()])
         return headers
 
-    def _keeps_auth(self, url: str, base: str | None = None) -> bool:
-        """Send the secret only to the configured host (``base``, default the S3 URL) or IA's
-        own hosts, never in clear."""
+    def _keeps_auth(self, url: str) -> bool:
+        """Send the secret only to the configured S3 host or IA's own hosts, never in clear."""
         parts = urlsplit(url)
         host = parts.hostname or ""
         if parts.scheme != "https" and not is_loopback(host):
             return False
-        own = urlsplit(base or self._s3_url).hostname or ""
+        own = urlsplit(self._s3_url).hostname or ""
         return host == own or host == "archive.org" or host.endswith(".archive.org")
 
 
