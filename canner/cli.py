@@ -9,9 +9,11 @@
     canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
     canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
                               one JSON line per object in the delivery index
-    canner retry ID           make a retry_wait delivery due now (a guarded update)
+    canner retry ID           make a retry_wait delivery due now, or send a delivered but
+                              unverified one (unlisted, mismatched, flagged) to be delivered
+                              again (guarded updates)
     canner retry --needs-operator [--project P]
-                              make every flagged retry_wait delivery due now (after a fix)
+                              the same for every flagged row (after a fix)
     canner rebuild-index      add every receipt missing from delivery.sqlite (canner-deliver
                               must be stopped: it refuses while deliver.lock is held)
 
@@ -400,28 +402,35 @@ def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
         conn.close()
 
 
-def _retry_one(cur: sqlite3.Cursor, oid: str, now: float) -> tuple[bool, QueueRow | None]:
-    return sql.make_due_now(cur, oid, now), sql.get_row(cur, oid)
+def _retry_one(
+    cur: sqlite3.Cursor, oid: str, now: float
+) -> tuple[bool, QueueRow | None, QueueRow | None]:
+    before = sql.get_row(cur, oid)
+    return sql.operator_retry(cur, oid, now), before, sql.get_row(cur, oid)
 
 
 def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
+    # Flagged rows waiting for a retry, and flagged delivered rows not yet verified (a remote
+    # copy that differs, or one the destination kept losing): both are delivered again.
     cur.execute(
-        "SELECT object_id FROM objects WHERE state = 'retry_wait' AND needs_operator != 0"
+        "SELECT object_id FROM objects WHERE needs_operator != 0"
+        " AND (state = 'retry_wait' OR (state = 'delivered' AND verified_at IS NULL"
+        "      AND purged_at IS NULL))"
         " AND (? IS NULL OR project = ?) ORDER BY accepted_at, object_id",
         (project, project),
     )
     ids = [row[0] for row in cur.fetchall()]
     done = []
     for oid in ids:
-        if sql.make_due_now(cur, oid, now):
-            row = sql.get_row(cur, oid)
-            assert row is not None
-            done.append(row)
+        before = sql.get_row(cur, oid)
+        if sql.operator_retry(cur, oid, now):
+            assert before is not None
+            done.append(before)
     return done
 
 
 def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> int:
-    """Every retry_wait row flagged for an operator (of ``project``) becomes due now."""
+    """Every row flagged for an operator (of ``project``) is retried (see :func:`retry`)."""
     config = load_config(config_path)
     if project is not None and project not in config.projects:
         raise CommandError(f"--project {project!r} is not a configured project")
@@ -442,16 +451,22 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     oid = _object_id(config, object_id)
-    made_due, row = _write(data_dir, _retry_one, oid, io.now())
-    if row is None:
+    made_due, before, row = _write(data_dir, _retry_one, oid, io.now())
+    if row is None or before is None:
         raise CommandError(f"{oid} is not in the delivery index")
     if not made_due:
+        if row.state == State.DELIVERED and row.verified_at is not None:
+            raise CommandError(
+                f"{oid} is delivered and verified at its destination: nothing to retry"
+            )
         raise CommandError(
-            f"{oid} is {row.state}, not retry_wait: only a waiting retry can be made due"
+            f"{oid} is {row.state}: only a waiting retry or a delivered, unverified object can"
+            " be retried"
         )
+    again = " (delivered again)" if before.state == State.DELIVERED else ""
     io.out.write(
-        f"{oid} is due now: canner-deliver starts attempt {row.attempts + 1} within a second"
-        f" (last error: {row.last_error or 'none'})\n"
+        f"{oid} is due now{again}: canner-deliver starts attempt {row.attempts + 1} within a"
+        f" second (last error: {before.last_error or 'none'})\n"
     )
     return 0
 
@@ -594,12 +609,16 @@ def _parser() -> argparse.ArgumentParser:
         "--since", help="changed since: a duration back from now (90m, 2h) or an ISO 8601 time"
     )
     listing.add_argument("--needs-operator", action="store_true", help="only flagged rows")
-    again = command("retry", "make a retry_wait delivery (or every flagged one) due now")
+    again = command(
+        "retry",
+        "make a retry_wait delivery due now, or deliver a delivered but unverified one again"
+        " (or every flagged one)",
+    )
     again.add_argument("object_id", nargs="?", help="an object id or a unique prefix of one")
     again.add_argument(
         "--needs-operator",
         action="store_true",
-        help="every retry_wait delivery flagged for an operator (after fixing the cause)",
+        help="every delivery flagged for an operator (after fixing the cause)",
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")

@@ -89,6 +89,13 @@ class DeliveryConfig:
     metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
     # directory only: the absolute destination root, a template that may hold {project}.
     path: str | None = None
+    # How long a delivered object may stay unlisted at its destination before it is delivered
+    # again (both sinks).
+    verify_timeout: float = 6 * 3600.0
+    # internet_archive only: payload bytes read back through the download URL before a purge
+    # (a few random ranges; 0: none), and that URL's base (default: metadata_url).
+    readback_bytes: int = 3 * 64 * 1024
+    download_url: str = "https://archive.org"
 
 
 @frozen
@@ -211,6 +218,9 @@ _DELIVERY_KEYS = {
     "metadata_url",
     "metadata",
     "path",
+    "verify_timeout",
+    "readback_bytes",
+    "download_url",
 }
 _SINKS = {"internet_archive", "directory"}
 # Keys that only one sink reads; anything else in the table is common to both.
@@ -219,8 +229,13 @@ _SINK_ONLY_KEYS = {
     "s3_url": "internet_archive",
     "metadata_url": "internet_archive",
     "metadata": "internet_archive",
+    "readback_bytes": "internet_archive",
+    "download_url": "internet_archive",
     "path": "directory",
 }
+DEFAULT_READBACK_BYTES = 3 * 64 * 1024
+# A read-back bigger than this would be a download, not a spot check.
+MAX_READBACK_BYTES = 64 << 20
 
 
 def _unknown(keys: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
@@ -281,6 +296,17 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
     retention = _duration(raw, "local_artifact_retention", name + ".local_artifact_retention", None)
     if retention < 1.0:
         raise ConfigError(name + ".local_artifact_retention", "must be at least 1s")
+    verify_timeout = _duration(raw, "verify_timeout", name + ".verify_timeout", "6h")
+    if verify_timeout < 1.0:
+        raise ConfigError(name + ".verify_timeout", "must be at least 1s")
+    readback = raw.get("readback_bytes", DEFAULT_READBACK_BYTES)
+    if isinstance(readback, bool) or not isinstance(readback, int):
+        raise ConfigError(name + ".readback_bytes", f"must be an integer, not {readback!r}")
+    if not 0 <= readback <= MAX_READBACK_BYTES:
+        raise ConfigError(
+            name + ".readback_bytes",
+            f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, not {readback}",
+        )
     metadata_raw = raw.get("metadata", {})
     if not isinstance(metadata_raw, Mapping):
         raise ConfigError(name + ".metadata", "must be a table")
@@ -297,6 +323,10 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
         # Relative to the config file's directory, like every other path; the sink checks at
         # start-up that the expanded directory exists.
         path = os.path.abspath(base_dir / _string(raw, "path", name + ".path"))
+    metadata_url = _http_url(
+        _string(raw, "metadata_url", name + ".metadata_url", "https://archive.org"),
+        name + ".metadata_url",
+    )
     return DeliveryConfig(
         sink=sink,
         credentials=credentials,
@@ -307,11 +337,15 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
         s3_url=_http_url(
             _string(raw, "s3_url", name + ".s3_url", "https://s3.us.archive.org"), name + ".s3_url"
         ),
-        metadata_url=_http_url(
-            _string(raw, "metadata_url", name + ".metadata_url", "https://archive.org"),
-            name + ".metadata_url",
-        ),
+        metadata_url=metadata_url,
         metadata=metadata,
+        verify_timeout=verify_timeout,
+        readback_bytes=readback,
+        # archive.org serves both the metadata API and downloads: one base for both by default.
+        download_url=_http_url(
+            _string(raw, "download_url", name + ".download_url", metadata_url),
+            name + ".download_url",
+        ),
     )
 
 

@@ -199,9 +199,11 @@ def summarize_index(
 
 
 def stuck_rows(cur: sqlite3.Cursor, attempts_over: int = STUCK_ATTEMPTS) -> list[QueueRow]:
-    """Rows in ``retry_wait`` that need an operator or have failed more than ``attempts_over``."""
+    """Rows in ``retry_wait`` that need an operator or have failed more than ``attempts_over``,
+    and delivered rows flagged before verification (lost or altered at the destination)."""
     cur.execute(
-        _SELECT + " WHERE state = 'retry_wait' AND (needs_operator != 0 OR attempts > ?)"
+        _SELECT + " WHERE (state = 'retry_wait' AND (needs_operator != 0 OR attempts > ?))"
+        " OR (state = 'delivered' AND verified_at IS NULL AND needs_operator != 0)"
         " ORDER BY accepted_at, object_id",
         (attempts_over,),
     )

@@ -72,6 +72,7 @@ EVENTS: Mapping[str, tuple[str, str]] = {
     "delivery_failed": ("canner.delivery.scheduler", "delivery of {object_id} failed"),
     "verified": ("canner.delivery.scheduler", "verified {object_id} at "),
     "purged": ("canner.delivery.scheduler", "purged local payload of {object_id}"),
+    "redelivered": ("canner.delivery.scheduler", "{object_id} is still not listed at its "),
     "copied": ("canner.sinks.directory", "copied {object_id} to "),
 }
 

@@ -191,7 +191,8 @@ class OperatorHelpers:
     def stuck(
         self, attempts_over: int = inventory.STUCK_ATTEMPTS
     ) -> Deferred[list[dict[str, Any]]]:
-        """Deliveries in retry_wait that need an operator or failed more than ``attempts_over``."""
+        """Deliveries in retry_wait that need an operator or failed more than ``attempts_over``,
+        and delivered ones flagged before verification."""
 
         def rows() -> list[dict[str, Any]]:
             path = self._data_dir / inventory.INDEX_NAME

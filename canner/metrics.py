@@ -208,10 +208,16 @@ class Metrics:
         self.purged = Counter(
             "canner_purged", "Local payloads purged after verified delivery", registry=dlv
         )
+        self.redeliveries = Counter(
+            "canner_redeliveries",
+            "Delivered objects sent to be delivered again: still unlisted after verify_timeout",
+            ["project"],
+            registry=dlv,
+        )
         for project in self.projects:
             for family in (self.uploads_created, self.uploads_accepted, self.accepted_bytes):
                 family.labels(project)
-            for family in (self.delivery_attempts, self.delivery_retries):
+            for family in (self.delivery_attempts, self.delivery_retries, self.redeliveries):
                 family.labels(project)
             self.deliveries_completed.labels(project)
         for reason in (*CREATION_REFUSALS.values(), CHECKSUM_MISMATCH):
@@ -303,6 +309,9 @@ class Metrics:
     def _purged(self, event: Mapping[str, Any]) -> None:
         self.purged.inc()
 
+    def _redelivered(self, event: Mapping[str, Any]) -> None:
+        self.redeliveries.labels(self._project(event)).inc()
+
     _HANDLERS: ClassVar[dict[str, Callable[[Metrics, Mapping[str, Any]], None]]] = {
         "accepted": _accepted,
         "rejected": _rejected,
@@ -314,6 +323,7 @@ class Metrics:
         "copied": _copied,
         "verified": _verified,
         "purged": _purged,
+        "redelivered": _redelivered,
     }
 
     # -- HTTP --------------------------------------------------------------------------------

@@ -493,6 +493,11 @@ def deliver_service(
         hashing,
         reactor,
         config.delivery_concurrency,
+        verify_timeouts={
+            pid: p.delivery.verify_timeout
+            for pid, p in config.projects.items()
+            if p.delivery is not None
+        },
         in_flight=in_flight,
     )
     scheduler.setServiceParent(top)

@@ -12,14 +12,19 @@ It implements what ``docs/reference/internet-archive.md`` describes, independent
   ``name``/``size``/``md5``/``sha1`` show a stored file only ``metadata_lag`` seconds after it
   was stored (IA's archive task lag); until then an overwritten file still shows its old version.
 * ``GET /?check_limit=1&accesskey=..&bucket=..``: ``{"over_limit": 0|1, "detail": {...}}``.
-* ``GET /download/{identifier}/{remote name}``: the stored bytes.
+* ``GET /download/{identifier}/{remote name}``: like IA, a ``302`` to a "datanode" URL,
+  ``/datanode/items/{identifier}/{remote name}``, which serves the stored bytes and honours a
+  single ``Range: bytes=...`` (``206`` with ``Content-Range``, ``416`` when unsatisfiable).
 * Fault injection, each for the next N matching requests: on PUT ``slowdown`` (503 SlowDown),
   ``error500``, ``reset`` (RST after ``after_bytes`` body bytes, nothing stored),
   ``lost_response`` (store, then drop the connection without answering), ``stall`` (stop reading
   after ``after_bytes`` bytes, never answer), ``forbidden`` (403), ``redirect`` (307 to the same
-  path, or to ``location`` + path), ``spam`` (503 "appears to be spam"); on the metadata API
-  ``error500``, ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``; on check_limit
-  ``over_limit``, ``error500``, ``garbage``.
+  path, or to ``location`` + path), ``spam`` (503 "appears to be spam"), ``vanish`` (answer 200
+  but lose the file: it is never listed nor served); on the metadata API ``error500``,
+  ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``; on check_limit ``over_limit``,
+  ``error500``, ``garbage``; on the datanode download ``altered`` (serve other bytes than
+  stored, every byte inverted, while the metadata API still shows the stored size and MD5),
+  ``error500``, ``forbidden``.
 * Admin endpoints for tests in another process: ``GET /_fake/objects``, ``GET /_fake/items``,
   ``GET|POST|DELETE /_fake/faults`` (POST a JSON fault or list of faults),
   ``GET /_fake/requests``, ``POST /_fake/settings`` (``{"metadata_lag": s}``),
@@ -53,12 +58,34 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request, Site
 
 PUT_FAULTS = frozenset(
-    {"slowdown", "error500", "reset", "lost_response", "stall", "forbidden", "redirect", "spam"}
+    {
+        "slowdown",
+        "error500",
+        "reset",
+        "lost_response",
+        "stall",
+        "forbidden",
+        "redirect",
+        "spam",
+        "vanish",
+    }
 )
 METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark"})
 CHECK_LIMIT_FAULTS = frozenset({"over_limit", "error500", "garbage"})
-TARGETS = {"put": PUT_FAULTS, "metadata": METADATA_FAULTS, "check_limit": CHECK_LIMIT_FAULTS}
-_DEFAULT_TARGET = {"over_limit": "check_limit", "garbage": "metadata", "dark": "metadata"}
+DOWNLOAD_FAULTS = frozenset({"altered", "error500", "forbidden"})
+TARGETS = {
+    "put": PUT_FAULTS,
+    "metadata": METADATA_FAULTS,
+    "check_limit": CHECK_LIMIT_FAULTS,
+    "download": DOWNLOAD_FAULTS,
+}
+_DEFAULT_TARGET = {
+    "over_limit": "check_limit",
+    "garbage": "metadata",
+    "dark": "metadata",
+    "altered": "download",
+}
+RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{4,99}")
 META_HEADER = re.compile(r"x-archive-meta(\d\d)?-(.+)")
@@ -249,6 +276,14 @@ class Upload:
             request.respond_error(*self.error, resource=resource)
             return
         fault = self.fault
+        if fault is not None and fault.kind == "vanish":
+            # IA answered 200, then its archive task failed: the file never shows.
+            self.close(keep=False)
+            request.setResponseCode(200)
+            request.setHeader(b"content-length", b"0")
+            fake.note(request, 200, fault=fault.kind)
+            request.finish()
+            return
         if fault is not None and fault.kind != "lost_response":
             self.close(keep=False)
             request.respond_fault(fault)
@@ -508,7 +543,9 @@ class FakeIA:
             for k, v in request.requestHeaders.getAllRawHeaders()
         }
         upload.error = self._put_error(request, upload, headers, length)
-        if upload.error is None and (upload.fault is None or upload.fault.kind == "lost_response"):
+        if upload.error is None and (
+            upload.fault is None or upload.fault.kind in ("lost_response", "vanish")
+        ):
             upload.open()
         key = (identifier, name)
         self.put_counts[key] = self.put_counts.get(key, 0) + 1
@@ -594,6 +631,9 @@ class FakeIA:
         if method in (b"GET", b"HEAD") and path.startswith("/download/"):
             self._download(request, path[len("/download/") :])
             return
+        if method in (b"GET", b"HEAD") and path.startswith("/datanode/items/"):
+            self._serve(request, path[len("/datanode/items/") :])
+            return
         request.respond_error(404, "NoSuchKey", "Not found in the fake IA.")
 
     def _metadata(self, request: FakeRequest, identifier: str) -> None:
@@ -672,18 +712,72 @@ class FakeIA:
             }
         )
 
-    def _download(self, request: FakeRequest, rest: str) -> None:
+    def _stored(self, rest: str) -> tuple[Item, StoredFile] | None:
         identifier, _, name = rest.partition("/")
         item = self.items.get(unquote(identifier))
         stored = item.files.get(unquote(name)) if item else None
         if item is None or stored is None or stored.current is None:
+            return None
+        return item, stored
+
+    def _download(self, request: FakeRequest, rest: str) -> None:
+        """IA's front end answers a download with a redirect to the datanode holding the item."""
+        if self._stored(rest) is None:
             request.respond_error(404, "NoSuchKey", "No such file.")
             return
+        host = (request.getHeader("host") or "127.0.0.1").rstrip("/")
+        request.setHeader(b"location", f"http://{host}/datanode/items/{rest}".encode())
+        request.respond(302, b"")
+
+    def _serve(self, request: FakeRequest, rest: str) -> None:
+        found = self._stored(rest)
+        if found is None:
+            request.respond_error(404, "NoSuchKey", "No such file.")
+            return
+        fault = self._take_fault("download")
+        if fault is not None and fault.kind != "altered":
+            request.respond_fault(fault)
+            return
+        item, stored = found
         data = self._item_dir(item.identifier) / stored.data
-        self.note(request, 200)
+        size = data.stat().st_size
+        first, last = 0, size - 1
+        header = request.getHeader("range")
+        if header is not None:
+            match = RANGE.fullmatch(header.strip())
+            if match is None or not (match.group(1) or match.group(2)):
+                request.respond(416, b"bad range\n")
+                return
+            if match.group(1):
+                first = int(match.group(1))
+                last = min(int(match.group(2)), size - 1) if match.group(2) else size - 1
+            else:  # bytes=-N: the last N bytes
+                first = max(size - int(match.group(2)), 0)
+            if first >= size or last < first:
+                request.setHeader(b"content-range", f"bytes */{size}".encode())
+                request.respond(416, b"range not satisfiable\n")
+                return
+            request.setResponseCode(206)
+            request.setHeader(b"content-range", f"bytes {first}-{last}/{size}".encode())
+        length = last - first + 1
+        self.note(request, 206 if header is not None else 200, fault=fault and fault.kind)
         request.setHeader(b"content-type", b"application/octet-stream")
-        request.setHeader(b"content-length", str(data.stat().st_size).encode())
+        request.setHeader(b"accept-ranges", b"bytes")
+        request.setHeader(b"content-length", str(length).encode())
         if request.method == b"HEAD":
+            request.finish()
+            return
+        body = None
+        if header is not None or length <= 64 * READ_SIZE:
+            # Ranges (canner's read-backs are small) and small files are served from memory;
+            # a whole big file streams (and is never altered).
+            with open(data, "rb") as f:
+                f.seek(first)
+                body = f.read(length)
+        if body is not None:
+            if fault is not None:  # altered: other bytes, same length, metadata untouched
+                body = bytes(b ^ 0xFF for b in body)
+            request.write(body)
             request.finish()
             return
         stream = open(data, "rb")

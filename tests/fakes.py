@@ -68,10 +68,11 @@ class FakeSink:
     def fail(self, object_id: str, reason: str = "503 SlowDown", operator: bool = False) -> None:
         self.pending.pop(object_id).errback(DeliveryFailed(reason, needs_operator=operator))
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+    def verify(self, row: QueueRow, path: Path | None = None) -> Deferred[RemoteCheck]:
         if self.hanging_verify is not None:
             return self.hanging_verify
-        return succeed(self.checks.get(row.object_id, RemoteCheck(False, "not listed yet")))
+        default = RemoteCheck(False, "not listed yet", absent=True)
+        return succeed(self.checks.get(row.object_id, default))
 
 
 def succeeded(d: Deferred[Any]) -> Any:

@@ -271,6 +271,8 @@ COLUMNS = (
     "purged_at",
     "next_check_at",
     "updated_at",
+    "redeliveries",
+    "force_upload",
 )
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM objects"
 
@@ -299,6 +301,10 @@ class QueueRow:
     purged_at: float | None
     next_check_at: float | None
     updated_at: float
+    # Times verify_timeout passed unlisted and the object was delivered again (schema v5).
+    redeliveries: int = 0
+    # 1: a read-back found the remote bytes wrong; the next delivery must PUT (schema v5).
+    force_upload: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -372,7 +378,7 @@ def record_delivered(
     cur.execute(
         "UPDATE objects SET state = 'delivered', remote_identifier = ?, remote_name = ?,"
         " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
-        " needs_operator = 0, updated_at = ?"
+        " needs_operator = 0, force_upload = 0, updated_at = ?"
         " WHERE object_id = ? AND state = 'delivering'",
         (identifier, remote_name, now, now + retention, now, now, object_id),
     )
@@ -475,13 +481,39 @@ def record_follow_up(
     error: str | None,
     needs_operator: bool,
     now: float,
+    force_upload: bool = False,
 ) -> None:
-    """Postpone verification or purge (a lookup found nothing yet, a delete failed)."""
+    """Postpone verification or purge (a lookup found nothing yet, a delete failed).
+
+    ``force_upload`` (a read-back found the remote bytes wrong) makes the next delivery of the
+    row upload even when the metadata API lists a matching file; only a delivery clears it."""
     cur.execute(
-        "UPDATE objects SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?"
+        "UPDATE objects SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?,"
+        " force_upload = max(force_upload, ?)"
         " WHERE object_id = ? AND state = 'delivered'",
-        (next_check_at, error, int(needs_operator), now, object_id),
+        (next_check_at, error, int(needs_operator), now, int(force_upload), object_id),
     )
+
+
+def redeliver(
+    cur: sqlite3.Cursor, object_id: str, reason: str, now: float, *, by_operator: bool = False
+) -> bool:
+    """``delivered -> retry_wait``, due now, for a row not yet verified nor purged.
+
+    The scheduler calls it when ``verify_timeout`` passed without the destination listing the
+    file (counting a re-delivery); an operator retry resets the count.  The recorded destination
+    stays (it derives from stable values); delivered_at and purge_after go, so nothing purges
+    the payload before the next delivery is verified.  False when the row was not eligible.
+    """
+    cur.execute(
+        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, last_error = ?,"
+        " needs_operator = 0, delivered_at = NULL, purge_after = NULL, next_check_at = NULL,"
+        " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
+        " WHERE object_id = ? AND state = 'delivered' AND verified_at IS NULL"
+        " AND purged_at IS NULL",
+        (now, reason[:2000], int(by_operator), now, object_id),
+    )
+    return cur.rowcount == 1
 
 
 def record_purged(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
@@ -500,6 +532,18 @@ def make_due_now(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
         (now, now, object_id),
     )
     return cur.rowcount == 1
+
+
+OPERATOR_REDELIVERY = "re-delivery requested by an operator"
+
+
+def operator_retry(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
+    """``canner retry``: a ``retry_wait`` row becomes due now; a delivered row that is not
+    verified (unlisted, a mismatch, flagged or not) goes back to be delivered, due now, with
+    its re-delivery count reset.  False for anything else (pending, delivering, verified)."""
+    if make_due_now(cur, object_id, now):
+        return True
+    return redeliver(cur, object_id, OPERATOR_REDELIVERY, now, by_operator=True)
 
 
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:

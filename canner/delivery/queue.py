@@ -1,6 +1,9 @@
 """Delivery states, the transitions between them, and the retry policy.  Pure.
 
 ``pending -> delivering -> delivered``; failures ``delivering -> retry_wait -> delivering``.
+A delivered object that is still not listed at its destination ``verify_timeout`` after its
+delivery goes back ``delivered -> retry_wait`` to be delivered again (so does one an operator
+retries before it is verified).
 Every transition in the index is a guarded update (``WHERE state = :expected``) checked against
 :data:`ALLOWED`.  Retries go on forever: 1 minute doubling to 1 hour, with a little jitter so a
 burst of failures does not retry in lockstep.
@@ -22,7 +25,7 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.PENDING: frozenset({State.DELIVERING}),
     State.DELIVERING: frozenset({State.DELIVERED, State.RETRY_WAIT}),
     State.RETRY_WAIT: frozenset({State.DELIVERING}),
-    State.DELIVERED: frozenset(),
+    State.DELIVERED: frozenset({State.RETRY_WAIT}),
 }
 
 FIRST_RETRY = 60.0
@@ -33,6 +36,11 @@ JITTER = 0.1
 VERIFY_MIN = 10.0
 VERIFY_MAX = 600.0
 PURGE_RETRY = 60.0
+# verify_timeout's default: IA's archive tasks can lag for hours when IA is backlogged.
+DEFAULT_VERIFY_TIMEOUT = 6 * 3600.0
+# Automatic re-deliveries of an object its destination keeps losing; once verify_timeout passes
+# again after the last of them, the row is flagged for an operator instead.
+MAX_REDELIVERIES = 3
 
 
 def can_move(old: State, new: State) -> bool:
@@ -56,3 +64,29 @@ def verify_delay(now: float, delivered_at: float | None) -> float:
     """Seconds until the next remote verification of an object delivered at ``delivered_at``."""
     waited = 0.0 if delivered_at is None else max(now - delivered_at, 0.0)
     return min(max(waited / 2.0, VERIFY_MIN), VERIFY_MAX)
+
+
+def next_verify_at(now: float, delivered_at: float | None, verify_timeout: float) -> float:
+    """When to look for a delivered, unverified object again: :func:`verify_delay` from now,
+    but no later than the moment ``verify_timeout`` passes (so the timeout acts on time)."""
+    again = now + verify_delay(now, delivered_at)
+    if delivered_at is not None and now - delivered_at < verify_timeout:
+        again = min(again, delivered_at + verify_timeout)
+    return again
+
+
+class Unlisted(StrEnum):
+    """What to do about a delivered object its destination does not list (yet)."""
+
+    WAIT = "wait"  # look again later
+    REDELIVER = "redeliver"  # verify_timeout passed: deliver it again
+    FLAG = "flag"  # passed again after MAX_REDELIVERIES: an operator must look
+
+
+def unlisted(
+    now: float, delivered_at: float | None, verify_timeout: float, redeliveries: int
+) -> Unlisted:
+    """Decide for an object that the destination's listing does not show."""
+    if delivered_at is None or now - delivered_at < verify_timeout:
+        return Unlisted.WAIT
+    return Unlisted.REDELIVER if redeliveries < MAX_REDELIVERIES else Unlisted.FLAG

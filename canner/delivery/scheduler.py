@@ -5,7 +5,9 @@ slots, and starts one attempt per row; attempts are not awaited by the tick.  An
 the local payload against its receipt (BLAKE3, computing the MD5 once and storing it), hands it to
 the project's sink, and records ``delivered`` or ``retry_wait`` through guarded updates.  The same
 tick follows delivered rows up: verify the remote copy, then purge the local payload once verified
-and past retention.  Attempts are cancellable, bounded by 24 hours, and cancelled on stop; a
+and past retention; a delivered object still unlisted ``verify_timeout`` after its delivery
+goes back to be delivered again (flagged for an operator once that keeps happening).  Attempts
+are cancellable, bounded by 24 hours, and cancelled on stop; a
 cancelled attempt is due again right after restart.  Each attempt's phase and the payload bytes
 its sink reports are tracked in :class:`~canner.delivery.liveness.InFlight` (the heartbeat,
 ``/metrics`` and the manhole's ``scheduler.active`` read it).
@@ -32,9 +34,19 @@ from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.liveness import InFlight
 from canner.delivery.purge import delete_payload, purge_is_due
-from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, VERIFY_MAX, retry_delay, verify_delay
+from canner.delivery.queue import (
+    DEFAULT_VERIFY_TIMEOUT,
+    MAX_REDELIVERIES,
+    MAX_RETRY,
+    PURGE_RETRY,
+    VERIFY_MAX,
+    Unlisted,
+    next_verify_at,
+    retry_delay,
+    unlisted,
+)
 from canner.receipts import ReceiptStore
-from canner.sinks.base import DeliveryFailed, Sink
+from canner.sinks.base import DeliveryFailed, RemoteCheck, Sink
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -65,6 +77,8 @@ class DeliveryService(Service):
     _concurrency: int
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
+    # Per project: how long a delivered object may stay unlisted before it is delivered again.
+    _verify_timeouts: Mapping[str, float] = field(factory=dict)
     _active: dict[str, Deferred[None]] = field(factory=dict)
     _checking: dict[str, Deferred[None]] = field(factory=dict)
     _claiming: bool = False
@@ -335,25 +349,7 @@ class DeliveryService(Service):
     async def _follow_up(self, row: QueueRow) -> None:
         now = self._clock.seconds()
         if row.verified_at is None:
-            check = await self._sinks[row.project].verify(row)
-            if check.verified:
-                await self._index.run(sql.record_verified, row.object_id, now)
-                log.info(
-                    "verified {object_id} at its destination",
-                    object_id=row.object_id,
-                    project=row.project,
-                    identifier=row.remote_identifier,
-                )
-            else:
-                again = now + verify_delay(now, row.delivered_at)
-                await self._index.run(
-                    sql.record_follow_up,
-                    row.object_id,
-                    again,
-                    check.detail,
-                    check.needs_operator,
-                    now,
-                )
+            await self._verify(row, now)
             return
         if purge_is_due(row, now):
             try:
@@ -380,6 +376,74 @@ class DeliveryService(Service):
                 project=row.project,
                 identifier=row.remote_identifier,
             )
+
+    async def _verify(self, row: QueueRow, now: float) -> None:
+        """Look for the delivered copy; record it verified, look again later, deliver it again
+        (``verify_timeout`` passed and it is not listed), or flag the row."""
+        path = self._uploads.data_path(row.object_id)
+        check = await self._sinks[row.project].verify(row, path)
+        if check.verified:
+            await self._index.run(sql.record_verified, row.object_id, now)
+            log.info(
+                "verified {object_id} at its destination",
+                object_id=row.object_id,
+                project=row.project,
+                identifier=row.remote_identifier,
+            )
+            return
+        timeout = self._verify_timeouts.get(row.project, DEFAULT_VERIFY_TIMEOUT)
+        decision = Unlisted.WAIT
+        if check.absent:
+            decision = unlisted(now, row.delivered_at, timeout, row.redeliveries)
+        if decision is Unlisted.REDELIVER:
+            await self._redeliver(row, check, timeout, now)
+            return
+        detail, needs_operator = check.detail, check.needs_operator
+        if decision is Unlisted.FLAG:
+            needs_operator = True
+            detail = (
+                f"still not listed {timeout:g}s after delivery, after {row.redeliveries}"
+                f" re-deliveries ({check.detail}); `canner retry` delivers it again"
+            )
+        if needs_operator and not row.needs_operator:
+            log.error(
+                "the delivered copy of {object_id} needs an operator: {error}",
+                object_id=row.object_id,
+                project=row.project,
+                identifier=row.remote_identifier,
+                error=detail,
+                needs_operator=True,
+            )
+        await self._index.run(
+            sql.record_follow_up,
+            row.object_id,
+            next_verify_at(now, row.delivered_at, timeout),
+            detail,
+            needs_operator,
+            now,
+            check.bad_copy,
+        )
+
+    async def _redeliver(
+        self, row: QueueRow, check: RemoteCheck, timeout: float, now: float
+    ) -> None:
+        count = row.redeliveries + 1
+        reason = (
+            f"not listed {timeout:g}s after delivery ({check.detail}): delivering again"
+            f" (re-delivery {count} of {MAX_REDELIVERIES})"
+        )
+        if await self._index.run(sql.redeliver, row.object_id, reason, now):
+            log.warn(
+                "{object_id} is still not listed at its destination {timeout:g}s after its"
+                " delivery: delivering it again (re-delivery {count} of {limit})",
+                object_id=row.object_id,
+                project=row.project,
+                identifier=row.remote_identifier,
+                timeout=timeout,
+                count=count,
+                limit=MAX_REDELIVERIES,
+            )
+            self._refill()
 
 
 def _discard(running: dict[str, Deferred[None]], object_id: str) -> None:

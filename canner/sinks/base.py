@@ -54,6 +54,12 @@ class RemoteCheck:
     verified: bool
     detail: str = ""
     needs_operator: bool = False
+    # The destination does not list the file at all (not a failed lookup, not a mismatch):
+    # once verify_timeout has passed, the object is delivered again.
+    absent: bool = False
+    # The remote bytes differ although the listing matches (a read-back): the next delivery
+    # must upload instead of trusting the listing.
+    bad_copy: bool = False
 
 
 class Sink(Protocol):
@@ -67,8 +73,9 @@ class Sink(Protocol):
         ``progress(n)`` is told about payload bytes as they are sent."""
         ...
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
-        """Check that the remote file exists with the right size and MD5."""
+    def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
+        """Check that the remote file exists with the right size and MD5 (and, where the sink
+        can, that its bytes equal the local payload at ``path``)."""
         ...
 
 

@@ -411,7 +411,8 @@ class DirectorySink:
             needs_operator=True,
         )
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+    def verify(self, row: QueueRow, path: Path | None = None) -> Deferred[RemoteCheck]:
+        """Re-read the whole copy: its BLAKE3 against the receipt (``path`` is not needed)."""
         return Deferred.fromCoroutine(self._verify(row))
 
     async def _verify(self, row: QueueRow) -> RemoteCheck:
@@ -424,7 +425,7 @@ class DirectorySink:
         except OSError as e:
             return RemoteCheck(False, f"{final} is unreadable: {e.strerror or e}")
         if found is None:
-            return RemoteCheck(False, f"{final} is missing", needs_operator=True)
+            return RemoteCheck(False, f"{final} is missing", needs_operator=True, absent=True)
         checksum, size = found
         if size != row.size_bytes or str(checksum) != row.checksum:
             return RemoteCheck(

@@ -12,6 +12,7 @@ against IA's metadata API.  The rules are ``docs/reference/internet-archive.md``
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +41,13 @@ from canner.sinks.base import (
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
 from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
+from canner.sinks.readback import (
+    ReadBack,
+    choose_ranges,
+    describe,
+    parse_content_range,
+    read_local,
+)
 from canner.sinks.transport import (
     canner_user_agent,
     describe_failure,
@@ -106,6 +114,9 @@ class IASink:
     max_redirects: int = 3
     read_size: int = 1 << 20
     user_agent: str = field(factory=canner_user_agent)
+    # Base of the download URLs the read-back uses (None: metadata_url, as on archive.org).
+    download_url: str | None = None
+    random: Callable[[], float] = random.random
 
     @classmethod
     def for_delivery(
@@ -126,7 +137,7 @@ class IASink:
             delivery.s3_url,
             delivery.metadata_url,
             run,
-            **kwargs,
+            **{"download_url": delivery.download_url, **kwargs},
         )
 
     def remote_file(self, plan: ItemPlan) -> Deferred[Lookup]:
@@ -143,20 +154,132 @@ class IASink:
         return Deferred.fromCoroutine(self._lookup(identifier, remote_name))
 
     def deliver(
-        self, plan: ItemPlan, path: Path, on_progress: Callable[[int], None] | None = None
+        self,
+        plan: ItemPlan,
+        path: Path,
+        on_progress: Callable[[int], None] | None = None,
+        *,
+        overwrite: bool = False,
     ) -> Deferred[DeliveryResult]:
         """One delivery attempt of the file at ``path`` to ``plan``'s destination.
 
         Skips the upload when the metadata API already shows the file with the plan's size and
-        MD5; probes ``check_limit`` (when enabled); then PUTs the file, streaming, following a few
+        MD5, unless ``overwrite`` (a read-back found IA serving other bytes); probes
+        ``check_limit`` (when enabled); then PUTs the file, streaming, following a few
         redirects.  Fires with a :class:`DeliveryResult` for every I/O outcome, including the
         watchdog, the answer timeout and the ``attempt_timeout`` cap (all transient).
         Cancelling the returned Deferred aborts the transfer; it then fails with
         ``CancelledError`` and nothing is to be recorded but a retry.  ``on_progress(n)`` is
         told about each chunk of payload handed to the connection.
         """
-        attempt = _Attempt(self, plan, path, on_progress)
+        attempt = _Attempt(self, plan, path, on_progress, overwrite)
         return attempt.start()
+
+    def read_back(
+        self, identifier: str, remote_name: str, path: Path, size: int, budget: int
+    ) -> Deferred[ReadBack]:
+        """Fetch a few random byte ranges (``budget`` bytes in all) of the remote file through
+        its download URL, following IA's redirect to the datanode, and compare them with the
+        local payload at ``path``.  Fires with a :class:`ReadBack` for every I/O outcome; fails
+        only with ``CancelledError``."""
+        return Deferred.fromCoroutine(self._read_back(identifier, remote_name, path, size, budget))
+
+    async def _read_back(
+        self, identifier: str, remote_name: str, path: Path, size: int, budget: int
+    ) -> ReadBack:
+        ranges = choose_ranges(size, budget, self.random)
+        if not ranges:
+            return ReadBack(True)
+        try:
+            local = await self._run(read_local, path, ranges)
+        except FileNotFoundError:
+            # Nothing left to purge, and nothing to compare with: the metadata has to do.
+            log.warn(
+                "no local payload to read {identifier}/{remote_name} back against",
+                identifier=identifier,
+                remote_name=remote_name,
+            )
+            return ReadBack(True)
+        except OSError as e:
+            return ReadBack(False, f"read-back: local payload unreadable: {e.strerror or e}")
+        base = (self.download_url or self._metadata_url).rstrip("/")
+        url = f"{base}/download/{quote(identifier, safe='')}/{quote(remote_name, safe='/')}"
+        differ: list[tuple[int, int]] = []
+        for (first, last), expected in zip(ranges, local, strict=True):
+            served = await self._fetch_range(url, first, last, size)
+            if isinstance(served, ReadBack):
+                return served
+            if served != expected:
+                differ.append((first, last))
+        if differ:
+            return ReadBack(
+                False,
+                f"read-back: IA serves other bytes than the local payload at offsets"
+                f" {describe(differ)} (of {describe(ranges)}), though its metadata lists the"
+                " right size and MD5",
+                mismatch=True,
+            )
+        return ReadBack(True)
+
+    async def _fetch_range(self, url: str, first: int, last: int, size: int) -> bytes | ReadBack:
+        """Bytes ``first..last`` of the file at ``url``, or why not."""
+        span = last - first + 1
+        headers = self._plain_headers()
+        headers.setRawHeaders(b"range", [f"bytes={first}-{last}".encode("ascii")])
+        where = f"read-back of bytes {first}-{last}"
+        try:
+            # No authorization header: downloads of access-restricted files need a logged-in
+            # cookie, not the IA-S3 keys, so the secret would travel for nothing.
+            for _hop in range(self.max_redirects + 1):
+                response = await self._http.get(
+                    url, headers=headers, allow_redirects=False, unbuffered=True
+                ).addTimeout(self.request_timeout, self._clock)
+                location = first_headers(response.headers).get("location")
+                if response.code in _REDIRECTS and location:
+                    await read_bounded(response, ERROR_BODY_MAX, self.request_timeout, self._clock)
+                    url = urljoin(url, location)
+                    if urlsplit(url).scheme not in ("http", "https"):
+                        return ReadBack(False, f"{where}: redirected to a non-HTTP URL")
+                    continue
+                body, truncated = await read_bounded(
+                    response, span, self.request_timeout, self._clock
+                )
+                break
+            else:
+                return ReadBack(False, f"{where}: too many redirects")
+        except CancelledError:
+            raise
+        except Exception as e:
+            return ReadBack(False, self._redact(describe_failure(e, where)))
+        code = response.code
+        if code in (401, 403):
+            return ReadBack(
+                False,
+                f"{where}: the download was refused ({code}); if the item is access-restricted,"
+                " set readback_bytes = 0 to verify by the metadata API alone",
+                needs_operator=True,
+            )
+        if code == 416:
+            return ReadBack(
+                False, f"{where}: IA says its copy has no byte {first} (416)", mismatch=True
+            )
+        if code == 200 and (first, last) != (0, size - 1):
+            return ReadBack(False, f"{where}: the download ignored the Range header (200)")
+        if code == 206:
+            got = parse_content_range(first_headers(response.headers).get("content-range"))
+            if got is not None and got[2] is not None and got[2] != size:
+                return ReadBack(
+                    False,
+                    f"{where}: IA serves a {got[2]}-byte file, its receipt says {size}",
+                    mismatch=True,
+                )
+            if got is None or got[:2] != (first, last):
+                return ReadBack(False, f"{where}: unexpected Content-Range {got}")
+        elif code != 200:
+            return ReadBack(False, f"{where}: download answered {code}")
+        if len(body) != span and not truncated:
+            return ReadBack(False, f"{where}: {len(body)} bytes arrived, not {span}")
+        return body
 
     # -- helpers used by _Attempt ----------------------------------------------------------
 
@@ -267,6 +390,7 @@ class _Attempt:
     _plan: ItemPlan
     _path: Path
     _on_progress: Callable[[int], None] | None = None
+    _overwrite: bool = False
     _current: Deferred[Any] | None = None
     _abort_reason: str | None = None
     _cancelled: bool = False
@@ -355,7 +479,16 @@ class _Attempt:
             remote = Unknown("lookup cancelled")
         if (stop := self._interrupted()) is not None:
             return stop
-        if isinstance(remote, RemoteFile) and remote.matches(plan.size, plan.content_md5):
+        listed = isinstance(remote, RemoteFile) and remote.matches(plan.size, plan.content_md5)
+        if listed and self._overwrite:
+            log.warn(
+                "{object_id} is listed at {identifier}/{remote_name}, but a read-back found other"
+                " bytes there: uploading it again",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                remote_name=plan.remote_name,
+            )
+        elif listed:
             log.info(
                 "{object_id} is already at {identifier}/{remote_name}; no upload needed",
                 object_id=plan.object_id,
@@ -536,7 +669,7 @@ class IADeliverySink:
         self, row: QueueRow, path: Path, progress: Callable[[int], None]
     ) -> Delivered:
         plan = self.plan(row)
-        result = await self._sink.deliver(plan, path, progress)
+        result = await self._sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
         raise DeliveryFailed(
@@ -546,23 +679,53 @@ class IADeliverySink:
             kind=failure_class(result.status, result.outcome.reason),
         )
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
-        return Deferred.fromCoroutine(self._verify(row))
+    def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
+        return Deferred.fromCoroutine(self._verify(row, path))
 
-    async def _verify(self, row: QueueRow) -> RemoteCheck:
+    async def _verify(self, row: QueueRow, path: Path) -> RemoteCheck:
         assert row.remote_identifier is not None and row.remote_name is not None
         found = await self._sink.lookup(row.remote_identifier, row.remote_name)
         if isinstance(found, RemoteFile):
             if row.content_md5 is not None and found.matches(row.size_bytes, row.content_md5):
-                return RemoteCheck(True)
+                return await self._read_back(row, path)
             return RemoteCheck(
                 False,
                 f"remote file differs: {found.size} bytes, md5 {found.md5}",
                 needs_operator=True,
             )
         if found is None:
-            return RemoteCheck(False, "not listed by the metadata API yet")
+            return RemoteCheck(False, "not listed by the metadata API yet", absent=True)
         return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
+
+    async def _read_back(self, row: QueueRow, path: Path) -> RemoteCheck:
+        """The metadata matches; before a purge may follow, check the bytes IA serves."""
+        assert row.remote_identifier is not None and row.remote_name is not None
+        if self._delivery.readback_bytes <= 0:
+            return RemoteCheck(True)
+        result = await self._sink.read_back(
+            row.remote_identifier,
+            row.remote_name,
+            path,
+            row.size_bytes,
+            self._delivery.readback_bytes,
+        )
+        if result.ok:
+            return RemoteCheck(True)
+        if result.mismatch:
+            return RemoteCheck(
+                False,
+                result.detail + "; the payload is kept, `canner retry` uploads it again",
+                needs_operator=True,
+                bad_copy=True,
+            )
+        if not result.needs_operator:
+            log.warn(
+                "read-back of {object_id} failed, trying again later: {error}",
+                object_id=row.object_id,
+                identifier=row.remote_identifier,
+                error=result.detail,
+            )
+        return RemoteCheck(False, result.detail, needs_operator=result.needs_operator)
 
 
 def internet_archive_sink(

@@ -225,7 +225,12 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
             "identifier or remote_name must contain {object_id}, so that every object gets its "
             "own stable destination",
         )
-    for scheme_key, url in (("s3_url", delivery.s3_url), ("metadata_url", delivery.metadata_url)):
+    urls = (
+        ("s3_url", delivery.s3_url),
+        ("metadata_url", delivery.metadata_url),
+        ("download_url", delivery.download_url),
+    )
+    for scheme_key, url in urls:
         parts = urlsplit(url)
         if parts.scheme != "https" and not is_loopback(parts.hostname):
             raise ConfigError(

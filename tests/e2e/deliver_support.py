@@ -226,6 +226,8 @@ class DeliveryReceiver(Receiver):
     retention: str = "2s"
     concurrency: int = 2
     metadata: dict[str, list[str]] = field(default_factory=dict)
+    # More keys of [projects.example.delivery] (verify_timeout, readback_bytes, ...).
+    delivery: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def configured(
@@ -234,6 +236,7 @@ class DeliveryReceiver(Receiver):
         fake_url: str,
         retention: str = "2s",
         concurrency: int = 2,
+        delivery: dict[str, Any] | None = None,
         **config: Any,
     ) -> DeliveryReceiver:
         root.mkdir(parents=True, exist_ok=True)
@@ -247,6 +250,7 @@ class DeliveryReceiver(Receiver):
             retention=retention,
             concurrency=concurrency,
             metadata={"collection": ["test"], "title": ["Artifact {object_id}"]},
+            delivery=dict(delivery or {}),
         )
         (root / "keys").write_text(f"{ACCESS}\n{SECRET}\n", encoding="utf-8")
         config.setdefault("max_upload_bytes", 512 * 1024 * 1024)
@@ -268,6 +272,7 @@ class DeliveryReceiver(Receiver):
             f"local_artifact_retention = {json.dumps(self.retention)}",
             f"s3_url = {json.dumps(self.fake_url)}",
             f"metadata_url = {json.dumps(self.fake_url)}",
+            *(f"{key} = {json.dumps(value)}" for key, value in self.delivery.items()),
             "",
             f"[projects.{PROJECT}.delivery.metadata]",
             *(f"{key} = {json.dumps(values)}" for key, values in self.metadata.items()),
@@ -494,12 +499,18 @@ def make_env(
     retention: str = "2s",
     concurrency: int = 2,
     start_deliver: bool = True,
+    delivery: dict[str, Any] | None = None,
     **config: Any,
 ) -> Env:
     fake = FakeIA(root / "fake", metadata_lag=metadata_lag)
     fake.start()
     receiver = DeliveryReceiver.configured(
-        root / "canner", fake.url, retention=retention, concurrency=concurrency, **config
+        root / "canner",
+        fake.url,
+        retention=retention,
+        concurrency=concurrency,
+        delivery=delivery,
+        **config,
     )
     deliver = Deliver(receiver.config_path, receiver.data_dir, root / "canner" / "deliver.log")
     env = Env(fake, receiver, deliver)

@@ -484,9 +484,9 @@ def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_d
         fake.clear_faults()
         retried = canner("retry", oid, "--config", config)
         assert retried.returncode == 0, retried.stderr
-        wait_for(lambda: row().get("state") == "delivered", 20, "delivery after the retry")
+        wait_for(lambda: row().get("verified_at") is not None, 20, "verified after the retry")
         again = canner("retry", oid, "--config", config)
-        assert again.returncode == 1 and "is delivered, not retry_wait" in again.stderr
+        assert again.returncode == 1 and "delivered and verified" in again.stderr
 
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         samples = wait_for(

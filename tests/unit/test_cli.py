@@ -237,17 +237,60 @@ def test_retry_makes_a_waiting_row_due_now(run: Run, indexed: SyncIndex) -> None
 @pytest.mark.parametrize(
     ("n", "message"),
     [
-        (1, "is pending, not retry_wait"),
-        (3, "is delivered, not retry_wait"),
+        (1, "is pending: only a waiting retry or a delivered, unverified object"),
+        (3, "is delivered and verified at its destination: nothing to retry"),
         (9, "not in the delivery index"),
     ],
 )
 def test_retry_refuses_rows_not_waiting(run: Run, indexed: SyncIndex, n: int, message: str) -> None:
-    """Only retry_wait rows can be retried; nothing changes otherwise."""
+    """Pending, verified and unknown rows cannot be retried; nothing changes then."""
+    indexed.query("UPDATE objects SET verified_at = ? WHERE object_id = ?", NOW - 5, oid(3))
     before = indexed.query("SELECT * FROM objects ORDER BY object_id")
     code, out, err = run("retry", oid(n))
     assert code == 1 and out == "" and message in err
     assert indexed.query("SELECT * FROM objects ORDER BY object_id") == before
+
+
+def test_retry_delivers_an_unverified_flagged_row_again(run: Run, indexed: SyncIndex) -> None:
+    """A delivered row IA never listed (flagged after its re-deliveries), or whose remote copy
+    differs, goes back to retry_wait due now with its re-delivery count reset; a read-back
+    mismatch keeps force_upload so the next attempt uploads."""
+    indexed.query(
+        "UPDATE objects SET delivered_at = ?, purge_after = ?, needs_operator = 1,"
+        " redeliveries = 3, force_upload = 1, last_error = 'still not listed'"
+        " WHERE object_id = ?",
+        NOW - 50,
+        NOW - 40,
+        oid(3),
+    )
+    code, out, err = run("retry", oid(3))
+    assert code == 0, err
+    assert f"{oid(3)} is due now (delivered again)" in out and "still not listed" in out
+    [row] = indexed.query(
+        "SELECT state, next_attempt_at, needs_operator, redeliveries, force_upload,"
+        " delivered_at, purge_after FROM objects WHERE object_id = ?",
+        oid(3),
+    )
+    assert row == ("retry_wait", NOW, 0, 0, 1, None, None)
+
+
+def test_bulk_retry_includes_flagged_unverified_deliveries(run: Run, indexed: SyncIndex) -> None:
+    """``retry --needs-operator`` also re-delivers flagged delivered rows that are not verified,
+    and leaves verified ones alone."""
+    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(3))
+    code, out, err = run("retry", "--needs-operator")
+    assert code == 0, err
+    assert "1 deliveries needing an operator are due now" in out and oid(3) in out
+    assert indexed.query("SELECT state FROM objects WHERE object_id = ?", oid(3)) == [
+        ("retry_wait",)
+    ]
+    indexed.query(
+        "UPDATE objects SET state = 'delivered', verified_at = 1, needs_operator = 1"
+        " WHERE object_id = ?",
+        oid(3),
+    )
+    code, out, _ = run("retry", "--needs-operator")
+    assert code == 0 and "0 deliveries" in out
 
 
 # -- rebuild-index -----------------------------------------------------------------------------

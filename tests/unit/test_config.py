@@ -116,6 +116,18 @@ def _delivery(**overrides: Any) -> dict[str, Any]:
         ({"s3_url": "nope"}, "projects.p.delivery.s3_url"),
         ({"metadata": {"title": 3}}, "projects.p.delivery.metadata.title"),
         ({"extra": 1}, "projects.p.delivery.extra"),
+        ({"verify_timeout": "500ms"}, "projects.p.delivery.verify_timeout"),
+        ({"verify_timeout": "6 hours"}, "projects.p.delivery.verify_timeout"),
+        ({"verify_timeout": 3600}, "projects.p.delivery.verify_timeout"),
+        ({"readback_bytes": -1}, "projects.p.delivery.readback_bytes"),
+        ({"readback_bytes": "64KiB"}, "projects.p.delivery.readback_bytes"),
+        ({"readback_bytes": True}, "projects.p.delivery.readback_bytes"),
+        ({"readback_bytes": (64 << 20) + 1}, "projects.p.delivery.readback_bytes"),
+        ({"download_url": "archive.org"}, "projects.p.delivery.download_url"),
+        (
+            {"sink": "directory", "credentials": None, "path": "/srv", "readback_bytes": 0},
+            "projects.p.delivery.readback_bytes",
+        ),
     ],
 )
 def test_bad_delivery_tables_name_the_key(
@@ -138,6 +150,32 @@ def test_delivery_table_parses_with_defaults(tmp_path: Path) -> None:
     assert delivery.local_artifact_retention == 86400.0
     assert delivery.credentials == tmp_path / "ia.ini"
     assert delivery.metadata == {"mediatype": ("web",)}
+    assert delivery.verify_timeout == 6 * 3600.0
+    assert delivery.readback_bytes == 3 * 64 * 1024
+    assert delivery.download_url == "https://archive.org"
+
+
+def test_download_url_follows_metadata_url_unless_set(tmp_path: Path) -> None:
+    """A test or mirror setup that moves metadata_url moves downloads with it by default."""
+    raw = config(projects={"p": {"delivery": _delivery(metadata_url="http://127.0.0.1:9")}})
+    delivery = parse_config(raw, tmp_path).projects["p"].delivery
+    assert delivery is not None and delivery.download_url == "http://127.0.0.1:9"
+    raw = config(
+        projects={
+            "p": {
+                "delivery": _delivery(
+                    download_url="https://dl.example", verify_timeout="90m", readback_bytes=0
+                )
+            }
+        }
+    )
+    delivery = parse_config(raw, tmp_path).projects["p"].delivery
+    assert delivery is not None
+    assert (delivery.download_url, delivery.verify_timeout, delivery.readback_bytes) == (
+        "https://dl.example",
+        5400.0,
+        0,
+    )
 
 
 def test_load_config_reports_unreadable_and_invalid_files(tmp_path: Path) -> None:

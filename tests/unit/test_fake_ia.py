@@ -316,6 +316,69 @@ async def test_lost_response_stores_then_hangs_up(served: Served) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_vanish_answers_200_but_never_lists_or_serves(served: Served) -> None:
+    """vanish: IA's 200, then the file is lost; a later PUT stores it normally."""
+    served.fake.add_fault("vanish")
+    assert (await served.put())[0] == 200
+    served.clock.advance(30)
+    assert served.fake.objects() == [] and "files" not in await served.metadata()
+    assert (await served.get(f"/download/{ITEM}/a.warc"))[0] == 404
+    assert [r["fault"] for r in served.fake.requests if r.get("fault")] == ["vanish"]
+    assert (await served.put())[0] == 200
+    served.clock.advance(30)
+    (obj,) = served.fake.objects()
+    assert (obj["md5"], obj["puts"], obj["stores"]) == (BODY_MD5, 2, 1)
+
+
+async def _ranged(served: Served, path: str, byte_range: str) -> Any:
+    response = await served.http.get(
+        served.url + path, headers={"range": byte_range}, allow_redirects=False
+    )
+    return response, await response.content()
+
+
+@pytest_twisted.ensureDeferred
+async def test_download_redirects_to_a_datanode_that_serves_ranges(served: Served) -> None:
+    """/download/ answers 302 to the datanode URL, which honours single byte ranges."""
+    await served.put()
+    response, _ = await _ranged(served, f"/download/{ITEM}/a.warc", "bytes=0-0")
+    assert response.code == 302
+    [location] = response.headers.getRawHeaders("location")
+    datanode = location.removeprefix(served.url)
+    assert datanode == f"/datanode/items/{ITEM}/a.warc"
+    size = len(BODY)
+    for header, first, last in [
+        ("bytes=0-9", 0, 9),
+        (f"bytes=5-{size + 100}", 5, size - 1),
+        ("bytes=3-", 3, size - 1),
+        ("bytes=-4", size - 4, size - 1),
+    ]:
+        response, body = await _ranged(served, datanode, header)
+        assert response.code == 206, header
+        assert response.headers.getRawHeaders("content-range") == [f"bytes {first}-{last}/{size}"]
+        assert body == BODY[first : last + 1]
+    response, _ = await _ranged(served, datanode, f"bytes={size}-")
+    assert response.code == 416
+    assert (await served.get(datanode)) == (200, BODY)
+
+
+@pytest_twisted.ensureDeferred
+async def test_altered_download_keeps_the_metadata(served: Served) -> None:
+    """altered serves other bytes of the same length; the metadata still shows the MD5."""
+    await served.put()
+    served.clock.advance(30)
+    served.fake.add_fault("altered", count=2)
+    response, body = await _ranged(served, f"/datanode/items/{ITEM}/a.warc", "bytes=0-9")
+    assert response.code == 206 and len(body) == 10 and body != BODY[:10]
+    (entry,) = [f for f in (await served.metadata())["files"] if f["name"] == "a.warc"]
+    assert entry["md5"] == BODY_MD5
+    assert (await served.get(f"/download/{ITEM}/a.warc"))[1] != BODY
+    assert (await served.get(f"/download/{ITEM}/a.warc"))[1] == BODY
+    served.fake.add_fault("error500", target="download")
+    assert (await served.get(f"/download/{ITEM}/a.warc"))[0] == 500
+
+
+@pytest_twisted.ensureDeferred
 async def test_stall_stops_reading_and_never_answers(served: Served) -> None:
     """A stalled transfer takes some bytes, then neither reads nor answers."""
     served.fake.add_fault("stall", after_bytes=1 << 20)

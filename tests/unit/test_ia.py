@@ -233,6 +233,9 @@ def test_validate_allows_plain_http_only_on_loopback() -> None:
     with pytest.raises(ConfigError) as info:
         validate_delivery("example", delivery(s3_url="http://s3.us.archive.org"))
     assert info.value.key == "projects.example.delivery.s3_url"
+    with pytest.raises(ConfigError) as info:
+        validate_delivery("example", delivery(download_url="http://archive.org"))
+    assert info.value.key == "projects.example.delivery.download_url"
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,8 @@ def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None
     m.observe_event(event("delivered", project="example", identifier="x"))
     m.observe_event(event("verified", identifier="x"))
     m.observe_event(event("purged", identifier="x"))
+    m.observe_event(event("redelivered", project="example", count=1))
+    assert sample(m, "canner_redeliveries_total", project="example") == 1
     assert sample(m, "canner_delivery_attempts_total", project="example") == 2
     assert sample(m, "canner_delivery_retries_total", project="example") == 1
     failures = sample(
@@ -350,6 +352,20 @@ def test_stuck_rows_are_flagged_or_retried_too_often(data_dir: Path, index: Sync
     assert [r.object_id for r in inventory.read_index(path, inventory.stuck_rows)] == [oid(5)]
     found = inventory.read_index(path, inventory.stuck_rows, 1)
     assert {r.object_id for r in found} == {oid(4), oid(5)}
+
+
+def test_flagged_unverified_deliveries_are_stuck(data_dir: Path, index: SyncIndex) -> None:
+    """A delivered row flagged before verification (IA lost it, or serves other bytes) is
+    stuck too; once verified it is not."""
+    populate(index)
+    path = data_dir / "delivery.sqlite"
+    index.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(6))
+    index.conn.commit()
+    found = inventory.read_index(path, inventory.stuck_rows)
+    assert [r.object_id for r in found] == [oid(6), oid(5)]
+    index.query("UPDATE objects SET verified_at = ? WHERE object_id = ?", NOW, oid(6))
+    index.conn.commit()
+    assert [r.object_id for r in inventory.read_index(path, inventory.stuck_rows)] == [oid(5)]
 
 
 def make_upload(uploads: UploadStore, n: int, size: int, stored: int, **extra: Any) -> None:

@@ -15,7 +15,19 @@ from twisted.internet.task import Clock
 from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
-from canner.delivery.queue import ALLOWED, MAX_RETRY, PURGE_RETRY, State, can_move, retry_delay
+from canner.delivery.queue import (
+    ALLOWED,
+    MAX_REDELIVERIES,
+    MAX_RETRY,
+    PURGE_RETRY,
+    VERIFY_MAX,
+    State,
+    Unlisted,
+    can_move,
+    next_verify_at,
+    retry_delay,
+    unlisted,
+)
 from canner.delivery.scheduler import DeliveryService
 from canner.receipts import ReceiptStore
 from canner.sinks.base import RemoteCheck
@@ -23,6 +35,7 @@ from canner.tus.store import UploadStore
 from tests.fakes import FakeSink, SyncIndex
 
 RETENTION = 3600.0
+VERIFY_TIMEOUT = 7200.0
 
 
 @given(st.integers(1, 10_000), st.floats(0, 0.999))
@@ -40,16 +53,42 @@ def test_operator_errors_wait_the_maximum() -> None:
 
 
 def test_transition_table() -> None:
-    """Only the documented transitions exist; delivered is final."""
+    """Only the documented transitions exist; delivered only goes back to retry_wait (to be
+    delivered again)."""
     assert can_move(State.PENDING, State.DELIVERING)
     assert can_move(State.DELIVERING, State.RETRY_WAIT)
     assert can_move(State.RETRY_WAIT, State.DELIVERING)
     assert not can_move(State.PENDING, State.DELIVERED)
-    assert ALLOWED[State.DELIVERED] == frozenset()
+    assert ALLOWED[State.DELIVERED] == frozenset({State.RETRY_WAIT})
+
+
+@given(
+    st.floats(0, 10**6),
+    st.floats(0, 10**5),
+    st.floats(1, 10**5),
+    st.integers(0, 10),
+)
+def test_unlisted_waits_for_the_timeout_then_redelivers_then_flags(
+    delivered_at: float, waited: float, timeout: float, redeliveries: int
+) -> None:
+    """Unlisted within verify_timeout: wait; past it: deliver again, up to MAX_REDELIVERIES
+    times, then flag.  The next look is never later than the moment the timeout passes."""
+    now = delivered_at + waited
+    decision = unlisted(now, delivered_at, timeout, redeliveries)
+    if now - delivered_at < timeout:
+        assert decision is Unlisted.WAIT
+        assert now <= next_verify_at(now, delivered_at, timeout) <= delivered_at + timeout
+    elif redeliveries < MAX_REDELIVERIES:
+        assert decision is Unlisted.REDELIVER
+    else:
+        assert decision is Unlisted.FLAG
+    assert next_verify_at(now, delivered_at, timeout) <= now + VERIFY_MAX
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, concurrency: int = 2) -> None:
+    def __init__(
+        self, tmp_path: Path, concurrency: int = 2, verify_timeout: float = VERIFY_TIMEOUT
+    ) -> None:
         (tmp_path / "uploads").mkdir()
         (tmp_path / "receipts").mkdir()
         self.uploads = UploadStore(tmp_path / "uploads")
@@ -69,6 +108,7 @@ class Harness:
             self.clock,
             concurrency,
             random=lambda: 0.0,
+            verify_timeouts={"example": verify_timeout},
         )
 
     def accept(self, n: int, data: bytes = b"payload") -> list[str]:
@@ -194,6 +234,117 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
     record = harness.receipts.read_delivery(oid)
     assert record is not None
     assert (record.identifier, record.purged_at) == (f"item-{oid}", row.purged_at)
+
+
+def _deliver(h: Harness, oid: str) -> None:
+    h.tick()
+    h.sink.succeed(oid)
+
+
+def test_unlisted_delivery_is_delivered_again_after_verify_timeout(harness: Harness) -> None:
+    """A delivered object the destination never lists is looked for again no later than
+    verify_timeout after delivery; then it goes back to retry_wait, is claimed and delivered
+    again, and counts one re-delivery; the payload is never purged meanwhile."""
+    h = harness
+    [oid] = h.accept(1)
+    _deliver(h, oid)
+    delivered_at = h.row(oid).delivered_at
+    assert delivered_at is not None
+    h.tick()  # first look: not listed
+    row = h.row(oid)
+    assert row.state == "delivered" and row.needs_operator == 0 and row.redeliveries == 0
+    assert row.next_check_at is not None and row.next_check_at <= delivered_at + VERIFY_TIMEOUT
+    h.clock.advance(VERIFY_TIMEOUT - 1)
+    h.tick()
+    assert h.row(oid).state == "delivered", "not before the timeout"
+    h.clock.advance(1)
+    h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+    h.tick()  # the look at the deadline: back to retry_wait, due now
+    assert h.row(oid).state == "retry_wait"
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivering" and row.redeliveries == 1 and row.attempts == 2, row
+    assert row.delivered_at is None and row.purge_after is None
+    assert "delivering again (re-delivery 1 of 3)" in (row.last_error or "")
+    assert h.uploads.data_path(oid).exists()
+    h.sink.succeed(oid)
+    h.sink.checks[oid] = RemoteCheck(True)
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivered" and row.verified_at == h.clock.seconds()
+    assert row.redeliveries == 1 and row.last_error is None and row.needs_operator == 0
+
+
+def test_repeatedly_lost_delivery_is_flagged_not_redelivered(harness: Harness) -> None:
+    """After MAX_REDELIVERIES re-deliveries the next timeout flags the row instead: it stays
+    delivered (unverified, payload kept) and is still looked for; an operator retry re-queues
+    it with the count reset."""
+    h = harness
+    [oid] = h.accept(1)
+    for n in range(1, MAX_REDELIVERIES + 1):
+        _deliver(h, oid)
+        h.clock.advance(VERIFY_TIMEOUT)
+        h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+        h.tick()  # back to retry_wait, due now
+        assert h.row(oid).redeliveries == n
+        assert h.row(oid).state == "retry_wait"
+    _deliver(h, oid)
+    h.clock.advance(VERIFY_TIMEOUT)
+    h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivered" and row.needs_operator == 1, row
+    assert "after 3 re-deliveries" in (row.last_error or "") and "canner retry" in (
+        row.last_error or ""
+    )
+    assert row.next_check_at is not None and row.next_check_at <= h.clock.seconds() + VERIFY_MAX
+    h.clock.advance(RETENTION)
+    h.tick()
+    assert h.uploads.data_path(oid).exists() and h.row(oid).state == "delivered"
+    assert h.sink.pending == {}
+    assert h.index.run(sql.operator_retry, oid, h.clock.seconds()).result
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivering" and row.redeliveries == 0 and row.needs_operator == 0
+    assert row.attempts == MAX_REDELIVERIES + 2
+
+
+def test_a_remote_mismatch_is_flagged_and_never_redelivered_alone(harness: Harness) -> None:
+    """A listed file that differs (or a read-back mismatch) is flagged and kept flagged past
+    verify_timeout: overwriting it is an operator's decision; a bad copy marks force_upload."""
+    h = harness
+    [oid] = h.accept(1)
+    _deliver(h, oid)
+    h.sink.checks[oid] = RemoteCheck(
+        False, "read-back differs at offsets 0", needs_operator=True, bad_copy=True
+    )
+    h.tick()
+    row = h.row(oid)
+    assert (
+        row.needs_operator == 1 and row.force_upload == 1 and "offsets 0" in (row.last_error or "")
+    )
+    h.clock.advance(VERIFY_TIMEOUT + RETENTION)
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivered" and row.redeliveries == 0 and row.purged_at is None
+    assert h.uploads.data_path(oid).exists()
+    assert h.index.run(sql.operator_retry, oid, h.clock.seconds()).result
+    h.tick()
+    assert h.row(oid).force_upload == 1, "the re-delivery must upload"
+    h.sink.succeed(oid)
+    assert h.row(oid).force_upload == 0
+
+
+def test_a_failed_lookup_is_never_read_as_absent(harness: Harness) -> None:
+    """A lookup that failed (not an absence) never triggers a re-delivery."""
+    h = harness
+    [oid] = h.accept(1)
+    _deliver(h, oid)
+    h.sink.checks[oid] = RemoteCheck(False, "metadata API answered 500")
+    h.clock.advance(VERIFY_TIMEOUT * 3)
+    h.tick()
+    row = h.row(oid)
+    assert row.state == "delivered" and row.redeliveries == 0 and row.needs_operator == 0
 
 
 def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
