@@ -33,7 +33,7 @@ ID = re.compile(r"([a-z0-9]{1,16})-[0-9a-f]{32}")
 
 
 def require(program: str) -> str:
-    found = shutil.which(program)
+    found = shutil.which(program) or shutil.which(program, path="/usr/sbin:/sbin")
     if found is None:
         raise AssertionError(f"{program} is not installed (./dev test installs it with apt)")
     return found
@@ -286,3 +286,72 @@ def node_of(object_id: str) -> str:
     match = ID.fullmatch(object_id)
     assert match, f"{object_id!r} is not a prefixed object id"
     return match.group(1)
+
+
+def nginx_config(port: int, nodes: dict[str, int], shipped: str) -> str:
+    """The shipped nginx example for ``nodes`` (prefix -> receiver port), plain HTTP on a
+    loopback port; the lines of shipped nodes not in ``nodes`` are left out."""
+    out = []
+    for line in shipped.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("listen "):
+            line = f"    listen 127.0.0.1:{port};"
+        elif stripped.startswith("ssl_certificate"):
+            continue
+        node = re.search(r"10\.0\.0\.([0-9]+):8080|^n([0-9]+) canner_n", stripped)
+        if node is not None:
+            prefix = f"n{node.group(1) or node.group(2)}"
+            if prefix not in nodes:
+                continue
+            line = line.replace(f"10.0.0.{prefix[1:]}:8080", f"127.0.0.1:{nodes[prefix]}")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+@dataclass
+class Nginx:
+    """``nginx`` in the foreground with the shipped example included in its http block."""
+
+    root: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, nodes: dict[str, int]) -> None:
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        site = self.root / "canner.conf"
+        site.write_text(nginx_config(self.port, nodes, SHIPPED_NGINX.read_text()))
+        main = self.root / "nginx.conf"
+        main.write_text(
+            "events {}\n"
+            f"http {{\n    access_log {self.root / 'access.log'};\n    include {site};\n}}\n"
+        )
+        pid, errors = self.root / "nginx.pid", self.root / "error.log"
+        globals_ = f"daemon off; pid {pid}; error_log {errors};"
+        command = [require("nginx"), "-p", str(self.root), "-c", str(main), "-g", globals_]
+        check = subprocess.run(
+            [*command, "-t"], capture_output=True, text=True, timeout=30, check=False
+        )
+        assert check.returncode == 0, f"nginx -t refused the config:\n{check.stderr}"
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        wait_for(self._listening, 20, "nginx to listen", 0.05)
+
+    def _listening(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, "nginx exited"
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful: finish requests, then exit
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

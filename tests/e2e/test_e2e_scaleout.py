@@ -40,7 +40,7 @@ import blake3
 import pytest
 import requests
 from canner_client import Client, RetryPolicy
-from cluster_support import HAProxy, Node, get, make_node, node_of, require
+from cluster_support import HAProxy, Nginx, Node, get, make_node, node_of, require
 from deliver_support import FakeIA, venv_bin, wait_for
 from e2e_support import JS_DIR, OFFSET_TYPE, REPO, TUS_VERSION, blake3_hex, upload_metadata
 from tusclient import client as tus_client
@@ -74,9 +74,12 @@ class Cluster:
     lock: threading.Lock = field(default_factory=threading.Lock)
     counter: int = 0
 
+    # Another front (nginx) for the raw tus helpers; None: the HAProxy.
+    front_url: str | None = None
+
     @property
     def files_url(self) -> str:
-        return self.proxy.url + "/files/"
+        return (self.front_url or self.proxy.url) + "/files/"
 
     def record(
         self, object_id: str, receipt: bytes, data_checksum: str, size: int, client: str
@@ -537,6 +540,51 @@ def test_a_drained_node_is_emptied_and_removed_without_failing_an_upload(cluster
     oid = upload_id(create(cl, data))
     assert node_of(oid) in ("n1", "n2")
     finish(cl, oid, data)
+
+
+def test_nginx_example_routes_by_prefix_and_skips_a_draining_node(cluster: Cluster) -> None:
+    """The shipped nginx example in front of n1 and n2: uploads and lookups reach the owner;
+    with n2 drained, creations land on n1 (nginx retries the 503) while n2's upload in
+    progress finishes through nginx."""
+    cl = cluster
+    front = Nginx(cl.root / "nginx")
+    front.start({p: cl.nodes[p].receiver.port for p in ("n1", "n2")})
+    via = Cluster(cl.root, cl.fake, cl.nodes, cl.proxy, cl.mount, cl.accepted, cl.lock)
+    via.front_url = front.url
+    n2 = cl.nodes["n2"]
+    try:
+        client = Client(front.url, timeout=30, state_dir=cl.root / "state-nginx")
+        ids = [client_upload(cl, client, s) for s in sizes(10, SEED + 6)]
+        for oid in ids:
+            assert node_of(oid) in ("n1", "n2")
+            looked_up = get(f"{front.url}/api/v1/receipts/{oid}")
+            assert looked_up.status_code == 200 and looked_up.content == cl.accepted[oid].receipt
+        in_progress = started_on(via, "n2", 1)
+        done = subprocess.run(
+            [venv_bin("canner"), "drain", "--config", str(n2.receiver.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        for i in range(8):
+            data = random.Random(SEED + 2000 + i).randbytes(2 * KiB)
+            oid = upload_id(create(via, data))
+            assert node_of(oid) == "n1", "nginx left a creation on the draining node"
+            finish(via, oid, data)
+        for oid, data in in_progress:
+            finish(via, oid, data)
+            assert node_of(oid) == "n2"
+    finally:
+        subprocess.run(
+            [venv_bin("canner"), "undrain", "--config", str(n2.receiver.config_path)],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        front.stop()
+    cl.proxy.wait_state("n2", "UP")
 
 
 def test_every_accepted_object_reached_the_fake_ia_exactly_once(cluster: Cluster) -> None:
