@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+from twisted.internet.task import Clock
 
 from canner import drain
+from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.drain import DrainMark, retirement
+from canner.ids import ObjectIds
+from canner.inventory import take_survey
+from canner.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
+from canner.status_page import StatusView, render_status
 from canner.tus.store import UploadInfo, UploadStore
+from tests.fakes import SyncIndex, succeeded
 from tests.unit.test_cli import CHECKSUM, NOW, Run, oid
 from tests.unit.test_readiness import data_dir, readyz
 
@@ -179,3 +187,37 @@ def test_drain_refuses_a_missing_data_dir(run: Run) -> None:
     code, _, err = run("drain")
     assert code == 1 and "does not exist" in err
     assert not (run.data_dir / "draining.json").exists()
+
+
+def test_status_page_and_gauges_say_draining_and_retirable(tmp_path: Path) -> None:
+    """The status page shows a drain banner naming what is left; ``canner_draining`` and
+    ``canner_retirable`` follow the marker and the index."""
+    for sub in ("uploads", "receipts"):
+        (tmp_path / sub).mkdir()
+    index = SyncIndex(tmp_path / "delivery.sqlite")
+    index.run(sql.insert_objects, [AcceptedObject(oid(1), "example", None, 10, CHECKSUM, 500)], NOW)
+    clock = Clock()
+    clock.advance(NOW)
+    cache = SurveyCache(run_inline, lambda now: take_survey(tmp_path, ObjectIds(), now), clock)
+    metrics = Metrics(RECEIVER)
+    metrics.register(SurveyCollector(cache, 1))
+
+    def gauges() -> tuple[float | None, float | None]:
+        succeeded(cache.refresh())
+        get = metrics.registry.get_sample_value
+        return get("canner_draining"), get("canner_retirable")
+
+    def page() -> str:
+        survey = take_survey(tmp_path, ObjectIds(), NOW)
+        return render_status(StatusView("i", survey, 1, ())).decode()
+
+    assert gauges() == (0, 0) and 'id="drain-banner"' not in page()
+    drain.start_draining(tmp_path, NOW, "disk swap")
+    assert gauges() == (1, 0)
+    assert re.search(
+        r'id="drain-banner">node draining since [^<]*disk swap.*not yet delivered', page()
+    )
+    index.query("UPDATE objects SET state = 'delivered', verified_at = ?", NOW)
+    assert gauges() == (1, 1)
+    assert "Retirable: nothing here is undelivered." in page()
+    index.close()
