@@ -63,6 +63,8 @@ def read_drain(data_dir: Path) -> DrainMark | None:
         raw = marker_path(data_dir).read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        return DrainMark(None, f"marker {MARKER_NAME} unreadable: {e.strerror or e}")
     try:
         doc = json.loads(raw)
         since = doc.get("since")
@@ -71,11 +73,6 @@ def read_drain(data_dir: Path) -> DrainMark | None:
         )
     except (ValueError, AttributeError):
         return DrainMark(None, f"unreadable marker {MARKER_NAME}")
-
-
-def is_draining(data_dir: Path) -> bool:
-    """True while the marker exists (cheap: one ``stat``)."""
-    return marker_path(data_dir).exists()
 
 
 def start_draining(data_dir: Path, now: float, reason: str = "") -> tuple[DrainMark, bool]:
@@ -112,18 +109,21 @@ class Retirement:
         return {"retirable": self.retirable, "remaining": list(self.remaining)}
 
 
-def unsettled(cur: sqlite3.Cursor, receipt_ids: list[str]) -> tuple[int, int]:
-    """Objects in the delivery index not yet delivered and verified at their destination, and
-    how many of ``receipt_ids`` (the receipts on disk) have no row in the index yet."""
+def count_unsettled(cur: sqlite3.Cursor) -> int:
+    """Objects in the delivery index not yet delivered and verified at their destination."""
     cur.execute("SELECT count(*) FROM objects WHERE state != 'delivered' OR verified_at IS NULL")
-    waiting = int(cur.fetchone()[0])
+    return int(cur.fetchone()[0])
+
+
+def count_unindexed(cur: sqlite3.Cursor, receipt_ids: list[str]) -> int:
+    """How many of ``receipt_ids`` (the receipts on disk) have no row in the index yet."""
     missing = 0
     for start in range(0, len(receipt_ids), 500):
         batch = receipt_ids[start : start + 500]
         marks = ",".join("?" * len(batch))
         cur.execute(f"SELECT count(*) FROM objects WHERE object_id IN ({marks})", batch)
         missing += len(batch) - int(cur.fetchone()[0])
-    return waiting, missing
+    return missing
 
 
 def retirement(active_uploads: int, undelivered: int | None, unindexed: int | None) -> Retirement:

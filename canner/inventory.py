@@ -27,7 +27,14 @@ from canner.delivery import index as sql
 from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
-from canner.drain import DrainMark, Retirement, read_drain, retirement, unsettled
+from canner.drain import (
+    DrainMark,
+    Retirement,
+    count_unindexed,
+    count_unsettled,
+    read_drain,
+    retirement,
+)
 from canner.ids import ObjectIds
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
@@ -289,10 +296,14 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
 
 
 def _retirement(data_dir: Path, receipts: ReceiptStore, ids: ObjectIds, active: int) -> Retirement:
-    # Only while draining: listing every receipt is too slow for each metrics survey.
+    path = data_dir / INDEX_NAME
     try:
-        receipt_ids = [oid for oid in receipts.object_ids() if ids.is_valid(oid)]
-        waiting, missing = read_index(data_dir / INDEX_NAME, unsettled, receipt_ids)
+        waiting = read_index(path, count_unsettled)
+        missing = 0
+        if not active and not waiting:
+            # Last, and only then: listing every receipt is too slow for each metrics survey.
+            receipt_ids = [oid for oid in receipts.object_ids() if ids.is_valid(oid)]
+            missing = read_index(path, count_unindexed, receipt_ids)
     except (OSError, sqlite3.Error):
         return retirement(active, None, None)
     return retirement(active, waiting, missing)
