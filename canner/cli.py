@@ -16,6 +16,9 @@
                               the same for every flagged row (after a fix)
     canner rebuild-index      add every receipt missing from delivery.sqlite (canner-deliver
                               must be stopped: it refuses while deliver.lock is held)
+    canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
+                              uploads in progress and deliveries go on
+    canner undrain            take new uploads again
 
 IDs may be given by a unique prefix (the status page shows 8 characters).
 
@@ -41,6 +44,7 @@ from typing import Any, TextIO
 import attrs
 from attrs import define, field, frozen
 
+from canner import drain as draining
 from canner import inventory
 from canner.config import Config, ConfigError, load_config, parse_duration
 from canner.delivery import index as sql
@@ -224,6 +228,14 @@ def check_config(config_path: Path, io: Io) -> int:
 
 def _status_text(doc: dict[str, Any], config: Config) -> str:
     lines = [f"data directory   {config.data_dir}"]
+    mark, retire = doc.get("draining"), doc.get("retirement")
+    if mark is not None and retire is not None:
+        state = draining.DrainMark(mark["since"], mark["reason"]).describe()
+        if retire["retirable"]:
+            lines.append(f"draining         {state}; retirable: nothing here is undelivered")
+        else:
+            lines.append(f"draining         {state}; not retirable yet:")
+            lines += [f"  remaining      {what}" for what in retire["remaining"]]
     deliver = doc.get("deliver")
     if deliver is not None:
         lines.append(f"canner-deliver   {deliver['state']}: {deliver['text']}")
@@ -312,6 +324,33 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
     return code
+
+
+# -- drain, undrain ----------------------------------------------------------------------------
+
+
+def drain(config_path: Path, reason: str, io: Io) -> int:
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    mark, new = draining.start_draining(data_dir, io.now(), reason)
+    io.out.write(
+        ("" if new else "already draining: ")
+        + f"{mark.describe()}\nnew uploads get 503 and /readyz fails; uploads in progress and"
+        " deliveries go on. `canner status` says when the node is retirable.\n"
+    )
+    return 0
+
+
+def undrain(config_path: Path, io: Io) -> int:
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    if draining.stop_draining(data_dir):
+        io.out.write("no longer draining: new uploads are accepted again\n")
+    else:
+        io.out.write("not draining: nothing to do\n")
+    return 0
 
 
 # -- show, deliveries, retry -------------------------------------------------------------------
@@ -622,6 +661,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
+    command(
+        "drain", "take no new uploads (uploads in progress and deliveries go on); durable"
+    ).add_argument("--reason", default="", help="a note shown by /readyz and canner status")
+    command("undrain", "take new uploads again")
     return parser
 
 
@@ -651,6 +694,8 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "deliveries": listing,
         "retry": again,
         "rebuild-index": lambda: rebuild_index(args.config, io),
+        "drain": lambda: drain(args.config, args.reason, io),
+        "undrain": lambda: undrain(args.config, io),
     }
     try:
         return runs[args.command]()

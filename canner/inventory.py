@@ -27,6 +27,14 @@ from canner.delivery import index as sql
 from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
+from canner.drain import (
+    DrainMark,
+    Retirement,
+    count_unindexed,
+    count_unsettled,
+    read_drain,
+    retirement,
+)
 from canner.ids import ObjectIds
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
@@ -110,6 +118,9 @@ class Survey:
     unreadable_uploads: int = 0
     # per project ('' for all), oldest first; only in surveys taken with history=True
     trends: Mapping[str, tuple[TrendPoint, ...]] = field(factory=dict)
+    # the node's drain marker, and (only while draining) whether it can be retired
+    draining: DrainMark | None = None
+    retirement: Retirement | None = None
 
     @property
     def active_upload_bytes(self) -> int:
@@ -268,6 +279,10 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
             trends = read_index(data_dir / INDEX_NAME, read_trends, now)
     except (OSError, sqlite3.Error) as e:
         index_error = str(e)
+    draining = read_drain(data_dir)
+    retire = None
+    if draining is not None:
+        retire = _retirement(data_dir, receipts, ids, len(active) + unreadable)
     return Survey(
         taken_at=now,
         free_bytes=free,
@@ -277,7 +292,23 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
         index_error=index_error,
         unreadable_uploads=unreadable,
         trends=trends,
+        draining=draining,
+        retirement=retire,
     )
+
+
+def _retirement(data_dir: Path, receipts: ReceiptStore, ids: ObjectIds, active: int) -> Retirement:
+    path = data_dir / INDEX_NAME
+    try:
+        waiting = read_index(path, count_unsettled)
+        missing = 0
+        if not active and not waiting:
+            # Last, and only then: listing every receipt is too slow for each metrics survey.
+            receipt_ids = [oid for oid in receipts.object_ids() if ids.is_valid(oid)]
+            missing = read_index(path, count_unindexed, receipt_ids)
+    except (OSError, sqlite3.Error):
+        return retirement(active, None, None)
+    return retirement(active, waiting, missing)
 
 
 def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, Any]:
@@ -317,6 +348,8 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         "free_error": survey.free_error,
         "index_error": survey.index_error,
         "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
+        "draining": survey.draining.as_dict() if survey.draining else None,
+        "retirement": survey.retirement.as_dict() if survey.retirement else None,
     }
     return doc
 

@@ -446,6 +446,16 @@ class SurveyCollector(Collector):
             "canner_data_free_bytes", "Bytes available on the data filesystem", survey.free_bytes
         )
         yield GaugeMetricFamily(
+            "canner_draining",
+            "1 while the node is drained (canner drain): it takes no new uploads",
+            value=1 if survey.draining is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "canner_retirable",
+            "1 while the node is drained and holds nothing undelivered",
+            value=1 if survey.retirement is not None and survey.retirement.retirable else 0,
+        )
+        yield GaugeMetricFamily(
             "canner_active_uploads",
             "Uploads on disk without a receipt",
             value=len(survey.active_uploads),

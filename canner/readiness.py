@@ -1,8 +1,9 @@
 """Is this receiver fit to take uploads?  ``GET /readyz`` and the free-space floor watch.
 
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
-accepted now: free space at or above ``min_free_bytes`` (and known), the data directory's
-``uploads/`` and ``receipts/`` writable, ``delivery.sqlite`` readable.  A load balancer that
+accepted now: the node not draining (``canner drain``), free space at or above
+``min_free_bytes`` (and known), the data directory's ``uploads/`` and ``receipts/`` writable,
+``delivery.sqlite`` readable.  A load balancer that
 polls ``/readyz`` stops sending work while it answers 503.  :class:`FloorWatch` logs crossing the
 floor and recovering once each, however many requests see it.  Everything here that touches the
 disk blocks: call it through the blocking runner.
@@ -19,6 +20,7 @@ from attrs import define, field, frozen
 from twisted.logger import Logger
 
 from canner import fs
+from canner.drain import read_drain
 from canner.inventory import INDEX_NAME, read_index
 
 log = Logger()
@@ -85,6 +87,9 @@ def _index_readable(cur: sqlite3.Cursor) -> None:
 def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> Readiness:
     """Whether uploads would be accepted now, and every reason they would not (blocking)."""
     reasons = []
+    draining = read_drain(data_dir)
+    if draining is not None:
+        reasons.append(f"{draining.describe()} (new uploads go to other nodes)")
     free: int | None = None
     try:
         free = fs.free_bytes(data_dir)

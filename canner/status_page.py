@@ -452,6 +452,20 @@ def _header(view: StatusView) -> list[Tag]:
         class_="meta",
     )
     parts = [tags.h1("canner"), meta]
+    if survey.draining is not None:
+        retire = survey.retirement
+        parts.append(
+            tags.p(
+                survey.draining.describe() + ": no new uploads are taken here. ",
+                "Retirable: nothing here is undelivered."
+                if retire is not None and retire.retirable
+                else "Not retirable yet: "
+                + "; ".join(retire.remaining if retire is not None else ())
+                + ".",
+                class_="banner",
+                id="drain-banner",
+            )
+        )
     if not liveness.ok:
         parts.append(
             tags.p(

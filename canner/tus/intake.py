@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from canner import fs
+from canner import drain, fs
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
@@ -233,6 +233,7 @@ class UploadIntake:
         return protocol.location(self._config.public_url, forwarded, path, upload_id)
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
+        self._check_draining()
         self._check_free_space()
         try:
             self._uploads.create(info)
@@ -316,6 +317,16 @@ class UploadIntake:
             upload.close()
             raise
         return upload
+
+    def _check_draining(self) -> None:
+        # Only creations: PATCHes of uploads in progress continue while the node drains.
+        mark = drain.read_drain(self._config.data_dir)
+        if mark is not None:
+            raise TusError(
+                503,
+                f"{mark.describe()}: it takes no new uploads, create the upload on another node",
+                (("Retry-After", str(drain.RETRY_AFTER)),),
+            )
 
     def _check_free_space(self) -> None:
         try:
