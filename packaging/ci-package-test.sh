@@ -168,6 +168,13 @@ if [ -n "$UNITDIR" ] && [ -f "$UNITDIR/canner-deliver.service" ]; then
 else
   die "unit files canner-receiver.service and canner-deliver.service are installed"
 fi
+EX=/usr/share/doc/canner/examples
+if [ -f $EX/haproxy/canner.cfg ] && [ -f $EX/nginx/canner.conf ] && [ -f $EX/prometheus/canner-alerts.yml ] \
+  && [ -f $EX/grafana/canner.json ]; then
+  pass "examples in $EX: haproxy, nginx, prometheus, grafana"
+else
+  fail "examples (haproxy, nginx, prometheus, grafana) are not all in $EX"
+fi
 RECV_UNIT=$UNITDIR/canner-receiver.service
 DLVR_UNIT=$UNITDIR/canner-deliver.service
 for u in "$RECV_UNIT" "$DLVR_UNIT"; do
@@ -283,7 +290,11 @@ code=$(curl -sS -o /dev/null -D "$WORK/post.headers" -w '%{http_code}' -X POST "
 LOC=$(tr -d '\r' < "$WORK/post.headers" | sed -n 's/^[Ll]ocation: //p')
 if [ "$code" = 201 ] && [ -n "$LOC" ]; then pass "POST /files/ (Upload-Length $SIZE): 201, Location $LOC"
 else cat "$WORK/post.headers" 2>/dev/null | sed 's/^/    /'; die "POST /files/ answered $code, Location '$LOC'"; fi
-case "$LOC" in http*) ;; *) LOC=$BASE$LOC ;; esac
+case "$LOC" in  # resolved against the creation URL $BASE/files/, as clients do
+  http*) ;;
+  /*) LOC=$BASE$LOC ;;
+  *) LOC=$BASE/files/${LOC#./} ;;
+esac
 ID=${LOC##*/}
 code=$(curl -sS -o "$WORK/patch.body" -D "$WORK/patch.headers" -w '%{http_code}' -X PATCH "$LOC" \
   -H 'Tus-Resumable: 1.0.0' -H 'Upload-Offset: 0' \
