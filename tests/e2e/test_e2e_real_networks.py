@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urljoin
 
 import blake3
 import pytest
@@ -28,6 +29,8 @@ from e2e_support import (
     blake3_hex,
     decode_receipt_header,
     read_http_response,
+    spawn_daemon,
+    upload_metadata,
 )
 from go_style_client import GoStyleClient, UploadFailed
 from tusclient import client as tus_client
@@ -424,3 +427,52 @@ def test_go_style_client_refuses_a_cross_origin_location(
     rcv = make_receiver(public_url="https://elsewhere.example/")
     with pytest.raises(UploadFailed, match="cross-origin Location"):
         GoStyleClient(rcv.files_url).upload(b"abc")
+
+
+# -- 4. Location on an ssl: listener --------------------------------------------------------------
+
+
+# tuspy can only switch certificate checks off (our requests below check against the cert).
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_uploads_over_an_ssl_listener_get_a_usable_location(tmp_path: Path) -> None:
+    """On an ``ssl:`` listener the Location used to be ``http://``; relative, it resolves to the
+    https URL the client used, and tuspy (verifying nothing but the protocol) gets its receipt."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)  # fmt: skip
+    rcv = Receiver.in_dir(tmp_path / "receiver")
+    rcv.write_config(listen=f"ssl:{rcv.port}:privateKey={key}:certKey={cert}:interface=127.0.0.1")
+    base = f"https://127.0.0.1:{rcv.port}"
+    rcv.proc = spawn_daemon("receiver", rcv.config_path, rcv.log_path, 1)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert rcv.proc.poll() is None, rcv.log_tail()
+            try:
+                if requests.get(f"{base}/healthz", verify=str(cert), timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                assert time.monotonic() < deadline, rcv.log_tail()
+                time.sleep(0.1)
+        data = payload(200 * KiB, seed=30)
+        created = requests.post(f"{base}/files/", verify=str(cert), timeout=10, headers={
+            "Tus-Resumable": TUS_VERSION, "Upload-Length": str(len(data)),
+            "Upload-Metadata": upload_metadata(blake3_hex(data))})  # fmt: skip
+        assert created.status_code == 201
+        assert urljoin(f"{base}/files/", created.headers["Location"]).startswith(f"{base}/files/")
+        uploader = tus_client.TusClient(f"{base}/files/").uploader(
+            file_stream=io.BytesIO(data),
+            metadata={"project": "example", "checksum": blake3_hex(data)},
+            verify_tls_cert=False,
+        )
+        uploader.upload()
+        assert uploader.url.startswith(f"{base}/files/")
+        receipt = decode_receipt_header(uploader.request.response_headers["artifact-receipt"])
+        oid = json.loads(receipt)["object_id"]
+        assert requests.get(
+            f"{base}/api/v1/receipts/{oid}", verify=str(cert), timeout=10
+        ).content == (receipt)
+    finally:
+        rcv.close()
