@@ -83,6 +83,7 @@ class ReceiverChannel(HTTPChannel):
     """
 
     _limited_host: str | None = None
+    _over_cap: bool = False
     _head_deadline: IDelayedCall | None = None
     _answered_early: bool = False
     _discarded: int = 0
@@ -108,13 +109,15 @@ class ReceiverChannel(HTTPChannel):
                     b"Content-Length: 0\r\nConnection: close\r\n\r\n"
                 )
                 self.transport.loseConnection()  # type: ignore[union-attr]
-                self.dataReceived = lambda data: None  # type: ignore[method-assign]
+                self._over_cap = True
                 return
             self._limited_host = host
         super().connectionMade()
         self._start_head_deadline()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self._over_cap:
+            return  # refused in connectionMade: HTTPChannel never started
         self._cancel_head_deadline()
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
@@ -130,6 +133,8 @@ class ReceiverChannel(HTTPChannel):
     _head_bytes: int = 0
 
     def dataReceived(self, data: bytes) -> None:
+        if self._over_cap:
+            return
         if self._between_requests:
             # A kept-alive connection starts its next request: its head has the same deadline.
             self._between_requests = False
