@@ -50,7 +50,13 @@ from canner.fs import DataDirLock, Locked
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
-from canner.sinks.plan import PlanError, plan_upload, validate_delivery
+from canner.sinks.plan import (
+    PlanError,
+    format_date,
+    plan_package_file,
+    plan_upload,
+    validate_delivery,
+)
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
 from canner.version import version
@@ -119,7 +125,10 @@ def _jsonable(value: Any) -> Any:
 def config_json(config: Config) -> dict[str, Any]:
     """The resolved config as JSON (paths absolute, durations in seconds; no secrets in it)."""
     doc = attrs.asdict(config, value_serializer=lambda _inst, _field, v: _jsonable(v))
-    doc["projects"] = {pid: {"delivery": p["delivery"]} for pid, p in doc["projects"].items()}
+    doc["projects"] = {
+        pid: {"delivery": p["delivery"], "packaging": p["packaging"]}
+        for pid, p in doc["projects"].items()
+    }
     return doc
 
 
@@ -128,7 +137,23 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
     delivery = config.projects[project_id].delivery
     if delivery is None:
         return None
-    validate_delivery(project_id, delivery)
+    packaging = config.projects[project_id].packaging
+    validate_delivery(project_id, delivery, packaging.mode)
+    if packaging.megawarc:
+        try:
+            plan = plan_package_file(
+                delivery, project_id, EXAMPLE_HEX, format_date(int(now)), ".megawarc.warc.gz",
+                0, EMPTY_MD5,
+            )  # fmt: skip
+        except PlanError as e:
+            raise ConfigError(f"projects.{project_id}.delivery", str(e)) from None
+        return {
+            "package": EXAMPLE_HEX,
+            "batch_date": format_date(int(now)),
+            "identifier": plan.identifier,
+            "remote_name": plan.remote_name,
+            "url": f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}",
+        }
     object_id = f"{config.node_prefix}-{EXAMPLE_HEX}" if config.node_prefix else EXAMPLE_HEX
     try:
         plan = plan_upload(

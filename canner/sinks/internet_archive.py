@@ -566,7 +566,12 @@ class IADeliverySink:
 
 
 def internet_archive_sink(
-    project_id: str, delivery: DeliveryConfig, http: HTTPClient, reactor: Any, run: BlockingRunner
+    project_id: str,
+    delivery: DeliveryConfig,
+    http: HTTPClient,
+    reactor: Any,
+    run: BlockingRunner,
+    mode: str = "identity",
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
@@ -574,7 +579,7 @@ def internet_archive_sink(
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
     project refuses to start instead of failing every attempt later.
     """
-    validate_delivery(project_id, delivery)
+    validate_delivery(project_id, delivery, mode)
     try:
         sink = IASink.for_delivery(delivery, http, reactor, run)
     except CredentialsError as e:
