@@ -418,3 +418,279 @@ def get_package(cur: sqlite3.Cursor, batch_id: int) -> PackageRow | None:
 def all_packages(cur: sqlite3.Cursor) -> list[PackageRow]:
     cur.execute(_SELECT + " ORDER BY batch_id")
     return _packages(cur)
+
+
+def unseal(cur: sqlite3.Cursor, batch_id: int, error: str, now: float) -> bool:
+    """``sealed -> closed``: the verification pass found the package damaged; rebuild it."""
+    cur.execute(
+        "UPDATE packages SET state = 'closed', package_id = NULL, sealed_at = NULL,"
+        " build_error = ?, next_build_at = ?, updated_at = ?"
+        " WHERE batch_id = ? AND state = 'sealed'",
+        (error[:2000], now, now, batch_id),
+    )
+    return cur.rowcount == 1
+
+
+def claim_deliveries(
+    cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
+) -> list[PackageRow]:
+    """Move up to ``limit`` verified packages of ``projects`` whose delivery is due to
+    ``delivering`` (a guarded update that counts an attempt), oldest due first."""
+    names = sorted(projects)
+    if limit <= 0 or not names:
+        return []
+    cur.execute(
+        "UPDATE packages SET delivery_state = 'delivering', attempts = attempts + 1,"
+        " updated_at = ? WHERE batch_id IN (SELECT batch_id FROM packages"
+        "   WHERE state = 'verified' AND delivery_state IN ('pending', 'retry_wait')"
+        f"   AND next_attempt_at <= ? AND project IN ({', '.join('?' for _ in names)})"
+        "   ORDER BY next_attempt_at LIMIT ?)"
+        " AND delivery_state IN ('pending', 'retry_wait')"
+        " RETURNING " + ", ".join(PACKAGE_COLUMNS),
+        (now, now, *names, limit),
+    )
+    return sorted(_packages(cur), key=lambda r: (r.next_attempt_at, r.batch_id))
+
+
+def record_delivered(
+    cur: sqlite3.Cursor,
+    batch_id: int,
+    identifier: str,
+    remote_names: Mapping[str, str],
+    now: float,
+    retention: float,
+) -> bool:
+    """``delivering -> delivered``: every file of the package is at ``identifier``."""
+    cur.execute(
+        "UPDATE packages SET delivery_state = 'delivered', remote_identifier = ?,"
+        " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
+        " needs_operator = 0, updated_at = ? WHERE batch_id = ? AND delivery_state = 'delivering'",
+        (identifier, now, now + retention, now, now, batch_id),
+    )
+    if cur.rowcount != 1:
+        return False
+    cur.executemany(
+        "UPDATE package_files SET remote_name = ? WHERE batch_id = ? AND suffix = ?",
+        [(name, batch_id, suffix) for suffix, name in remote_names.items()],
+    )
+    return True
+
+
+def record_delivery_failure(
+    cur: sqlite3.Cursor,
+    batch_id: int,
+    error: str,
+    next_attempt_at: float,
+    needs_operator: bool,
+    now: float,
+) -> bool:
+    """``delivering -> retry_wait``."""
+    cur.execute(
+        "UPDATE packages SET delivery_state = 'retry_wait', last_error = ?, next_attempt_at = ?,"
+        " needs_operator = ?, updated_at = ? WHERE batch_id = ? AND delivery_state = 'delivering'",
+        (error[:2000], next_attempt_at, int(needs_operator), now, batch_id),
+    )
+    return cur.rowcount == 1
+
+
+def follow_ups_due(
+    cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str], busy: Iterable[int]
+) -> list[PackageRow]:
+    """Delivered packages whose remote verification, or whose purge, is due."""
+    names, skip = sorted(projects), sorted(busy)
+    if limit <= 0 or not names:
+        return []
+    cur.execute(
+        _SELECT + " WHERE delivery_state = 'delivered' AND purged_at IS NULL"
+        " AND next_check_at <= ?"
+        f" AND project IN ({', '.join('?' for _ in names)})"
+        f" AND batch_id NOT IN ({', '.join('?' for _ in skip)})"
+        " ORDER BY next_check_at LIMIT ?",
+        (now, *names, *skip, limit),
+    )
+    return _packages(cur)
+
+
+def record_remote_verified(cur: sqlite3.Cursor, batch_id: int, now: float) -> None:
+    """Every file is listed at IA with its size and MD5: the package and each member are
+    delivered and verified (the members' delivery fact; their payload fact is apart)."""
+    cur.execute(
+        "UPDATE packages SET remote_verified_at = ?, next_check_at = max(?, purge_after),"
+        " last_error = NULL, needs_operator = 0, updated_at = ?"
+        " WHERE batch_id = ? AND delivery_state = 'delivered' AND remote_verified_at IS NULL",
+        (now, now, now, batch_id),
+    )
+    if cur.rowcount == 1:
+        record_remote_verified_members(cur, batch_id, now, now)
+
+
+def record_check(
+    cur: sqlite3.Cursor,
+    batch_id: int,
+    next_check_at: float,
+    error: str | None,
+    needs_operator: bool,
+    now: float,
+) -> None:
+    """Postpone a remote verification or purge of a delivered package."""
+    cur.execute(
+        "UPDATE packages SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?"
+        " WHERE batch_id = ? AND delivery_state = 'delivered'",
+        (next_check_at, error, int(needs_operator), now, batch_id),
+    )
+
+
+def record_purged(cur: sqlite3.Cursor, batch_id: int, now: float) -> bool:
+    """The package's local files are deleted (guarded: verified at IA first)."""
+    cur.execute(
+        "UPDATE packages SET purged_at = ?, next_check_at = NULL, updated_at = ?"
+        " WHERE batch_id = ? AND remote_verified_at IS NOT NULL AND purged_at IS NULL",
+        (now, now, batch_id),
+    )
+    return cur.rowcount == 1
+
+
+def known_packages(cur: sqlite3.Cursor) -> set[str]:
+    cur.execute("SELECT package_id FROM packages WHERE package_id IS NOT NULL")
+    return {row[0] for row in cur.fetchall()}
+
+
+@frozen
+class RestoredPackage:
+    """A package found on disk with no row (a lost or deleted ``delivery.sqlite``)."""
+
+    package_id: str
+    project: str
+    batch_date: str
+    members: list[Member]
+    placements: list[tuple[str, str, int]]
+    files: list[tuple[str, int]]
+    delivery: Mapping[str, Any] | None
+    found_at: float
+
+
+def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
+    """Bring back a package row and its members from the package's own index.
+
+    Members missing from ``objects`` are inserted from the index lines; members that another
+    batch already holds leave the package alone (False).  Without a delivery record the package
+    comes back ``sealed`` (the verification pass runs again, then delivery, which finds files
+    already at IA and skips them); with one, as delivered and verified, purged when it says so.
+    """
+    now = p.found_at
+    cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (p.package_id,))
+    if cur.fetchone() is not None:
+        return False
+    cur.executemany(
+        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
+        " accepted_at, state, next_attempt_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, 'pending',"
+        " ?, ?)",
+        [
+            (m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now, now)
+            for m in p.members
+        ],
+    )
+    ids = [m.object_id for m in p.members]
+    held = 0
+    for start in range(0, len(ids), 500):
+        part = ids[start : start + 500]
+        cur.execute(
+            f"SELECT count(*) FROM objects WHERE object_id IN ({', '.join('?' for _ in part)})"
+            " AND batch_id IS NOT NULL",
+            part,
+        )
+        held += cur.fetchone()[0]
+    if held:
+        return False
+    d = p.delivery or {}
+    delivered = bool(d.get("remote_verified_at"))
+    cur.execute(
+        "INSERT INTO packages (project, state, members, bytes, oldest_accepted_at, opened_at,"
+        " closed_at, close_reason, package_id, batch_date, sealed_at, verified_at,"
+        " sources_purged_at, delivery_state, remote_identifier, delivered_at, remote_verified_at,"
+        " next_check_at, purge_after, purged_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'rebuilt', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            p.project,
+            "verified" if delivered else "sealed",
+            len(p.members),
+            sum(m.size_bytes for m in p.members),
+            min(m.accepted_at for m in p.members),
+            now,
+            now,
+            p.package_id,
+            p.batch_date,
+            now,
+            now if delivered else None,
+            d.get("sources_purged_at"),
+            "delivered" if delivered else "pending",
+            d.get("identifier"),
+            d.get("delivered_at"),
+            d.get("remote_verified_at"),
+            now if delivered and not d.get("purged_at") else None,
+            d.get("purge_after"),
+            d.get("purged_at"),
+            now,
+        ),
+    )
+    batch_id = cur.lastrowid
+    assert batch_id is not None
+    cur.executemany(
+        "INSERT OR REPLACE INTO package_files (batch_id, suffix, size_bytes, content_md5,"
+        " remote_name) VALUES (?, ?, ?, ?, ?)",
+        [
+            (batch_id, suffix, size, (d.get("md5") or {}).get(suffix),
+             (d.get("remote_names") or {}).get(suffix))
+            for suffix, size in p.files
+        ],
+    )  # fmt: skip
+    cur.executemany(
+        "UPDATE objects SET batch_id = ?, packed_file = ?, packed_offset = ? WHERE object_id = ?",
+        [(batch_id, suffix, offset, oid) for oid, suffix, offset in p.placements],
+    )
+    if delivered:
+        cur.execute(
+            "UPDATE objects SET purged_at = coalesce(purged_at, ?) WHERE batch_id = ?",
+            (d.get("sources_purged_at") or now, batch_id),
+        )
+        record_remote_verified_members(cur, batch_id, float(d["remote_verified_at"]), now)
+    return True
+
+
+def record_remote_verified_members(
+    cur: sqlite3.Cursor, batch_id: int, verified_at: float, now: float
+) -> None:
+    cur.execute(
+        "UPDATE objects SET state = 'delivered',"
+        " remote_identifier = (SELECT remote_identifier FROM packages WHERE batch_id = ?),"
+        " remote_name = (SELECT remote_name FROM package_files f"
+        "   WHERE f.batch_id = ? AND f.suffix = objects.packed_file),"
+        " delivered_at = (SELECT delivered_at FROM packages WHERE batch_id = ?),"
+        " verified_at = ?, last_error = NULL, needs_operator = 0, updated_at = ?"
+        " WHERE batch_id = ? AND state IN ('pending', 'retry_wait')",
+        (batch_id, batch_id, batch_id, verified_at, now, batch_id),
+    )
+
+
+def unfinished_builds(cur: sqlite3.Cursor, busy: Iterable[int], limit: int) -> list[PackageRow]:
+    """Sealed packages not yet verified, and verified ones whose sources are not yet purged
+    (work a crash or a failure interrupted), leaving out the ``busy`` ones."""
+    skip = sorted(busy)
+    if limit <= 0:
+        return []
+    cur.execute(
+        _SELECT + " WHERE (state = 'sealed' OR (state = 'verified' AND sources_purged_at IS NULL))"
+        f" AND batch_id NOT IN ({', '.join('?' for _ in skip)}) ORDER BY batch_id LIMIT ?",
+        (*skip, limit),
+    )
+    return _packages(cur)
+
+
+def member_placements(cur: sqlite3.Cursor, batch_id: int) -> list[tuple[str, str, int]]:
+    """``(object id, file suffix, offset)`` of every packed member of a batch."""
+    cur.execute(
+        "SELECT object_id, packed_file, packed_offset FROM objects WHERE batch_id = ?"
+        " AND packed_file IS NOT NULL ORDER BY accepted_at, object_id",
+        (batch_id,),
+    )
+    return [(oid, suffix, offset) for oid, suffix, offset in cur.fetchall()]

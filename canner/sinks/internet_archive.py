@@ -535,7 +535,20 @@ class IADeliverySink:
     async def _deliver(
         self, row: QueueRow, path: Path, progress: Callable[[int], None]
     ) -> Delivered:
-        plan = self.plan(row)
+        return await self._deliver_planned(self.plan(row), path, progress)
+
+    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
+        return Deferred.fromCoroutine(self._verify(row))
+
+    def deliver_planned(
+        self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
+    ) -> Deferred[Delivered]:
+        """Deliver one planned file (a package's), like :meth:`deliver` does a row."""
+        return Deferred.fromCoroutine(self._deliver_planned(plan, path, progress))
+
+    async def _deliver_planned(
+        self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
+    ) -> Delivered:
         result = await self._sink.deliver(plan, path, progress)
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
@@ -546,14 +559,24 @@ class IADeliverySink:
             kind=failure_class(result.status, result.outcome.reason),
         )
 
-    def verify(self, row: QueueRow) -> Deferred[RemoteCheck]:
-        return Deferred.fromCoroutine(self._verify(row))
+    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
+        """Is the planned file at IA with its size and MD5?"""
+        return Deferred.fromCoroutine(
+            self._verify_file(plan.identifier, plan.remote_name, plan.size, plan.content_md5)
+        )
 
     async def _verify(self, row: QueueRow) -> RemoteCheck:
         assert row.remote_identifier is not None and row.remote_name is not None
-        found = await self._sink.lookup(row.remote_identifier, row.remote_name)
+        return await self._verify_file(
+            row.remote_identifier, row.remote_name, row.size_bytes, row.content_md5
+        )
+
+    async def _verify_file(
+        self, identifier: str, remote_name: str, size: int, content_md5: str | None
+    ) -> RemoteCheck:
+        found = await self._sink.lookup(identifier, remote_name)
         if isinstance(found, RemoteFile):
-            if row.content_md5 is not None and found.matches(row.size_bytes, row.content_md5):
+            if content_md5 is not None and found.matches(size, content_md5):
                 return RemoteCheck(True)
             return RemoteCheck(
                 False,
