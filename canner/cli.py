@@ -12,8 +12,11 @@
     canner retry ID           make a retry_wait delivery due now (a guarded update)
     canner retry --needs-operator [--project P]
                               make every flagged retry_wait delivery due now (after a fix)
-    canner rebuild-index      add every receipt missing from delivery.sqlite (canner-deliver
-                              must be stopped: it refuses while deliver.lock is held)
+    canner packages           one JSON line per megawarc batch and package (state, members,
+                              bytes, item, files, times)
+    canner rebuild-index      add every receipt missing from delivery.sqlite, and every package
+                              in the packages directory (canner-deliver must be stopped: it
+                              refuses while deliver.lock is held)
 
 IDs may be given by a unique prefix (the status page shows 8 characters).
 
@@ -47,6 +50,9 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
+from canner.packaging import batches as psql
+from canner.packaging.pipeline import read_package
+from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
@@ -351,7 +357,31 @@ def show(config_path: Path, object_id: str, io: Io) -> int:
         raise CommandError(f"cannot read the delivery index: {e}") from None
     if not inventory.known(description):
         raise CommandError(f"no object {oid} in {data_dir} (no receipt, upload or delivery row)")
+    try:
+        package = inventory.read_index(data_dir / inventory.INDEX_NAME, psql.object_package, oid)
+    except FileNotFoundError:
+        package = None
+    if package is None:
+        # The receipt's side file names the package once the upload is purged.
+        package = ReceiptStore(data_dir / "receipts").read_package(oid)
+    if package is not None:
+        description["package"] = package
     _dump(io, description)
+    return 0
+
+
+def packages(config_path: Path, io: Io) -> int:
+    """One JSON line per package (batches still filling included), oldest first."""
+    config = load_config(config_path)
+    become_data_dir_owner(_data_dir(config))
+    conn = inventory.open_read_only(config.data_dir / inventory.INDEX_NAME)
+    try:
+        cur = conn.cursor()
+        for row in psql.all_packages(cur):
+            doc = psql.package_listing(cur, row)
+            io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    finally:
+        conn.close()
     return 0
 
 
@@ -572,8 +602,11 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
             cur.execute("COMMIT")
         if scan is not None:
             scan.finish()
+        restored = _restore_packages(conn, PackageStore(config.packages_path), io.now())
     finally:
         conn.close()
+    if restored:
+        io.out.write(f"rebuild-index: {restored} packages restored from {config.packages_path}\n")
     for problem in problems:
         io.err.write(f"canner: rebuild-index skipped {problem}\n")
     io.out.write(
@@ -587,6 +620,29 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         )
         return 1
     return 0
+
+
+def _restore_packages(conn: sqlite3.Connection, store: PackageStore, now: float) -> int:
+    """Every package on disk with no row comes back with its members (their own index)."""
+    if not store.root.is_dir():
+        return 0
+    known = psql.known_packages(conn.cursor())
+    restored = 0
+    for package_id in list(store.package_ids()):
+        if package_id in known:
+            continue
+        found = read_package(store, package_id, now)
+        if found is None:
+            continue
+        cur = conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            restored += psql.restore_package(cur, found)
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+    return restored
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -627,6 +683,7 @@ def _parser() -> argparse.ArgumentParser:
         help="every retry_wait delivery flagged for an operator (after fixing the cause)",
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
+    command("packages", "one JSON line per megawarc batch and package")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
     return parser
 
@@ -656,6 +713,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "show": lambda: show(args.config, args.object_id, io),
         "deliveries": listing,
         "retry": again,
+        "packages": lambda: packages(args.config, io),
         "rebuild-index": lambda: rebuild_index(args.config, io),
     }
     try:

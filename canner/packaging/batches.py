@@ -694,3 +694,54 @@ def member_placements(cur: sqlite3.Cursor, batch_id: int) -> list[tuple[str, str
         (batch_id,),
     )
     return [(oid, suffix, offset) for oid, suffix, offset in cur.fetchall()]
+
+
+def package_listing(cur: sqlite3.Cursor, row: PackageRow) -> dict[str, Any]:
+    """A package row with its files, as ``canner packages`` prints it."""
+    doc = row.as_dict()
+    doc["files"] = [
+        {"suffix": f.suffix, "size_bytes": f.size_bytes, "content_md5": f.content_md5,
+         "remote_name": f.remote_name}
+        for f in package_files(cur, row.batch_id)
+    ]  # fmt: skip
+    return doc
+
+
+def object_package(cur: sqlite3.Cursor, object_id: str) -> dict[str, Any] | None:
+    """Where a packed object is: its batch and package, the IA item, the file and the byte
+    offset of its bytes in that file; None for an object in no batch."""
+    try:
+        cur.execute(
+            "SELECT batch_id, packed_file, packed_offset, size_bytes FROM objects"
+            " WHERE object_id = ?",
+            (object_id,),
+        )
+    except sqlite3.OperationalError:  # an index from before packaging
+        return None
+    found = cur.fetchone()
+    if found is None or found[0] is None:
+        return None
+    batch_id, suffix, offset, size = found
+    row = get_package(cur, batch_id)
+    if row is None:
+        return None
+    remote_name = None
+    for f in package_files(cur, batch_id):
+        if f.suffix == suffix:
+            remote_name = f.remote_name
+    return {
+        "batch_id": batch_id,
+        "package": row.package_id,
+        "state": row.state,
+        "delivery_state": row.delivery_state,
+        "identifier": row.remote_identifier,
+        "remote_name": remote_name,
+        "local_file": None if row.package_id is None or suffix is None else row.package_id + suffix,
+        "offset": offset,
+        "size_bytes": size,
+        "sealed_at": row.sealed_at,
+        "verified_at": row.verified_at,
+        "delivered_at": row.delivered_at,
+        "remote_verified_at": row.remote_verified_at,
+        "purged_at": row.purged_at,
+    }
