@@ -170,34 +170,81 @@ def sources_wait_for_verified_packages(db: Path, data_dir: Path, ids: list[str])
         conn.close()
 
 
-def wait_gone(env: Env, names: list[str]) -> None:
-    def gone() -> bool | None:
-        return not any((env.data_dir / "packages" / n).exists() for n in names) or None
+def db_value(db: Path, sql: str) -> Any:
+    if not db.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+        try:
+            row = conn.execute(sql).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:
+        return None  # before the schema exists
+    return None if row is None else row[0]
 
-    wait_for(gone, 30, "unfinished builds removed at start", 0.2, env.describe)
+
+# When to kill: a build's temp directory exists, a package is sealed but not verified, a
+# package upload hangs (the fake stalls a PUT), a package awaits its purge, a batch is open.
+PHASES = {
+    "building": lambda env: any((env.data_dir / "packages").glob(".tmp-*")),
+    "verifying": lambda env: db_value(env.db, "SELECT 1 FROM packages WHERE state = 'sealed'"),
+    "uploading": lambda env: db_value(
+        env.db, "SELECT 1 FROM packages WHERE delivery_state = 'delivering'"
+    ),
+    "purging": lambda env: db_value(
+        env.db,
+        "SELECT 1 FROM packages WHERE remote_verified_at IS NOT NULL AND purged_at IS NULL",
+    ),
+    "batching": lambda env: db_value(env.db, "SELECT 1 FROM packages WHERE state = 'open'"),
+}
 
 
 def test_sigkill_at_random_points_loses_and_repeats_nothing(env_factory: Any) -> None:
-    """canner-deliver is SIGKILLed again and again while it batches, builds, verifies,
-    uploads and purges; after the last restart every member is at IA exactly once and
-    byte-identical, and no upload was ever purged before its package was verified."""
+    """canner-deliver is SIGKILLed while it builds, verifies, uploads, purges and batches (and
+    at random moments); after the last restart every member is at IA exactly once and
+    byte-identical, no upload was ever purged before its package was verified, and unfinished
+    builds leave no temp directory behind."""
     env = env_factory(
-        packaging={"mode": "megawarc", "target_bytes": "40KB", "max_wait": "3s"},
+        packaging={"mode": "megawarc", "target_bytes": "3MB", "max_wait": "2s"},
         retention="1s",
+        start_deliver=False,
     )
     rnd = random.Random(SEED + 1)
     uploaded: dict[str, bytes] = {}
-    for name, data in artifacts(60, SEED + 7):
+    named = artifacts(30, SEED + 7) + [(f"big-{i}.bin", rnd.randbytes(1 << 20)) for i in range(8)]
+    rnd.shuffle(named)
+    hit = []
+
+    def kill_when(phase: str) -> None:
+        seen = PHASES.get(phase)
+        deadline = time.monotonic() + (rnd.uniform(0.1, 2.0) if seen is None else 20)
+        while time.monotonic() < deadline:
+            if seen is not None and seen(env):
+                hit.append(phase)
+                break
+            time.sleep(0.005)
+        env.deliver.kill(signal.SIGKILL)
+        sources_wait_for_verified_packages(env.db, env.data_dir, list(uploaded))
+
+    # Batching: deliver runs while the first half arrives.
+    env.deliver.start()
+    for name, data in named[:15]:
+        uploaded[tus_upload(env, name, data)] = data
+    kill_when("batching")
+    for name, data in named[15:]:
         uploaded[tus_upload(env, name, data)] = data
     ids = list(uploaded)
-    for _ in range(8):
-        time.sleep(rnd.uniform(0.2, 1.5))
-        sources_wait_for_verified_packages(env.db, env.data_dir, ids)
-        env.deliver.kill(signal.SIGKILL)
-        sources_wait_for_verified_packages(env.db, env.data_dir, ids)
-        leftovers = [p.name for p in (env.data_dir / "packages").glob(".tmp-*")]
+    for phase in ("building", "verifying", "uploading", "purging", "random", "random"):
+        if phase == "uploading":
+            env.fake.add_fault("stall", count=1, after_bytes=4096)
         env.deliver.start()
-        if leftovers:
-            wait_gone(env, leftovers)
+        kill_when(phase)
+        env.fake.clear_faults()
+    assert "uploading" in hit, hit
+    env.deliver.start()
     all_delivered(env, ids)
     check_at_ia(env, uploaded)
+    sources_wait_for_verified_packages(env.db, env.data_dir, ids)
+    assert not list((env.data_dir / "packages").glob(".tmp-*"))
+    print("phases hit:", hit)
