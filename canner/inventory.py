@@ -83,6 +83,9 @@ class IndexSummary:
     recent_failures: tuple[QueueRow, ...] = ()
     recent_deliveries: tuple[QueueRow, ...] = ()
     heartbeat: Heartbeat | None = None
+    # megawarc batches and packages by phase (PACKAGE_PHASES): count, and bytes of members
+    packages: Mapping[str, int] = field(factory=dict)
+    package_bytes: Mapping[str, int] = field(factory=dict)
 
     @property
     def pending_objects(self) -> int:
@@ -141,6 +144,42 @@ def open_read_only(path: Path) -> sqlite3.Connection:
     return conn
 
 
+# A package's phase, from its build state and its delivery and local-file facts.
+PACKAGE_PHASES = (
+    "open",
+    "closed",
+    "building",
+    "sealed",
+    "verified",
+    "delivering",
+    "delivered",
+    "verified_at_ia",
+    "purged",
+)
+_PHASE_SQL = (
+    "SELECT CASE WHEN state IN ('open', 'closed', 'building', 'sealed') THEN state"
+    " WHEN purged_at IS NOT NULL THEN 'purged'"
+    " WHEN remote_verified_at IS NOT NULL THEN 'verified_at_ia'"
+    " WHEN delivery_state = 'delivered' THEN 'delivered'"
+    " WHEN delivery_state = 'delivering' THEN 'delivering'"
+    " ELSE 'verified' END AS phase, count(*), coalesce(sum(bytes), 0) FROM packages"
+    " GROUP BY phase"
+)
+
+
+def package_phases(cur: sqlite3.Cursor) -> tuple[dict[str, int], dict[str, int]]:
+    """Packages (and batches still filling) by phase: counts and member bytes."""
+    counts = {p: 0 for p in PACKAGE_PHASES}
+    sizes = {p: 0 for p in PACKAGE_PHASES}
+    try:
+        cur.execute(_PHASE_SQL)
+    except sqlite3.OperationalError:  # an index from before packaging
+        return counts, sizes
+    for phase, count, size in cur.fetchall():
+        counts[phase], sizes[phase] = count, size
+    return counts, sizes
+
+
 def summarize_index(
     cur: sqlite3.Cursor, now: float, failures: int = RECENT_FAILURES
 ) -> IndexSummary:
@@ -184,6 +223,7 @@ def summarize_index(
         (RECENT_DELIVERIES,),
     )
     delivered = tuple(QueueRow(*row) for row in cur.fetchall())
+    phases, phase_bytes = package_phases(cur)
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,
@@ -195,6 +235,8 @@ def summarize_index(
         recent_failures=recent,
         recent_deliveries=delivered,
         heartbeat=read_heartbeat(cur),
+        packages=phases,
+        package_bytes=phase_bytes,
     )
 
 
@@ -315,6 +357,7 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         "free_error": survey.free_error,
         "index_error": survey.index_error,
         "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
+        "packages": dict(index.packages) if index else None,
     }
     return doc
 
