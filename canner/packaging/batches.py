@@ -21,7 +21,7 @@ from attrs import define, field, frozen
 from canner.config import PackagingConfig
 
 # Objects assigned per project and tick: bounds the transaction whatever the backlog.
-ASSIGN_LIMIT = 5000
+ASSIGN_LIMIT = 2000
 
 
 @frozen

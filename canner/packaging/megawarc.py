@@ -34,6 +34,7 @@ import blake3
 import zstandard
 from attrs import define, field, frozen
 
+from canner import fs
 from canner.packaging.batches import Member
 from canner.sinks.plan import sanitize_filename
 
@@ -51,6 +52,8 @@ WARC_GZ = ".megawarc.warc.gz"
 TAR = ".megawarc.tar"
 INDEX = ".megawarc.json.gz"
 CHUNK = 1 << 20
+# Start writeback of a container every this many bytes (see canner.fs.write_behind).
+WRITE_BEHIND = 16 << 20
 TAR_BLOCK = 512
 TAR_RECORD = 10240
 SKIPPABLE_MAGIC = b"\x5d\x2a\x4d\x18"
@@ -220,6 +223,8 @@ class _Container:
     path: Path
     file: IO[bytes]
     members: int = 0
+    # Where write-behind has started up to: the sealing fsync then has only the tail to flush.
+    flushed: int = 0
 
     def tell(self) -> int:
         return self.file.tell()
@@ -228,10 +233,15 @@ class _Container:
         view = memoryview(data)
         while view:  # unbuffered: a write may be short
             view = view[self.file.write(view) or 0 :]
+        end = self.file.tell()
+        if end - self.flushed >= WRITE_BEHIND:
+            fs.write_behind(self.file.fileno(), self.flushed, end, max(0, end - 4 * WRITE_BEHIND))
+            self.flushed = end
 
     def rollback(self, offset: int) -> None:
         self.file.seek(offset)
         self.file.truncate()
+        self.flushed = min(self.flushed, offset)
 
 
 @define
