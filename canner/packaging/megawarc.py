@@ -251,7 +251,6 @@ class _Builder:
     stop: threading.Event
     chunk: int
     containers: dict[str, _Container] = field(factory=dict)
-    dictionaries: dict[int, zstandard.ZstdCompressionDict] = field(factory=dict)
     placements: list[Placement] = field(factory=list)
     src_pos: int = 0
     # Tests a member's chunks while the builder's thread hashes and writes them: the inflate
@@ -305,7 +304,6 @@ class _Builder:
                     found = read_dictionary(first[: 8 + length])
                     if found is not None:
                         dictionary, dict_id = found
-                        self.dictionaries.setdefault(dict_id, dictionary)
                         suffix, test = zst_suffix(dict_id), ZstdTest(dictionary)
                         target = self.container(suffix, first[: 8 + length])
             if test is not None:
