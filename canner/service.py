@@ -507,6 +507,8 @@ def deliver_service(
         reactor,
         config.packaging_concurrency,
         config.min_free_bytes,
+        config.delivery_concurrency,
+        metrics.sent,
     )
     if packed:
         # Its thread pool stops after it: a build in a thread ends at its next chunk once the

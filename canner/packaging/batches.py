@@ -648,11 +648,12 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
         "UPDATE objects SET batch_id = ?, packed_file = ?, packed_offset = ? WHERE object_id = ?",
         [(batch_id, suffix, offset, oid) for oid, suffix, offset in p.placements],
     )
-    if delivered:
+    if d.get("sources_purged_at"):
         cur.execute(
             "UPDATE objects SET purged_at = coalesce(purged_at, ?) WHERE batch_id = ?",
-            (d.get("sources_purged_at") or now, batch_id),
+            (d["sources_purged_at"], batch_id),
         )
+    if delivered:
         record_remote_verified_members(cur, batch_id, float(d["remote_verified_at"]), now)
     return True
 

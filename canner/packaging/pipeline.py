@@ -155,6 +155,8 @@ class PackagingService(Service):
     _build_concurrency: int
     _min_free_bytes: int
     _delivery_concurrency: int = 1
+    # Told about every chunk of a package file sent to IA (the IA bytes-sent metric).
+    _on_sent: Callable[[int], None] = lambda n: None
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
     _building: dict[int, Deferred[None]] = field(factory=dict)
@@ -316,7 +318,8 @@ class PackagingService(Service):
             return None
         package_id = sql.package_id_of(row.project, members)
         batch_date = format_date(members[0].accepted_at)
-        await self._index.run(sql.record_building, batch_id, package_id, batch_date)
+        if not await self._index.run(sql.record_building, batch_id, package_id, batch_date):
+            return None  # no longer building (a second writer): leave it alone
         needed = sum(m.size_bytes for m in members)
         free = await self._run(self._store.free_bytes)
         if free - needed < self._min_free_bytes:
@@ -448,6 +451,7 @@ class PackagingService(Service):
         files = await self._index.run(sql.package_files, row.batch_id)
         # The index goes last: an item whose index is listed has every container.
         files.sort(key=lambda f: (f.suffix == INDEX, f.suffix))
+        item_bytes = sum(f.size_bytes for f in files)
         plans = []
         for f in files:
             assert f.content_md5 is not None, "verified packages have their files' MD5s"
@@ -459,6 +463,7 @@ class PackagingService(Service):
                 f.suffix,
                 f.size_bytes,
                 f.content_md5,
+                item_bytes,
             )
             directory = self._store.directory(row.package_id)
             plans.append((plan, directory / (row.package_id + f.suffix)))
@@ -470,7 +475,7 @@ class PackagingService(Service):
         identifier = ""
         try:
             for plan, path in await self._plans(row):
-                delivered = await sink.deliver_planned(plan, path, lambda n: None)
+                delivered = await sink.deliver_planned(plan, path, self._on_sent)
                 identifier = delivered.identifier
                 names[path.name[len(row.package_id or "") :]] = delivered.remote_name
         except (DeliveryFailed, PlanError) as e:

@@ -310,9 +310,11 @@ def plan_package_file(
     suffix: str,
     size: int,
     content_md5: str,
+    item_bytes: int | None = None,
 ) -> ItemPlan:
     """Where one file of a megawarc package goes: the item of the package, named
     ``<remote_name expanded><suffix>``; metadata templates see ``{package}``/``{batch_date}``.
+    ``item_bytes`` (all the package's files) is the size hint IA picks a server by.
 
     Stable inputs only, so every attempt resolves to the same destination.  Raises
     :class:`PlanError` like :func:`plan_upload`.
@@ -333,10 +335,11 @@ def plan_package_file(
     problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
     if problem is not None:
         raise PlanError(problem)
+    size_hint = max(size, item_bytes or 0)
     headers = [
         ("content-md5", content_md5),
         ("x-archive-auto-make-bucket", "1"),
-        ("x-archive-size-hint", str(size)),
+        ("x-archive-size-hint", str(size_hint)),
         ("x-archive-filemeta-canner-package", package),
         *meta_headers,
     ]
@@ -347,7 +350,7 @@ def plan_package_file(
         remote_name=remote_name,
         size=size,
         content_md5=content_md5,
-        size_hint=size,
+        size_hint=size_hint,
         headers=tuple(headers),
     )
 

@@ -4,6 +4,7 @@ batching, building, the verification pass, source purge, delivery, purge and reb
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from canner.blocking import run_inline
 from canner.config import parse_config
 from canner.delivery import index as dsql
 from canner.delivery.index import AcceptedObject
+from canner.ids import ObjectIds
+from canner.inventory import survey_json, take_survey
+from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
 from canner.packaging import batches as sql
 from canner.packaging.megawarc import INDEX, TAR, WARC_GZ
 from canner.packaging.pipeline import PackagingService
@@ -22,6 +26,7 @@ from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.plan import ItemPlan
+from canner.status_page import StatusView, render_status
 from canner.tus.store import UploadStore
 from tests.fakes import SyncIndex, succeeded
 from tests.packaging_support import checksum, warc_bytes
@@ -307,3 +312,31 @@ def test_package_id_depends_only_on_members() -> None:
     assert sql.package_id_of("p", [a, b]) == sql.package_id_of("p", [a, b])
     assert sql.package_id_of("p", [a]) != sql.package_id_of("p", [a, b])
     assert sql.package_id_of("q", [a, b]) != sql.package_id_of("p", [a, b])
+
+
+def test_operators_see_batches_and_packages_by_phase(tmp_path: Path) -> None:
+    """The survey, the metrics and the status page count batches filling and packages by
+    phase, from the index."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.tick()
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    h.projects = project_config(tmp_path, "1GB")  # the next object waits in an open batch
+    h.open_index()
+    h.accept(warc_bytes(2))
+    h.tick()
+    survey = take_survey(tmp_path, ObjectIds(""), h.clock.seconds())
+    assert survey.index is not None
+    assert survey.index.packages["purged"] == 1 and survey.index.packages["open"] == 1
+    assert survey_json(survey)["packages"]["open"] == 1
+    cache = SurveyCache(run_inline, lambda now: survey, h.clock)
+    succeeded(cache.refresh())
+    metrics = Metrics(DELIVER, ["example"])
+    metrics.register(SurveyCollector(cache, 1))
+    get = metrics.registry.get_sample_value
+    assert get("canner_packages", {"phase": "purged"}) == 1
+    assert get("canner_packages", {"phase": "open"}) == 1
+    assert get("canner_packages_bytes", {"phase": "open"}) == len(h.accepted[f"{1:032x}"])
+    page = render_status(StatusView("https://c.test", survey, 1, ())).decode()
+    assert re.search(r'data-field="packages_open"><b>1</b>', page)
