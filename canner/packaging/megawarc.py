@@ -25,6 +25,7 @@ import os
 import tarfile
 import threading
 import zlib as _zlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +53,8 @@ WARC_GZ = ".megawarc.warc.gz"
 TAR = ".megawarc.tar"
 INDEX = ".megawarc.json.gz"
 CHUNK = 1 << 20
+# Chunks of one member queued for its test at most (memory: lanes x depth x chunk).
+LANE_DEPTH = 4
 # Start writeback of a container every this many bytes (see canner.fs.write_behind).
 WRITE_BEHIND = 16 << 20
 TAR_BLOCK = 512
@@ -253,9 +256,17 @@ class _Builder:
     containers: dict[str, _Container] = field(factory=dict)
     placements: list[Placement] = field(factory=list)
     src_pos: int = 0
-    # Tests a member's chunks while the builder's thread hashes and writes them: the inflate
-    # (the slowest of the three) then overlaps the rest on another core.
-    tester: ThreadPoolExecutor = field(factory=lambda: ThreadPoolExecutor(1, "canner-test"))
+    # Members whose test failed in an earlier pass: straight to the tar.
+    force_tar: frozenset[str] = frozenset()
+    # Members are tested on "lanes" (one thread each) while the builder's thread hashes and
+    # writes them and goes on to the next member: the inflate, the slowest of the three, runs
+    # on every core.  A member's chunks go to one lane in order; different members' tests run
+    # side by side.  Each member is appended to its container before its test ends; should
+    # one fail, the package is built again with it in the tar (:class:`_TestsFailed`).
+    lanes: list[ThreadPoolExecutor] = field(factory=list)
+    tests: list[tuple[Member, Future[bool]]] = field(factory=list)
+    # Chunks handed to the lanes and not yet tested, oldest first (bounded: memory).
+    queued: deque[Future[None]] = field(factory=deque)
 
     def container(self, suffix: str, preamble: bytes = b"") -> _Container:
         if suffix not in self.containers:
@@ -266,7 +277,8 @@ class _Builder:
         return self.containers[suffix]
 
     def close(self) -> None:
-        self.tester.shutdown(wait=True, cancel_futures=True)
+        for lane in self.lanes:
+            lane.shutdown(wait=True, cancel_futures=True)
         for c in self.containers.values():
             c.file.close()
 
@@ -306,6 +318,8 @@ class _Builder:
                         dictionary, dict_id = found
                         suffix, test = zst_suffix(dict_id), ZstdTest(dictionary)
                         target = self.container(suffix, first[: 8 + length])
+            if test is not None and member.object_id in self.force_tar:
+                test, target = None, None
             if test is not None:
                 target = target or self.container(suffix)
                 line = self._append_tested(member, f, first, target, test, header, fields)
@@ -324,32 +338,30 @@ class _Builder:
         header: bytes,
         fields: dict[str, Any],
     ) -> dict[str, Any]:
+        lane = self.lanes[len(self.tests) % len(self.lanes)]
         start = target.tell()
         digest = blake3.blake3()
         size = 0
-        testing: Future[None] | None = None
-        try:
-            for data in self.read_chunks(f, first):
-                if testing is not None:
-                    testing.result()
-                testing = self.tester.submit(test.feed, data) if test.ok else None
-                digest.update(data)
-                size += len(data)
-                target.write(data)
-        finally:
-            if testing is not None:
-                testing.result()
+        limit = LANE_DEPTH * len(self.lanes)
+        for data in self.read_chunks(f, first):
+            # At most LANE_DEPTH chunks per lane wait for a test, whatever the member sizes.
+            while len(self.queued) >= limit:
+                self.queued.popleft().result()
+            self.queued.append(lane.submit(test.feed, data))
+            digest.update(data)
+            size += len(data)
+            target.write(data)
         self._check(member, digest, size, target, start)
-        if test.finish():
-            target.members += 1
-            self.placements.append(Placement(member.object_id, _suffix_of(self, target), start))
-            container = "warc" if target.path.name.endswith(WARC_GZ) else "zst"
-            suffix = _suffix_of(self, target)
-            return self._line(member, container, start, size, header, fields, suffix, start)
-        # Not a valid WARC of its kind: move its bytes from the container to the tar.
-        line = self._append_tar(member, _read_back(target, start, size, self.chunk), header, fields)
-        target.rollback(start)
-        return line
+        self.tests.append((member, lane.submit(test.finish)))
+        target.members += 1
+        suffix = _suffix_of(self, target)
+        self.placements.append(Placement(member.object_id, suffix, start))
+        container = "warc" if suffix == WARC_GZ else "zst"
+        return self._line(member, container, start, size, header, fields, suffix, start)
+
+    def failed_tests(self) -> set[str]:
+        """Wait for every member's test; the ids of those that failed."""
+        return {m.object_id for m, outcome in self.tests if not outcome.result()}
 
     def _append_tar(
         self, member: Member, chunks: Iterator[bytes], header: bytes, fields: dict[str, Any]
@@ -431,18 +443,12 @@ def _read_at_least(f: IO[bytes], data: bytes, n: int) -> bytes:
     return data
 
 
-def _read_back(target: _Container, start: int, size: int, chunk: int) -> Iterator[bytes]:
-    """The bytes just appended to ``target`` (a member that failed its test), a chunk at a time."""
-    end = start + size
-    pos = start
-    while pos < end:
-        target.file.seek(pos)
-        data = target.file.read(min(chunk, end - pos))
-        if not data:
-            raise OSError(f"{target.path} is shorter than what was written to it")
-        pos += len(data)
-        yield data
-    target.file.seek(0, os.SEEK_END)
+class _TestsFailed(Exception):
+    """Members appended to a container failed their test: build again, those in the tar."""
+
+    def __init__(self, object_ids: set[str]) -> None:
+        super().__init__(", ".join(sorted(object_ids)))
+        self.object_ids = object_ids
 
 
 def build_package(
@@ -452,15 +458,40 @@ def build_package(
     basename: str,
     stop: threading.Event,
     chunk: int = CHUNK,
+    test_threads: int | None = None,
 ) -> BuiltPackage:
     """Write the megawarc of ``members`` (in this order) into the directory ``work``.
 
     ``source(object_id)`` is a member's upload file.  Every file written is fsynced (the caller
-    renames ``work`` into place and fsyncs its parent).  Raises :class:`MemberMismatch` for a
+    renames ``work`` into place and fsyncs its parent).  Each member is read once, unless one
+    fails its test: then the package is written again with it in the tar.  ``test_threads``
+    (default: one per CPU) test members side by side.  Raises :class:`MemberMismatch` for a
     member whose bytes do not match its receipt, :class:`BuildStopped` when ``stop`` is set,
     ``OSError`` for I/O failures; ``work`` is then left for the caller to remove.
     """
-    builder = _Builder(work, basename, stop, chunk)
+    lanes = test_threads or max(1, os.cpu_count() or 1)
+    force_tar: frozenset[str] = frozenset()
+    while True:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        try:
+            return _build(members, source, work, basename, stop, chunk, lanes, force_tar)
+        except _TestsFailed as e:
+            force_tar = force_tar | e.object_ids
+
+
+def _build(
+    members: list[Member],
+    source: Callable[[str], Path],
+    work: Path,
+    basename: str,
+    stop: threading.Event,
+    chunk: int,
+    lanes: int,
+    force_tar: frozenset[str],
+) -> BuiltPackage:
+    builder = _Builder(work, basename, stop, chunk, force_tar=force_tar)
+    builder.lanes = [ThreadPoolExecutor(1, f"canner-test-{i}") for i in range(lanes)]
     index_path = work / (basename + INDEX)
     try:
         with (
@@ -471,6 +502,9 @@ def build_package(
                 line = builder.add(member, source(member.object_id))
                 index.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
             raw.flush()
+        failed = builder.failed_tests()
+        if failed:
+            raise _TestsFailed(failed)
         tar = builder.containers.get(TAR)
         if tar is not None:
             tar.write(b"\0" * _padding(tar.tell(), TAR_RECORD))
