@@ -211,3 +211,18 @@ def test_index_lines_follow_megawarc_format(
         assert line["header_fields"]["size"] == member.size_bytes
         assert json.dumps(line)  # plain JSON
         position = offsets["next_entry"]
+
+
+def test_the_same_members_always_give_the_same_bytes(
+    tmp_path: Path, mixed: tuple[list[Member], Path, dict[str, bytes]]
+) -> None:
+    """Building again, with any number of test threads and chunk size, writes byte-identical
+    files (members that fail their test cost a second pass, never a different package)."""
+    members, src, _ = mixed
+    built = []
+    for i, (threads, chunk) in enumerate([(1, 1 << 20), (3, 3000), (2, 512)]):
+        work = tmp_path / f"w{i}"
+        work.mkdir()
+        build_package(members, lambda oid: src / oid, work, BASE, threading.Event(), chunk, threads)
+        built.append({p.name: p.read_bytes() for p in work.iterdir()})
+    assert built[0] == built[1] == built[2]
