@@ -9,7 +9,8 @@
     canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
     canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
                               one JSON line per object in the delivery index
-    canner retry ID           make a retry_wait delivery due now (a guarded update)
+    canner retry ID           make a retry_wait delivery due now (a guarded update), or let a
+                              packed object that failed its receipt check join a batch again
     canner retry --needs-operator [--project P]
                               make every flagged retry_wait delivery due now (after a fix)
     canner packages           one JSON line per megawarc batch and package (state, members,
@@ -455,8 +456,12 @@ def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
         conn.close()
 
 
-def _retry_one(cur: sqlite3.Cursor, oid: str, now: float) -> tuple[bool, QueueRow | None]:
-    return sql.make_due_now(cur, oid, now), sql.get_row(cur, oid)
+def _retry_one(cur: sqlite3.Cursor, oid: str, now: float) -> tuple[str | None, QueueRow | None]:
+    if sql.make_due_now(cur, oid, now):
+        return "due", sql.get_row(cur, oid)
+    if psql.readmit(cur, oid, now):
+        return "readmitted", sql.get_row(cur, oid)
+    return None, sql.get_row(cur, oid)
 
 
 def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
@@ -500,7 +505,13 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     made_due, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None:
         raise CommandError(f"{oid} is not in the delivery index")
-    if not made_due:
+    if made_due == "readmitted":
+        io.out.write(
+            f"{oid} joins a megawarc batch again (its bytes are checked against its receipt"
+            f" when packed; last error: {row.last_error or 'none'})\n"
+        )
+        return 0
+    if made_due is None:
         raise CommandError(
             f"{oid} is {row.state}, not retry_wait: only a waiting retry can be made due"
         )

@@ -746,3 +746,14 @@ def object_package(cur: sqlite3.Cursor, object_id: str) -> dict[str, Any] | None
         "remote_verified_at": row.remote_verified_at,
         "purged_at": row.purged_at,
     }
+
+
+def readmit(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
+    """Operator retry of a member taken out of its batch (its bytes did not match its receipt):
+    it joins a batch again at the next tick, and is checked again when packed (guarded)."""
+    cur.execute(
+        "UPDATE objects SET pack_rejected_at = NULL, needs_operator = 0, updated_at = ?"
+        " WHERE object_id = ? AND pack_rejected_at IS NOT NULL AND batch_id IS NULL",
+        (now, object_id),
+    )
+    return cur.rowcount == 1

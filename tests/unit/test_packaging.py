@@ -227,6 +227,13 @@ def test_a_member_corrupted_after_acceptance_is_flagged_and_the_batch_goes_on(
     members = succeeded(h.index.run(sql.batch_members, rows[0].batch_id))
     assert [m.object_id for m in members] == good
     assert all(not h.uploads.data_path(oid).exists() for oid in good)
+    # The operator puts the right bytes back and retries: it is packed on its own.
+    h.uploads.data_path(bad).write_bytes(h.accepted[bad])
+    assert succeeded(h.index.run(sql.readmit, bad, h.clock.seconds()))
+    h.clock.advance(2)
+    h.tick()
+    assert [r.members for r in h.packages()] == [3, 1]
+    assert not h.uploads.data_path(bad).exists()
 
 
 def test_failed_deliveries_retry_with_backoff_and_nothing_is_sent_twice(tmp_path: Path) -> None:
