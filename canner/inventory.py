@@ -167,17 +167,19 @@ _PHASE_SQL = (
 )
 
 
-def package_phases(cur: sqlite3.Cursor) -> tuple[dict[str, int], dict[str, int]]:
-    """Packages (and batches still filling) by phase: counts and member bytes."""
+def package_phases(cur: sqlite3.Cursor) -> tuple[dict[str, int], dict[str, int], int]:
+    """Packages (and batches still filling) by phase: counts and member bytes; and how many
+    packages are flagged for an operator."""
     counts = {p: 0 for p in PACKAGE_PHASES}
     sizes = {p: 0 for p in PACKAGE_PHASES}
     try:
         cur.execute(_PHASE_SQL)
     except sqlite3.OperationalError:  # an index from before packaging
-        return counts, sizes
+        return counts, sizes, 0
     for phase, count, size in cur.fetchall():
         counts[phase], sizes[phase] = count, size
-    return counts, sizes
+    cur.execute("SELECT count(*) FROM packages WHERE needs_operator != 0")
+    return counts, sizes, int(cur.fetchone()[0])
 
 
 def summarize_index(
@@ -223,13 +225,14 @@ def summarize_index(
         (RECENT_DELIVERIES,),
     )
     delivered = tuple(QueueRow(*row) for row in cur.fetchall())
-    phases, phase_bytes = package_phases(cur)
+    phases, phase_bytes, flagged_packages = package_phases(cur)
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,
         projects=tuple(ProjectTotals(p, **t) for p, t in sorted(totals.items())),
         oldest_undelivered_at=float(oldest) if oldest is not None else None,
-        needs_operator=needs_operator,
+        # A package's delivery is a delivery: its flag counts like an object's.
+        needs_operator=needs_operator + flagged_packages,
         purge_overdue=overdue,
         oldest_purge_due=first_due,
         recent_failures=recent,
