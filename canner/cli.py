@@ -291,6 +291,9 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     lines.append(
         f"purges overdue   {doc['purge_overdue']} (lag {human_duration(doc['purge_lag_s'])})"
     )
+    if any((doc.get("packages") or {}).values()):
+        phases = ", ".join(f"{phase} {n}" for phase, n in doc["packages"].items() if n)
+        lines.append(f"packages         {phases}")
     for project, totals in doc["projects"].items():
         lines.append(
             f"project {project}: {totals['accepted_objects']} accepted"
