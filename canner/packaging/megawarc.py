@@ -26,7 +26,7 @@ import tarfile
 import threading
 import zlib as _zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -542,18 +542,28 @@ class VerifyFailed(Exception):
 
 
 def verify_package(
-    directory: Path, basename: str, stop: threading.Event, chunk: int = CHUNK
+    directory: Path,
+    basename: str,
+    stop: threading.Event,
+    chunk: int = CHUNK,
+    expected: Collection[str] | None = None,
 ) -> dict[str, str]:
     """Re-read every file of a sealed package once: each member's bytes (from the index) must
-    hash to its receipt.  Returns each file's MD5 (suffix -> hex).  Raises
+    hash to its receipt, and the index must list exactly the ``expected`` object ids (when
+    given: the batch's members).  Returns each file's MD5 (suffix -> hex).  Raises
     :class:`VerifyFailed` naming the member, :class:`BuildStopped`, or ``OSError``."""
     spans: dict[str, list[tuple[int, int, str, str]]] = {}
+    listed: set[str] = set()
     for line in read_index(directory / (basename + INDEX)):
         c = line["canner"]
+        listed.add(c["object_id"])
         suffix = c["file"][len(basename) :]
         spans.setdefault(suffix, []).append(
             (c["offset"], c["size_bytes"], c["checksum"], c["object_id"])
         )
+    if expected is not None and listed != set(expected):
+        differ = sorted(listed.symmetric_difference(expected))
+        raise VerifyFailed(f"the index and the batch differ in {len(differ)} members: {differ[:5]}")
     md5s: dict[str, str] = {}
     for path in sorted(directory.iterdir()):
         suffix = path.name[len(basename) :]

@@ -34,6 +34,7 @@ from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, retry_delay, verify_de
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, PackageRow, RestoredPackage
 from canner.packaging.megawarc import (
+    CHUNK,
     INDEX,
     BuildStopped,
     MemberMismatch,
@@ -395,8 +396,11 @@ class PackagingService(Service):
         """The verification pass: every member re-read from the sealed package."""
         assert row.package_id is not None
         directory = self._store.directory(row.package_id)
+        members = [m.object_id for m in await self._index.run(sql.batch_members, row.batch_id)]
         try:
-            md5s = await self._pack(verify_package, directory, row.package_id, self._stopping)
+            md5s = await self._pack(
+                verify_package, directory, row.package_id, self._stopping, CHUNK, members
+            )
         except BuildStopped:
             return False
         except (VerifyFailed, OSError, ValueError, KeyError) as e:

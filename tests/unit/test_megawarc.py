@@ -155,8 +155,11 @@ def test_verification_pass_gives_md5s_and_catches_a_changed_package(
     flipped byte in a container fails the pass naming the member."""
     members, src, _ = mixed
     work = build(tmp_path, members, src)
-    md5s = verify_package(work, BASE, threading.Event(), chunk=1000)
+    ids = [m.object_id for m in members]
+    md5s = verify_package(work, BASE, threading.Event(), chunk=1000, expected=ids)
     assert set(md5s) == {p.name[len(BASE) :] for p in work.iterdir()}
+    with pytest.raises(VerifyFailed, match="differ"):
+        verify_package(work, BASE, threading.Event(), expected=[*ids, "f" * 32])
     first = next(read_index(work / (BASE + INDEX)))["canner"]
     path = work / first["file"]
     data = bytearray(path.read_bytes())
