@@ -138,8 +138,12 @@ class GzipTest:
         self.ok = True
 
     def feed(self, data: bytes) -> None:
-        while data and self.ok:
-            self._in_member = True
+        # Output comes CHUNK bytes at a time: when a call fills it, the inflater may hold more
+        # even though it took all the input, so it is asked again until it returns less.
+        more = True
+        while self.ok and (data or more):
+            if data:
+                self._in_member = True
             try:
                 out = self._d.decompress(data, CHUNK)
             except INFLATE_ERRORS:
@@ -149,9 +153,10 @@ class GzipTest:
             if self._d.eof:
                 data = self._d.unused_data
                 self._d = _inflate.decompressobj(31)
-                self._in_member = False
+                self._in_member = more = False
             else:
                 data = self._d.unconsumed_tail
+                more = len(out) == CHUNK
 
     def _see(self, out: bytes) -> None:
         if len(self._head) < len(WARC_MAGIC):

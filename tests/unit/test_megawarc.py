@@ -20,6 +20,7 @@ from canner.packaging.megawarc import (
     TAR,
     WARC_GZ,
     BuildStopped,
+    GzipTest,
     MemberMismatch,
     VerifyFailed,
     build_package,
@@ -32,6 +33,7 @@ from tests.packaging_support import (
     restore,
     train_dictionary,
     warc_bytes,
+    warc_record,
     write_member,
     zst_warc,
 )
@@ -229,3 +231,16 @@ def test_the_same_members_always_give_the_same_bytes(
         build_package(members, lambda oid: src / oid, work, BASE, threading.Event(), chunk, threads)
         built.append({p.name: p.read_bytes() for p in work.iterdir()})
     assert built[0] == built[1] == built[2]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20, 1 << 30])
+def test_gzip_test_reads_highly_compressed_members_to_the_end(chunk: int) -> None:
+    """A member that inflates to many output chunks passes, however its input is cut; one
+    byte short of the end fails."""
+    record = warc_record("http://example.com/zeros", b"\0" * (5 << 20))
+    data = gzip.compress(record, mtime=0) + gzip.compress(record[:1000], mtime=0)
+    for blob, ok in ((data, True), (data[:-1], False)):
+        test = GzipTest()
+        for i in range(0, len(blob), chunk):
+            test.feed(blob[i : i + chunk])
+        assert test.finish() is ok
