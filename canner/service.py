@@ -508,7 +508,7 @@ def deliver_service(
         config.packaging_concurrency,
         config.min_free_bytes,
         config.delivery_concurrency,
-        metrics.sent,
+        in_flight,
     )
     if packed:
         # Its thread pool stops after it: a build in a thread ends at its next chunk once the

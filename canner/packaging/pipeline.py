@@ -29,7 +29,8 @@ from twisted.logger import Logger
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
-from canner.delivery.index import Index
+from canner.delivery.index import Index, QueueRow
+from canner.delivery.liveness import InFlight
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, retry_delay, verify_delay
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, PackageRow, RestoredPackage
@@ -156,8 +157,9 @@ class PackagingService(Service):
     _build_concurrency: int
     _min_free_bytes: int
     _delivery_concurrency: int = 1
-    # Told about every chunk of a package file sent to IA (the IA bytes-sent metric).
-    _on_sent: Callable[[int], None] = lambda n: None
+    # The deliver process's attempts in flight (heartbeat, status page, metrics): a package
+    # file being uploaded shows there under its package id and file name.
+    _in_flight: InFlight | None = None
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
     _building: dict[int, Deferred[None]] = field(factory=dict)
@@ -479,7 +481,7 @@ class PackagingService(Service):
         identifier = ""
         try:
             for plan, path in await self._plans(row):
-                delivered = await sink.deliver_planned(plan, path, self._on_sent)
+                delivered = await self._deliver_file(sink, row, plan, path)
                 identifier = delivered.identifier
                 names[path.name[len(row.package_id or "") :]] = delivered.remote_name
         except (DeliveryFailed, PlanError) as e:
@@ -520,6 +522,18 @@ class PackagingService(Service):
             identifier=identifier,
             files=len(names),
         )
+
+    async def _deliver_file(
+        self, sink: PackageSink, row: PackageRow, plan: ItemPlan, path: Path
+    ) -> Delivered:
+        if self._in_flight is None:
+            return await sink.deliver_planned(plan, path, lambda n: None)
+        key = plan.object_id  # the package id: one file of a package is in flight at a time
+        self._in_flight.begin(_flight_row(row, plan))
+        try:
+            return await sink.deliver_planned(plan, path, self._in_flight.uploading(key))
+        finally:
+            self._in_flight.end(key)
 
     async def _follow_up(self, row: PackageRow) -> None:
         now = self._clock.seconds()
@@ -596,3 +610,30 @@ class PackagingService(Service):
 
 def _discard(running: dict[int, Deferred[None]], batch_id: int) -> None:
     running.pop(batch_id, None)
+
+
+def _flight_row(row: PackageRow, plan: ItemPlan) -> QueueRow:
+    """A package file's upload as the in-flight list shows attempts: the package id in place
+    of the object id, the file's name and size."""
+    return QueueRow(
+        object_id=plan.object_id,
+        project=row.project,
+        filename=plan.remote_name,
+        size_bytes=plan.size,
+        checksum="",
+        accepted_at=row.oldest_accepted_at or 0,
+        state=row.delivery_state,
+        attempts=row.attempts,
+        next_attempt_at=row.next_attempt_at,
+        last_error=row.last_error,
+        needs_operator=row.needs_operator,
+        content_md5=plan.content_md5,
+        remote_identifier=plan.identifier,
+        remote_name=plan.remote_name,
+        delivered_at=None,
+        verified_at=None,
+        purge_after=None,
+        purged_at=None,
+        next_check_at=None,
+        updated_at=row.updated_at,
+    )

@@ -16,6 +16,7 @@ from canner.blocking import run_inline
 from canner.config import parse_config
 from canner.delivery import index as dsql
 from canner.delivery.index import AcceptedObject
+from canner.delivery.liveness import InFlight
 from canner.ids import ObjectIds
 from canner.inventory import survey_json, take_survey
 from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
@@ -41,8 +42,12 @@ class FakeItems:
     files: dict[tuple[str, str], bytes] = field(factory=dict)
     puts: list[str] = field(factory=list)
     fail_next: int = 0
+    watch: Any = None  # called during each upload (tests look at what is in flight)
 
     def deliver_planned(self, plan: ItemPlan, path: Path, progress: Any) -> Deferred[Delivered]:
+        progress(plan.size)
+        if self.watch is not None:
+            self.watch()
         if self.fail_next:
             self.fail_next -= 1
             return fail(DeliveryFailed("503 SlowDown"))
@@ -81,7 +86,10 @@ def project_config(tmp_path: Path, target: str, max_wait: str = "1h") -> Any:
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, target: str = "3000", max_wait: str = "1h") -> None:
+    def __init__(
+        self, tmp_path: Path, target: str = "3000", max_wait: str = "1h", in_flight: Any = None
+    ) -> None:
+        self.in_flight = in_flight
         self.tmp = tmp_path
         for sub in ("uploads", "receipts"):
             (tmp_path / sub).mkdir(exist_ok=True)
@@ -110,6 +118,7 @@ class Harness:
             self.clock,
             2,
             1,
+            in_flight=self.in_flight,
             random=lambda: 0.0,
         )
 
@@ -347,3 +356,20 @@ def test_operators_see_batches_and_packages_by_phase(tmp_path: Path) -> None:
     assert get("canner_packages_bytes", {"phase": "open"}) == len(h.accepted[f"{1:032x}"])
     page = render_status(StatusView("https://c.test", survey, 1, ())).decode()
     assert re.search(r'data-field="packages_open"><b>1</b>', page)
+
+
+def test_package_uploads_show_in_flight(tmp_path: Path) -> None:
+    """While a package file uploads, the in-flight list (heartbeat, status page, metrics)
+    shows it under the package id with the file's name and the bytes sent."""
+    clock = Clock()
+    in_flight = InFlight(clock)
+    h = Harness(tmp_path, target="100", in_flight=in_flight)
+    seen: list[Any] = []
+    h.items.watch = lambda: seen.extend(in_flight.snapshot())
+    h.accept(warc_bytes(1))
+    h.tick()
+    (row,) = h.packages()
+    assert {p.object_id for p in seen} == {row.package_id}
+    assert {p.filename for p in seen} == {row.package_id + s for s in (WARC_GZ, INDEX)}
+    assert all(p.sent == p.size for p in seen)
+    assert in_flight.snapshot() == [] and in_flight.total_sent > 0
