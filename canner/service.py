@@ -44,6 +44,7 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.packaging import batches as packaging_sql
 from canner.packaging.pipeline import PackageSink, PackagingService
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
@@ -536,6 +537,8 @@ def deliver_service(
             "index": index,
             "scheduler": scheduler,
             "packaging": packaging,
+            "packages": packages,
+            "packaging_sql": packaging_sql,
             "sinks": sinks,
             "uploads": uploads,
             "receipts": receipts,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from canner.cli import delivery_example
 from canner.config import ConfigError, parse_config, parse_size
 from canner.sinks.plan import PlanError, plan_package_file, validate_delivery
 
@@ -143,3 +144,13 @@ def test_megawarc_metadata_may_not_name_one_object(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         validate_delivery("example", delivery, "megawarc")
     assert caught.value.key == "projects.example.delivery.metadata.title"
+
+
+def test_check_config_shows_where_a_package_would_go(tmp_path: Path) -> None:
+    """canner check-config's example for a megawarc project names a package's item and file."""
+    raw = config({"mode": "megawarc"})
+    parsed = parse_config(raw, tmp_path)
+    example = delivery_example(parsed, "example", 1_800_000_000)
+    assert example is not None
+    assert example["identifier"] == f"example-20270115080000-{example['package']}"
+    assert example["remote_name"] == f"{example['package']}.megawarc.warc.gz"
