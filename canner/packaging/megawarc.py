@@ -12,7 +12,11 @@ not hash to its receipt raises :class:`MemberMismatch` and nothing of it is kept
 
 :func:`verify_package` re-reads the sealed files once: every member's bytes at its offsets must
 hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
-size (and the decompressors' windows), whatever the member count and sizes.
+size (and the decompressors' windows), whatever the member count and sizes: chunks waiting for
+a test are capped (:data:`LANE_DEPTH` per lane) and gzip output is taken a chunk at a time.  One
+zstd call's output is not capped by the library; input goes in :data:`ZSTD_SLICE` slices, which
+bounds it for real WARCs (a crafted member of nothing but RLE blocks could still inflate one
+slice to a few hundred MiB).
 """
 
 from __future__ import annotations
