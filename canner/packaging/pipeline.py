@@ -292,12 +292,17 @@ class PackagingService(Service):
         self._resume_after[row.batch_id] = now + RESUME_DELAY
         error = f"interrupted: {failure.getErrorMessage()}"
         again = now if self._stopping.is_set() else now + RESUME_DELAY
+        # Each update is guarded: only the one matching what the job was doing applies.
         d = self._index.run(sql.record_build_failure, row.batch_id, error, again, now)
         d.addCallback(
             lambda _: self._index.run(
                 sql.record_delivery_failure, row.batch_id, error, again, False, now
             )
         )
+        if not self._stopping.is_set():
+            d.addCallback(
+                lambda _: self._index.run(sql.record_check, row.batch_id, again, error, False, now)
+            )
         d.addErrback(lambda f: log.failure("recording packaging work", f))
         return d
 

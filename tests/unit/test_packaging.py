@@ -43,6 +43,7 @@ class FakeItems:
     puts: list[str] = field(factory=list)
     fail_next: int = 0
     watch: Any = None  # called during each upload (tests look at what is in flight)
+    broken_verify: int = 0
 
     def deliver_planned(self, plan: ItemPlan, path: Path, progress: Any) -> Deferred[Delivered]:
         progress(plan.size)
@@ -60,6 +61,9 @@ class FakeItems:
         return succeed(Delivered(plan.identifier, plan.remote_name))
 
     def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
+        if self.broken_verify:
+            self.broken_verify -= 1
+            return fail(RuntimeError("a bug in the sink"))
         data = self.files.get((plan.identifier, plan.remote_name))
         ok = data is not None and hashlib.md5(data).hexdigest() == plan.content_md5
         return succeed(RemoteCheck(ok, "" if ok else "not listed"))
@@ -373,3 +377,21 @@ def test_package_uploads_show_in_flight(tmp_path: Path) -> None:
     assert {p.filename for p in seen} == {row.package_id + s for s in (WARC_GZ, INDEX)}
     assert all(p.sent == p.size for p in seen)
     assert in_flight.snapshot() == [] and in_flight.total_sent > 0
+
+
+def test_a_job_that_crashes_is_retried_a_minute_later(tmp_path: Path) -> None:
+    """An unexpected error in a follow-up is logged and the package checked again after a
+    minute, not at every tick."""
+    h = Harness(tmp_path, target="100")
+    h.items.broken_verify = 1
+    h.accept(warc_bytes(1))
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.remote_verified_at is None
+    assert row.next_check_at == h.clock.seconds() + 60
+    assert "a bug in the sink" in (row.last_error or "")
+    h.tick()
+    assert h.packages()[0].remote_verified_at is None
+    h.clock.advance(61)
+    h.tick()
+    assert h.packages()[0].remote_verified_at is not None
