@@ -9,13 +9,17 @@
     canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
     canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
                               one JSON line per object in the delivery index
-    canner retry ID           make a retry_wait delivery due now, or send a delivered but
+    canner retry ID           make a retry_wait delivery due now, send a delivered but
                               unverified one (unlisted, mismatched, flagged) to be delivered
-                              again (guarded updates)
+                              again (guarded updates), or let a packed object that failed its
+                              receipt check join a batch again
     canner retry --needs-operator [--project P]
                               the same for every flagged row (after a fix)
-    canner rebuild-index      add every receipt missing from delivery.sqlite (canner-deliver
-                              must be stopped: it refuses while deliver.lock is held)
+    canner packages           one JSON line per megawarc batch and package (state, members,
+                              bytes, item, files, times)
+    canner rebuild-index      add every receipt missing from delivery.sqlite, and every package
+                              in the packages directory (canner-deliver must be stopped: it
+                              refuses while deliver.lock is held)
     canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
                               uploads in progress and deliveries go on
     canner undrain            take new uploads again
@@ -53,10 +57,19 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
+from canner.packaging import batches as psql
+from canner.packaging.pipeline import read_package
+from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
-from canner.sinks.plan import PlanError, plan_upload, validate_delivery
+from canner.sinks.plan import (
+    PlanError,
+    format_date,
+    plan_package_file,
+    plan_upload,
+    validate_delivery,
+)
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
 from canner.version import version
@@ -125,7 +138,10 @@ def _jsonable(value: Any) -> Any:
 def config_json(config: Config) -> dict[str, Any]:
     """The resolved config as JSON (paths absolute, durations in seconds; no secrets in it)."""
     doc = attrs.asdict(config, value_serializer=lambda _inst, _field, v: _jsonable(v))
-    doc["projects"] = {pid: {"delivery": p["delivery"]} for pid, p in doc["projects"].items()}
+    doc["projects"] = {
+        pid: {"delivery": p["delivery"], "packaging": p["packaging"]}
+        for pid, p in doc["projects"].items()
+    }
     return doc
 
 
@@ -134,7 +150,23 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
     delivery = config.projects[project_id].delivery
     if delivery is None:
         return None
-    validate_delivery(project_id, delivery)
+    packaging = config.projects[project_id].packaging
+    validate_delivery(project_id, delivery, packaging.mode)
+    if packaging.megawarc:
+        try:
+            plan = plan_package_file(
+                delivery, project_id, EXAMPLE_HEX, format_date(int(now)), ".megawarc.warc.gz",
+                0, EMPTY_MD5,
+            )  # fmt: skip
+        except PlanError as e:
+            raise ConfigError(f"projects.{project_id}.delivery", str(e)) from None
+        return {
+            "package": EXAMPLE_HEX,
+            "batch_date": format_date(int(now)),
+            "identifier": plan.identifier,
+            "remote_name": plan.remote_name,
+            "url": f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}",
+        }
     object_id = f"{config.node_prefix}-{EXAMPLE_HEX}" if config.node_prefix else EXAMPLE_HEX
     try:
         plan = plan_upload(
@@ -273,6 +305,9 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     lines.append(
         f"purges overdue   {doc['purge_overdue']} (lag {human_duration(doc['purge_lag_s'])})"
     )
+    if any((doc.get("packages") or {}).values()):
+        phases = ", ".join(f"{phase} {n}" for phase, n in doc["packages"].items() if n)
+        lines.append(f"packages         {phases}")
     for project, totals in doc["projects"].items():
         lines.append(
             f"project {project}: {totals['accepted_objects']} accepted"
@@ -367,7 +402,31 @@ def show(config_path: Path, object_id: str, io: Io) -> int:
         raise CommandError(f"cannot read the delivery index: {e}") from None
     if not inventory.known(description):
         raise CommandError(f"no object {oid} in {data_dir} (no receipt, upload or delivery row)")
+    try:
+        package = inventory.read_index(data_dir / inventory.INDEX_NAME, psql.object_package, oid)
+    except FileNotFoundError:
+        package = None
+    if package is None:
+        # The receipt's side file names the package once the upload is purged.
+        package = ReceiptStore(data_dir / "receipts").read_package(oid)
+    if package is not None:
+        description["package"] = package
     _dump(io, description)
+    return 0
+
+
+def packages(config_path: Path, io: Io) -> int:
+    """One JSON line per package (batches still filling included), oldest first."""
+    config = load_config(config_path)
+    become_data_dir_owner(_data_dir(config))
+    conn = inventory.open_read_only(config.data_dir / inventory.INDEX_NAME)
+    try:
+        cur = conn.cursor()
+        for row in psql.all_packages(cur):
+            doc = psql.package_listing(cur, row)
+            io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    finally:
+        conn.close()
     return 0
 
 
@@ -443,9 +502,14 @@ def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
 
 def _retry_one(
     cur: sqlite3.Cursor, oid: str, now: float
-) -> tuple[bool, QueueRow | None, QueueRow | None]:
+) -> tuple[str | None, QueueRow | None, QueueRow | None]:
+    """("due" | "readmitted" | None, the row before, the row after)."""
     before = sql.get_row(cur, oid)
-    return sql.operator_retry(cur, oid, now), before, sql.get_row(cur, oid)
+    if sql.operator_retry(cur, oid, now):
+        return "due", before, sql.get_row(cur, oid)
+    if psql.readmit(cur, oid, now):
+        return "readmitted", before, sql.get_row(cur, oid)
+    return None, before, sql.get_row(cur, oid)
 
 
 def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
@@ -493,7 +557,13 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     made_due, before, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None or before is None:
         raise CommandError(f"{oid} is not in the delivery index")
-    if not made_due:
+    if made_due == "readmitted":
+        io.out.write(
+            f"{oid} joins a megawarc batch again (its bytes are checked against its receipt"
+            f" when packed; last error: {row.last_error or 'none'})\n"
+        )
+        return 0
+    if made_due is None:
         if row.state == State.DELIVERED and row.verified_at is not None:
             raise CommandError(
                 f"{oid} is delivered and verified at its destination: nothing to retry"
@@ -601,8 +671,11 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
             cur.execute("COMMIT")
         if scan is not None:
             scan.finish()
+        restored = _restore_packages(conn, PackageStore(config.packages_path), io.now())
     finally:
         conn.close()
+    if restored:
+        io.out.write(f"rebuild-index: {restored} packages restored from {config.packages_path}\n")
     for problem in problems:
         io.err.write(f"canner: rebuild-index skipped {problem}\n")
     io.out.write(
@@ -616,6 +689,29 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         )
         return 1
     return 0
+
+
+def _restore_packages(conn: sqlite3.Connection, store: PackageStore, now: float) -> int:
+    """Every package on disk with no row comes back with its members (their own index)."""
+    if not store.root.is_dir():
+        return 0
+    known = psql.known_packages(conn.cursor())
+    restored = 0
+    for package_id in list(store.package_ids()):
+        if package_id in known:
+            continue
+        found = read_package(store, package_id, now)
+        if found is None:
+            continue
+        cur = conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            restored += psql.restore_package(cur, found)
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+    return restored
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -660,6 +756,7 @@ def _parser() -> argparse.ArgumentParser:
         help="every delivery flagged for an operator (after fixing the cause)",
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
+    command("packages", "one JSON line per megawarc batch and package")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
     command(
         "drain", "take no new uploads (uploads in progress and deliveries go on); durable"
@@ -693,6 +790,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "show": lambda: show(args.config, args.object_id, io),
         "deliveries": listing,
         "retry": again,
+        "packages": lambda: packages(args.config, io),
         "rebuild-index": lambda: rebuild_index(args.config, io),
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),

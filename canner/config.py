@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -98,12 +99,34 @@ class DeliveryConfig:
     download_url: str = "https://archive.org"
 
 
+IDENTITY = "identity"
+MEGAWARC = "megawarc"
+DEFAULT_TARGET_BYTES = 50 * 10**9
+DEFAULT_MAX_WAIT = 24 * 3600.0
+
+
+@frozen
+class PackagingConfig:
+    """``[projects.<id>.packaging]``: one item per artifact (identity) or megawarc batches."""
+
+    mode: str = IDENTITY
+    # Close a batch once its members reach this many bytes ...
+    target_bytes: int = DEFAULT_TARGET_BYTES
+    # ... or once its oldest member has waited this long since acceptance (seconds).
+    max_wait: float = DEFAULT_MAX_WAIT
+
+    @property
+    def megawarc(self) -> bool:
+        return self.mode == MEGAWARC
+
+
 @frozen
 class ProjectConfig:
     """``[projects.<id>]``: a project workers may upload for."""
 
     project_id: str
     delivery: DeliveryConfig | None = None
+    packaging: PackagingConfig = PackagingConfig()
 
 
 @frozen
@@ -169,6 +192,14 @@ class Config:
     manhole: ManholeConfig | None = None
     access_log: bool = True
     connections: ConnectionsConfig = ConnectionsConfig()
+    # Where megawarc packages are built and kept until delivered (default: <data_dir>/packages).
+    packages_dir: Path | None = None
+    # Package builds running at once (a bounded pool of their own, beside delivery_concurrency).
+    packaging_concurrency: int = 1
+
+    @property
+    def packages_path(self) -> Path:
+        return self.packages_dir if self.packages_dir is not None else self.data_dir / "packages"
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -191,8 +222,11 @@ _TOP_KEYS = {
     "manhole",
     "access_log",
     "connections",
+    "packages_dir",
+    "packaging_concurrency",
 }
 _CONNECTIONS_KEYS = {"max", "max_per_client", "header_timeout"}
+_PACKAGING_KEYS = {"mode", "target_bytes", "max_wait"}
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
     "authorized_keys",
@@ -274,6 +308,86 @@ def _duration(mapping: Mapping[str, Any], key: str, name: str, default: str | No
         raise ConfigError(name, str(e)) from None
 
 
+_SIZE = re.compile(r"([0-9]+)\s*([KMGTP]i?B|B)?")
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15}
+_SIZE_UNITS.update({"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "PiB": 1 << 50})
+
+
+def parse_size(value: Any) -> int:
+    """A byte count: an integer, or a string such as ``"50GB"`` (10^9) or ``"2GiB"`` (2^30).
+
+    Raises ``ValueError`` for anything else, and for sizes below one byte.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())):
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"]
+    else:
+        raise ValueError(f'{value!r} is not a size (such as 1048576, "50GB" or "2GiB")')
+    if size < 1:
+        raise ValueError(f"a size must be at least 1 byte, not {size}")
+    return size
+
+
+def _parse_packaging(raw: Any, name: str) -> PackagingConfig:
+    if raw is None:
+        return PackagingConfig()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, "must be a table")
+    _unknown(raw, _PACKAGING_KEYS, name + ".")
+    mode = _string(raw, "mode", name + ".mode", IDENTITY)
+    if mode not in (IDENTITY, MEGAWARC):
+        raise ConfigError(name + ".mode", f'must be "identity" or "megawarc", not {mode!r}')
+    try:
+        target = parse_size(raw.get("target_bytes", DEFAULT_TARGET_BYTES))
+    except ValueError as e:
+        raise ConfigError(name + ".target_bytes", str(e)) from None
+    max_wait = _duration(raw, "max_wait", name + ".max_wait", "24h")
+    if max_wait < 1.0:
+        raise ConfigError(name + ".max_wait", "must be at least 1s")
+    return PackagingConfig(mode=mode, target_bytes=target, max_wait=max_wait)
+
+
+def template_fields(template: str) -> set[str]:
+    """The placeholder names in a ``{name}`` template; ``ValueError`` for broken braces."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+# Placeholders that name one object, and those that name one package.
+OBJECT_FIELDS = frozenset({"object_id", "filename", "date"})
+PACKAGE_FIELDS = frozenset({"package", "batch_date"})
+
+
+def _check_packaging_templates(
+    packaging: PackagingConfig, delivery: DeliveryConfig, name: str
+) -> None:
+    """A megawarc item is one package: its templates name the package, never one object."""
+    for key in ("identifier", "remote_name"):
+        try:
+            used = template_fields(getattr(delivery, key))
+        except ValueError:
+            continue  # the sink's validation names the broken template
+        if packaging.megawarc and used & OBJECT_FIELDS:
+            raise ConfigError(
+                f"{name}.delivery.{key}",
+                "a megawarc project's item holds many objects: use {project}, {package} or"
+                " {batch_date}, not " + ", ".join(f"{{{f}}}" for f in sorted(used & OBJECT_FIELDS)),
+            )
+        if not packaging.megawarc and used & PACKAGE_FIELDS:
+            raise ConfigError(
+                f"{name}.delivery.{key}",
+                "{package} and {batch_date} are only for projects with packaging mode = megawarc",
+            )
+    if packaging.megawarc and not template_fields(delivery.identifier) & PACKAGE_FIELDS:
+        raise ConfigError(
+            f"{name}.delivery.identifier",
+            "a megawarc project's identifier must contain {package} or {batch_date}, so two"
+            " batches never share an item",
+        )
+
+
 def _http_url(value: str, name: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -281,7 +395,9 @@ def _http_url(value: str, name: str) -> str:
     return value
 
 
-def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
+def _parse_delivery(
+    raw: Any, name: str, base_dir: Path, default_remote: str = "{filename}"
+) -> DeliveryConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
     _unknown(raw, _DELIVERY_KEYS, name + ".")
@@ -332,7 +448,7 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
         credentials=credentials,
         path=path,
         identifier=_string(raw, "identifier", name + ".identifier"),
-        remote_name=_string(raw, "remote_name", name + ".remote_name", "{filename}"),
+        remote_name=_string(raw, "remote_name", name + ".remote_name", default_remote),
         local_artifact_retention=retention,
         s3_url=_http_url(
             _string(raw, "s3_url", name + ".s3_url", "https://s3.us.archive.org"), name + ".s3_url"
@@ -359,11 +475,18 @@ def _parse_projects(raw: Any, base_dir: Path) -> dict[str, ProjectConfig]:
             raise ConfigError(name, "project ids are 1-128 characters of [A-Za-z0-9._:-]")
         if not isinstance(table, Mapping):
             raise ConfigError(name, "must be a table")
-        _unknown(table, {"delivery"}, name + ".")
+        _unknown(table, {"delivery", "packaging"}, name + ".")
+        packaging = _parse_packaging(table.get("packaging"), name + ".packaging")
         delivery = None
         if "delivery" in table:
-            delivery = _parse_delivery(table["delivery"], name + ".delivery", base_dir)
-        projects[project_id] = ProjectConfig(project_id=project_id, delivery=delivery)
+            # A megawarc item's files are named "<remote_name>.megawarc.warc.gz" and so on.
+            default_remote = "{package}" if packaging.megawarc else "{filename}"
+            delivery = _parse_delivery(table["delivery"], name + ".delivery", base_dir,
+                                       default_remote)  # fmt: skip
+            _check_packaging_templates(packaging, delivery, name)
+        projects[project_id] = ProjectConfig(
+            project_id=project_id, delivery=delivery, packaging=packaging
+        )
     return projects
 
 
@@ -514,6 +637,9 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     if retention <= 0:
         raise ConfigError("partial_upload_retention", "must be positive")
     resolved_data_dir = (base_dir / data_dir).resolve()
+    packages_dir = _optional_string(raw, "packages_dir", "packages_dir")
+    if packages_dir == "":
+        raise ConfigError("packages_dir", "must not be empty")
     return Config(
         issuer=issuer,
         data_dir=resolved_data_dir,
@@ -530,6 +656,10 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
         access_log=access_log,
         connections=_parse_connections(raw.get("connections")),
+        packages_dir=(base_dir / packages_dir).resolve() if packages_dir else None,
+        packaging_concurrency=_positive_int(
+            raw, "packaging_concurrency", 1, "packaging_concurrency"
+        ),
     )
 
 

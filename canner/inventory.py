@@ -91,6 +91,9 @@ class IndexSummary:
     recent_failures: tuple[QueueRow, ...] = ()
     recent_deliveries: tuple[QueueRow, ...] = ()
     heartbeat: Heartbeat | None = None
+    # megawarc batches and packages by phase (PACKAGE_PHASES): count, and bytes of members
+    packages: Mapping[str, int] = field(factory=dict)
+    package_bytes: Mapping[str, int] = field(factory=dict)
 
     @property
     def pending_objects(self) -> int:
@@ -152,6 +155,44 @@ def open_read_only(path: Path) -> sqlite3.Connection:
     return conn
 
 
+# A package's phase, from its build state and its delivery and local-file facts.
+PACKAGE_PHASES = (
+    "open",
+    "closed",
+    "building",
+    "sealed",
+    "verified",
+    "delivering",
+    "delivered",
+    "verified_at_ia",
+    "purged",
+)
+_PHASE_SQL = (
+    "SELECT CASE WHEN state IN ('open', 'closed', 'building', 'sealed') THEN state"
+    " WHEN purged_at IS NOT NULL THEN 'purged'"
+    " WHEN remote_verified_at IS NOT NULL THEN 'verified_at_ia'"
+    " WHEN delivery_state = 'delivered' THEN 'delivered'"
+    " WHEN delivery_state = 'delivering' THEN 'delivering'"
+    " ELSE 'verified' END AS phase, count(*), coalesce(sum(bytes), 0) FROM packages"
+    " GROUP BY phase"
+)
+
+
+def package_phases(cur: sqlite3.Cursor) -> tuple[dict[str, int], dict[str, int], int]:
+    """Packages (and batches still filling) by phase: counts and member bytes; and how many
+    packages are flagged for an operator."""
+    counts = {p: 0 for p in PACKAGE_PHASES}
+    sizes = {p: 0 for p in PACKAGE_PHASES}
+    try:
+        cur.execute(_PHASE_SQL)
+    except sqlite3.OperationalError:  # an index from before packaging
+        return counts, sizes, 0
+    for phase, count, size in cur.fetchall():
+        counts[phase], sizes[phase] = count, size
+    cur.execute("SELECT count(*) FROM packages WHERE needs_operator != 0")
+    return counts, sizes, int(cur.fetchone()[0])
+
+
 def summarize_index(
     cur: sqlite3.Cursor, now: float, failures: int = RECENT_FAILURES
 ) -> IndexSummary:
@@ -195,17 +236,21 @@ def summarize_index(
         (RECENT_DELIVERIES,),
     )
     delivered = tuple(QueueRow(*row) for row in cur.fetchall())
+    phases, phase_bytes, flagged_packages = package_phases(cur)
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,
         projects=tuple(ProjectTotals(p, **t) for p, t in sorted(totals.items())),
         oldest_undelivered_at=float(oldest) if oldest is not None else None,
-        needs_operator=needs_operator,
+        # A package's delivery is a delivery: its flag counts like an object's.
+        needs_operator=needs_operator + flagged_packages,
         purge_overdue=overdue,
         oldest_purge_due=first_due,
         recent_failures=recent,
         recent_deliveries=delivered,
         heartbeat=read_heartbeat(cur),
+        packages=phases,
+        package_bytes=phase_bytes,
     )
 
 
@@ -350,6 +395,7 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
         "draining": survey.draining.as_dict() if survey.draining else None,
         "retirement": survey.retirement.as_dict() if survey.retirement else None,
+        "packages": dict(index.packages) if index else None,
     }
     return doc
 

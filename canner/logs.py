@@ -26,6 +26,10 @@ field             meaning
 ``count``         how many things an event covers; ``ids`` lists them when useful
 ``path``          a file system path
 ``label``         the name of a periodic job whose run failed
+``package``       a megawarc package id (32 hex); ``batch_id`` its batch's row number
+``members``       how many objects a package holds; ``bytes`` their size together
+``files``         the files of a package (suffixes), or how many were delivered
+``assigned``      objects put into batches by one tick; ``closed`` batches it closed
 ================  ============================================================================
 
 Access log events (namespace ``canner.access``, one per answered receiver request) carry

@@ -484,6 +484,19 @@ class SurveyCollector(Collector):
         for state in State:
             by_state.add_metric([state.value], index.states.get(state.value, 0))
             bytes_by_state.add_metric([state.value], index.state_bytes.get(state.value, 0))
+        packages = GaugeMetricFamily(
+            "canner_packages",
+            "Megawarc batches and packages by phase (open ... purged)",
+            labels=["phase"],
+        )
+        package_bytes = GaugeMetricFamily(
+            "canner_packages_bytes", "Member bytes of megawarc packages by phase", labels=["phase"]
+        )
+        for phase, count in index.packages.items():
+            packages.add_metric([phase], count)
+            package_bytes.add_metric([phase], index.package_bytes.get(phase, 0))
+        yield packages
+        yield package_bytes
         yield by_state
         yield bytes_by_state
         pending = GaugeMetricFamily(

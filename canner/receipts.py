@@ -187,6 +187,25 @@ class ReceiptStore:
         except FileNotFoundError:
             return None
 
+    def package_path(self, object_id: str) -> Path:
+        return self.directory / f"{object_id}.package.json"
+
+    def record_package(self, object_id: str, record: dict[str, Any]) -> None:
+        """Durably name the package holding the object (before its upload is purged); the
+        first record stays (idempotent).  The caller fsyncs :attr:`directory` once for many."""
+        if not self.package_path(object_id).exists():
+            doc = {"object_id": object_id, **record}
+            fs.publish_once(
+                self.directory, f"{object_id}.package.json", json.dumps(doc).encode("utf-8")
+            )
+
+    def read_package(self, object_id: str) -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = json.loads(self.package_path(object_id).read_bytes())
+        except FileNotFoundError:
+            return None
+        return doc
+
     def forget_origin(self, object_id: str) -> None:
         """Remove the origin record of an upload that will never have a receipt."""
         self.origin_path(object_id).unlink(missing_ok=True)

@@ -45,6 +45,9 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.packaging import batches as packaging_sql
+from canner.packaging.pipeline import PackageSink, PackagingService
+from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
@@ -439,6 +442,19 @@ def deliver_service(
             for pid, p in config.projects.items()
         }
     uploads, receipts = _prepare_data_dir(config.data_dir)
+    # Megawarc projects are delivered a package at a time; the object queue serves the rest.
+    packed = {
+        pid: p
+        for pid, p in config.projects.items()
+        if p.packaging.megawarc and p.delivery is not None and pid in sinks
+    }
+    object_sinks = {pid: s for pid, s in sinks.items() if pid not in packed}
+    packages = PackageStore(config.packages_path)
+    if packed:
+        try:
+            packages.prepare()
+        except OSError as e:
+            raise ConfigError("packages_dir", f"{packages.root}: {e.strerror}") from None
     lock = DataDirLock(config.data_dir / "deliver.lock")
     try:
         lock.acquire()
@@ -487,7 +503,7 @@ def deliver_service(
         index,
         uploads,
         receipts,
-        sinks,
+        object_sinks,
         retention,
         io,
         hashing,
@@ -501,6 +517,27 @@ def deliver_service(
         in_flight=in_flight,
     )
     scheduler.setServiceParent(top)
+    packing = ThreadPoolRunner(reactor, "canner-pack", config.packaging_concurrency)
+    packaging = PackagingService(
+        index,
+        uploads,
+        receipts,
+        packages,
+        packed,
+        {pid: cast(PackageSink, sinks[pid]) for pid in packed},
+        io,
+        packing,
+        reactor,
+        config.packaging_concurrency,
+        config.min_free_bytes,
+        config.delivery_concurrency,
+        in_flight,
+    )
+    if packed:
+        # Its thread pool stops after it: a build in a thread ends at its next chunk once the
+        # service has asked it to stop.
+        packing.setServiceParent(top)
+        packaging.setServiceParent(top)
     # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
     HeartbeatService(index, in_flight, reactor).setServiceParent(top)
     _trend_sampler(config, index, reactor).setServiceParent(top)
@@ -521,6 +558,9 @@ def deliver_service(
             "services": top,
             "index": index,
             "scheduler": scheduler,
+            "packaging": packaging,
+            "packages": packages,
+            "packaging_sql": packaging_sql,
             "sinks": sinks,
             "uploads": uploads,
             "receipts": receipts,

@@ -641,6 +641,19 @@ def _deliveries(view: StatusView) -> Tag | str:
         id="delivery-summary",
     )
     section = tags.section(tags.h2("Deliveries"), states, tags.p(), summary)
+    if any(index.packages.values()):
+        # Megawarc projects: batches filling, packages building, sealed, delivering, delivered.
+        packages = tags.table(_head("package phase", "packages", "bytes"), id="packages")
+        for phase, count in index.packages.items():
+            packages(
+                _row(
+                    tags.th(phase.replace("_", " ")),
+                    _count(f"packages_{phase}", count),
+                    _bytes(f"packages_{phase}_bytes", index.package_bytes.get(phase, 0)),
+                    **{"data-phase": phase},
+                )
+            )
+        section(tags.h2("Packages"), packages)
     now = survey.taken_at
     if index.recent_failures:
         failures = tags.table(

@@ -669,7 +669,22 @@ class IADeliverySink:
         self, row: QueueRow, path: Path, progress: Callable[[int], None]
     ) -> Delivered:
         plan = self.plan(row)
-        result = await self._sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
+        return await self._deliver_planned(plan, path, progress, bool(row.force_upload))
+
+    def deliver_planned(
+        self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
+    ) -> Deferred[Delivered]:
+        """Deliver one planned file (a package's), like :meth:`deliver` does a row."""
+        return Deferred.fromCoroutine(self._deliver_planned(plan, path, progress))
+
+    async def _deliver_planned(
+        self,
+        plan: ItemPlan,
+        path: Path,
+        progress: Callable[[int], None],
+        overwrite: bool = False,
+    ) -> Delivered:
+        result = await self._sink.deliver(plan, path, progress, overwrite=overwrite)
         if result.delivered:
             return Delivered(plan.identifier, plan.remote_name)
         raise DeliveryFailed(
@@ -682,12 +697,28 @@ class IADeliverySink:
     def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
         return Deferred.fromCoroutine(self._verify(row, path))
 
+    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
+        """Is the planned file at IA with its size and MD5?"""
+        return Deferred.fromCoroutine(
+            self._verify_file(plan.identifier, plan.remote_name, plan.size, plan.content_md5)
+        )
+
     async def _verify(self, row: QueueRow, path: Path) -> RemoteCheck:
         assert row.remote_identifier is not None and row.remote_name is not None
-        found = await self._sink.lookup(row.remote_identifier, row.remote_name)
+        listed = await self._verify_file(
+            row.remote_identifier, row.remote_name, row.size_bytes, row.content_md5
+        )
+        if not listed.verified:
+            return listed
+        return await self._read_back(row, path)
+
+    async def _verify_file(
+        self, identifier: str, remote_name: str, size: int, content_md5: str | None
+    ) -> RemoteCheck:
+        found = await self._sink.lookup(identifier, remote_name)
         if isinstance(found, RemoteFile):
-            if row.content_md5 is not None and found.matches(row.size_bytes, row.content_md5):
-                return await self._read_back(row, path)
+            if content_md5 is not None and found.matches(size, content_md5):
+                return RemoteCheck(True)
             return RemoteCheck(
                 False,
                 f"remote file differs: {found.size} bytes, md5 {found.md5}",
@@ -729,7 +760,12 @@ class IADeliverySink:
 
 
 def internet_archive_sink(
-    project_id: str, delivery: DeliveryConfig, http: HTTPClient, reactor: Any, run: BlockingRunner
+    project_id: str,
+    delivery: DeliveryConfig,
+    http: HTTPClient,
+    reactor: Any,
+    run: BlockingRunner,
+    mode: str = "identity",
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
@@ -737,7 +773,7 @@ def internet_archive_sink(
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
     project refuses to start instead of failing every attempt later.
     """
-    validate_delivery(project_id, delivery)
+    validate_delivery(project_id, delivery, mode)
     try:
         sink = IASink.for_delivery(delivery, http, reactor, run)
     except CredentialsError as e:

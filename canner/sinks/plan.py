@@ -24,7 +24,11 @@ from canner.sinks.metadata import (
     metadata_key_problem,
 )
 
-PLACEHOLDERS = frozenset({"project", "object_id", "filename", "date"})
+PLACEHOLDERS = frozenset({"project", "object_id", "filename", "date", "package", "batch_date"})
+# The files of a megawarc package are "<basename><suffix>"; the longest suffix names a zstd
+# dictionary id (a 32-bit number).
+PACKAGE_SUFFIX_SAMPLES = (".megawarc.json.gz", ".4294967295.megawarc.warc.zst")
+_SAMPLE_PACKAGES = ("0" * 32,)
 IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{4,99}")
 # Names IA writes into every item itself (reference §3).
 RESERVED_SUFFIXES = ("_meta.xml", "_files.xml")
@@ -133,7 +137,7 @@ def _template_fields(template: str) -> list[tuple[str, str | None]]:
             if name not in PLACEHOLDERS:
                 raise ValueError(
                     f"unknown placeholder {{{name}}} (known: {{project}} {{object_id}} "
-                    "{filename} {date})"
+                    "{filename} {date}, and for megawarc projects {package} {batch_date})"
                 )
             if spec or conversion:
                 raise ValueError(f"placeholder {{{name}}} takes no format spec or conversion")
@@ -198,7 +202,7 @@ def is_loopback(host: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or bool(host and host.startswith("127."))
 
 
-def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
+def validate_delivery(project_id: str, delivery: DeliveryConfig, mode: str = "identity") -> None:
     """Refuse templates that could ever produce an invalid destination (call at config load).
 
     Every template is expanded with worst-case values (shortest and longest object ids, the
@@ -219,7 +223,9 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
             f"{base}.identifier",
             "must not use {filename}: a worker's filename can break IA's identifier rules",
         )
-    if "object_id" not in used["identifier"] | used["remote_name"]:
+    if mode == "megawarc":
+        _validate_package_templates(base, project_id, delivery)
+    elif "object_id" not in used["identifier"] | used["remote_name"]:
         raise ConfigError(
             f"{base}.identifier",
             "identifier or remote_name must contain {object_id}, so that every object gets its "
@@ -238,7 +244,7 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
                 "must be https (the LOW authorization header carries the secret as-is); "
                 "plain http is allowed only for loopback test servers",
             )
-    for object_id in _SAMPLE_OBJECT_IDS:
+    for object_id in _SAMPLE_OBJECT_IDS if mode != "megawarc" else ():
         for date in _SAMPLE_DATES:
             for filename in _SAMPLE_FILENAMES:
                 values = _values(project_id, object_id, filename, date)
@@ -264,6 +270,94 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig) -> None:
                 raise ConfigError(name, str(e)) from None
             if not placeholders and encode_metadata_value(template) is None:
                 raise ConfigError(name, f"the value {template!r} is empty once expanded")
+
+
+def _package_values(project: str, package: str, batch_date: str) -> dict[str, str]:
+    return {"project": project, "package": package, "batch_date": batch_date}
+
+
+def _validate_package_templates(base: str, project_id: str, delivery: DeliveryConfig) -> None:
+    """A megawarc item: worst-case package ids and batch dates, the longest file suffixes."""
+    for key, value_templates in delivery.metadata.items():
+        for template in value_templates:
+            try:
+                extra = _placeholders(template) - {"project", "package", "batch_date"}
+            except ValueError:
+                continue  # reported with the other metadata checks
+            if extra:
+                raise ConfigError(
+                    f"{base}.metadata.{key}",
+                    "a megawarc item's metadata may use {project}, {package} and {batch_date}"
+                    " only, not " + ", ".join(f"{{{name}}}" for name in sorted(extra)),
+                )
+    for package in _SAMPLE_PACKAGES:
+        for date in _SAMPLE_DATES:
+            values = _package_values(project_id, package, date)
+            try:
+                identifier = expand_template(delivery.identifier, values)
+                basename = expand_template(delivery.remote_name, values)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"{base}.identifier", f"cannot expand: {e}") from None
+            problem = identifier_problem(identifier)
+            if problem is not None:
+                raise ConfigError(f"{base}.identifier", problem)
+            for suffix in PACKAGE_SUFFIX_SAMPLES:
+                problem = remote_name_problem(basename + suffix, identifier)
+                if problem is not None:
+                    raise ConfigError(f"{base}.remote_name", problem)
+
+
+def plan_package_file(
+    delivery: DeliveryConfig,
+    project: str,
+    package: str,
+    batch_date: str,
+    suffix: str,
+    size: int,
+    content_md5: str,
+    item_bytes: int | None = None,
+) -> ItemPlan:
+    """Where one file of a megawarc package goes: the item of the package, named
+    ``<remote_name expanded><suffix>``; metadata templates see ``{package}``/``{batch_date}``.
+    ``item_bytes`` (all the package's files) is the size hint IA picks a server by.
+
+    Stable inputs only, so every attempt resolves to the same destination.  Raises
+    :class:`PlanError` like :func:`plan_upload`.
+    """
+    if not HEX_MD5.fullmatch(content_md5):
+        raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
+    values = _package_values(project, package, batch_date)
+    try:
+        identifier = expand_template(delivery.identifier, values)
+        remote_name = expand_template(delivery.remote_name, values) + suffix
+        metadata = {
+            key: [expand_template(t, values) for t in templates]
+            for key, templates in delivery.metadata.items()
+        }
+        meta_headers = metadata_headers(metadata)
+    except (KeyError, ValueError) as e:
+        raise PlanError(str(e)) from None
+    problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
+    if problem is not None:
+        raise PlanError(problem)
+    size_hint = max(size, item_bytes or 0)
+    headers = [
+        ("content-md5", content_md5),
+        ("x-archive-auto-make-bucket", "1"),
+        ("x-archive-size-hint", str(size_hint)),
+        ("x-archive-filemeta-canner-package", package),
+        *meta_headers,
+    ]
+    return ItemPlan(
+        project=project,
+        object_id=package,
+        identifier=identifier,
+        remote_name=remote_name,
+        size=size,
+        content_md5=content_md5,
+        size_hint=size_hint,
+        headers=tuple(headers),
+    )
 
 
 def plan_upload(

@@ -7,7 +7,7 @@ from typing import Any
 from treq.client import HTTPClient
 
 from canner.blocking import BlockingRunner
-from canner.config import Config
+from canner.config import Config, ConfigError
 from canner.sinks.base import Sink
 from canner.sinks.directory import DirectorySink
 from canner.sinks.internet_archive import internet_archive_sink
@@ -29,9 +29,16 @@ def project_sinks(
         if delivery is None:
             continue
         if delivery.sink == "directory":
+            if project.packaging.megawarc:
+                raise ConfigError(
+                    f"projects.{project_id}.packaging.mode",
+                    'megawarc packages are delivered to sink = "internet_archive" only',
+                )
             sinks[project_id] = DirectorySink.for_delivery(project_id, delivery, run, hash, reactor)
             continue
         if http is None:
             http = make_http_client(reactor)
-        sinks[project_id] = internet_archive_sink(project_id, delivery, http, reactor, run)
+        sinks[project_id] = internet_archive_sink(
+            project_id, delivery, http, reactor, run, project.packaging.mode
+        )
     return sinks

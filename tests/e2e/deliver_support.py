@@ -35,6 +35,7 @@ ACCESS = "e2e-access"
 SECRET = "e2e-secret-not-in-logs"
 PROJECT = "example"
 IDENTIFIER_TEMPLATE = "example-{date}-{object_id}"
+PACKAGE_IDENTIFIER = "example-{batch_date}-{package}"
 START_TIMEOUT = 20.0
 
 T = TypeVar("T")
@@ -228,6 +229,8 @@ class DeliveryReceiver(Receiver):
     metadata: dict[str, list[str]] = field(default_factory=dict)
     # More keys of [projects.example.delivery] (verify_timeout, readback_bytes, ...).
     delivery: dict[str, Any] = field(default_factory=dict)
+    # [projects.example.packaging] (mode = "megawarc" ...); empty: identity delivery
+    packaging: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def configured(
@@ -237,6 +240,7 @@ class DeliveryReceiver(Receiver):
         retention: str = "2s",
         concurrency: int = 2,
         delivery: dict[str, Any] | None = None,
+        packaging: dict[str, str] | None = None,
         **config: Any,
     ) -> DeliveryReceiver:
         root.mkdir(parents=True, exist_ok=True)
@@ -251,7 +255,10 @@ class DeliveryReceiver(Receiver):
             concurrency=concurrency,
             metadata={"collection": ["test"], "title": ["Artifact {object_id}"]},
             delivery=dict(delivery or {}),
+            packaging=packaging or {},
         )
+        if rcv.packaging:
+            rcv.metadata = {"collection": ["test"], "title": ["Batch {batch_date} {package}"]}
         (root / "keys").write_text(f"{ACCESS}\n{SECRET}\n", encoding="utf-8")
         config.setdefault("max_upload_bytes", 512 * 1024 * 1024)
         rcv.write_config(**config)
@@ -262,13 +269,21 @@ class DeliveryReceiver(Receiver):
         super().write_config(**overrides)
         if not self.fake_url:
             return
+        packed = bool(self.packaging)
         lines = [
+            "",
+            *(
+                [f"[projects.{PROJECT}.packaging]"]
+                + [f"{key} = {json.dumps(value)}" for key, value in self.packaging.items()]
+                if packed
+                else []
+            ),
             "",
             f"[projects.{PROJECT}.delivery]",
             'sink = "internet_archive"',
             f"credentials = {json.dumps(str(self.root / 'keys'))}",
-            f"identifier = {json.dumps(IDENTIFIER_TEMPLATE)}",
-            'remote_name = "{filename}"',
+            f"identifier = {json.dumps(PACKAGE_IDENTIFIER if packed else IDENTIFIER_TEMPLATE)}",
+            f"remote_name = {json.dumps('{package}' if packed else '{filename}')}",
             f"local_artifact_retention = {json.dumps(self.retention)}",
             f"s3_url = {json.dumps(self.fake_url)}",
             f"metadata_url = {json.dumps(self.fake_url)}",

@@ -1,0 +1,627 @@
+"""Building and re-reading a megawarc package (blocking; run it in a thread).
+
+:func:`build_package` reads each member once: the same chunks feed its BLAKE3, its test
+(complete gzip, or complete zstd with its dictionary, whose output starts as a WARC record does)
+and the container it is appended to.  Valid ``.warc.gz`` members go to
+``B.megawarc.warc.gz``; valid ``.warc.zst`` members to ``B.<dict id>.megawarc.warc.zst``, which
+starts with that dictionary's skippable frame; everything else (other files, failed tests) to
+``B.megawarc.tar`` as tar entries.  ``B.megawarc.json.gz`` has one line per member in megawarc's
+format (``docs/reference/megawarc.md``) plus a ``canner`` object: object id, receipt id,
+checksum, size, project, and the file and offset of the member's bytes.  A member whose bytes do
+not hash to its receipt raises :class:`MemberMismatch` and nothing of it is kept.
+
+:func:`verify_package` re-reads the sealed files once: every member's bytes at its offsets must
+hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
+size (and the decompressors' windows), whatever the member count and sizes: chunks waiting for
+a test are capped (:data:`LANE_DEPTH` per lane) and gzip output is taken a chunk at a time.  One
+zstd call's output is not capped by the library; input goes in :data:`ZSTD_SLICE` slices, which
+bounds it for real WARCs (a crafted member of nothing but RLE blocks could still inflate one
+slice to a few hundred MiB).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import os
+import tarfile
+import threading
+import zlib as _zlib
+from collections import deque
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+import blake3
+import zstandard
+from attrs import define, field, frozen
+
+from canner import fs
+from canner.packaging.batches import Member
+from canner.sinks.plan import sanitize_filename
+
+try:  # ISA-L's inflate has zlib's API and is about a third faster; zlib where it is missing.
+    from isal import isal_zlib as _inflate
+except ImportError:  # pragma: no cover - isal is a dependency; this is for odd platforms
+    _inflate = _zlib  # type: ignore[misc]
+# What a broken gzip member raises (isal has an error class of its own).
+INFLATE_ERRORS: tuple[type[BaseException], ...] = (
+    _zlib.error,
+    getattr(_inflate, "error", _zlib.error),
+)
+
+WARC_GZ = ".megawarc.warc.gz"
+TAR = ".megawarc.tar"
+INDEX = ".megawarc.json.gz"
+CHUNK = 1 << 20
+# Chunks of one member queued for its test at most (memory: lanes x depth x chunk).
+LANE_DEPTH = 4
+# Start writeback of a container every this many bytes (see canner.fs.write_behind).
+WRITE_BEHIND = 16 << 20
+TAR_BLOCK = 512
+TAR_RECORD = 10240
+SKIPPABLE_MAGIC = b"\x5d\x2a\x4d\x18"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A dictionary frame larger than this is not one a worker would send: the member goes to the tar.
+MAX_DICTIONARY = 32 << 20
+# Input slice per zstd call: bounds the output one call can produce.
+ZSTD_SLICE = 64 << 10
+WARC_MAGIC = b"WARC/"
+
+
+def zst_suffix(dict_id: int) -> str:
+    return f".{dict_id}.megawarc.warc.zst"
+
+
+class BuildStopped(Exception):
+    """The build was asked to stop (shutdown); its temp files are the caller's to remove."""
+
+
+class MemberMismatch(Exception):
+    """A member's bytes on disk do not match its receipt (or are missing)."""
+
+    def __init__(self, member: Member, actual: str) -> None:
+        super().__init__(
+            f"{member.object_id}: on disk {actual}, its receipt says {member.checksum}"
+            f" ({member.size_bytes} bytes)"
+        )
+        self.member = member
+        self.actual = actual
+
+
+@frozen
+class Placement:
+    """Where one member went: the file (suffix) and where its bytes start in it."""
+
+    object_id: str
+    suffix: str
+    data_offset: int
+
+
+@frozen
+class BuiltPackage:
+    """The files written (suffix -> size) and every member's placement, in member order."""
+
+    files: dict[str, int]
+    placements: list[Placement]
+
+
+def member_name(member: Member) -> str:
+    """The member's path in the (virtual) original tar: ``<object id>/<worker's filename>``."""
+    return f"{member.object_id}/{sanitize_filename(member.filename, member.object_id)}"
+
+
+def tar_header(name: str, size: int, mtime: int) -> tuple[bytes, dict[str, Any]]:
+    """A regular file's tar header bytes (GNU format: long names get extra blocks) and the
+    header fields as megawarc records them (``type`` as a one-character string)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.type = size, mtime, 0o644, tarfile.REGTYPE
+    header = info.tobuf(format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape")
+    fields: dict[str, Any] = dict(info.get_info())
+    fields["type"] = info.type.decode("ascii")
+    return header, fields
+
+
+def _padding(size: int, block: int = TAR_BLOCK) -> int:
+    return -size % block
+
+
+# -- member tests ----------------------------------------------------------------------------
+
+
+class GzipTest:
+    """Streaming gunzip: every gzip member complete (CRC and length), the output a WARC."""
+
+    def __init__(self) -> None:
+        self._d = _inflate.decompressobj(31)
+        self._head = b""
+        self._in_member = False
+        self.ok = True
+
+    def feed(self, data: bytes) -> None:
+        # Output comes CHUNK bytes at a time: when a call fills it, the inflater may hold more
+        # even though it took all the input, so it is asked again until it returns less.
+        more = True
+        while self.ok and (data or more):
+            if data:
+                self._in_member = True
+            try:
+                out = self._d.decompress(data, CHUNK)
+            except INFLATE_ERRORS:
+                self.ok = False
+                return
+            self._see(out)
+            if self._d.eof:
+                data = self._d.unused_data
+                self._d = _inflate.decompressobj(31)
+                self._in_member = more = False
+            else:
+                data = self._d.unconsumed_tail
+                more = len(out) == CHUNK
+
+    def _see(self, out: bytes) -> None:
+        if len(self._head) < len(WARC_MAGIC):
+            self._head += out[: len(WARC_MAGIC)]
+            if not WARC_MAGIC.startswith(self._head[: len(WARC_MAGIC)]):
+                self.ok = False
+
+    def finish(self) -> bool:
+        return self.ok and not self._in_member and self._head.startswith(WARC_MAGIC)
+
+
+class ZstdTest:
+    """Streaming zstd with a dictionary: every frame complete, the output a WARC."""
+
+    def __init__(self, dictionary: zstandard.ZstdCompressionDict) -> None:
+        self._ctx = zstandard.ZstdDecompressor(dict_data=dictionary)
+        self._d = self._ctx.decompressobj()
+        self._head = b""
+        self._in_frame = False
+        self.ok = True
+
+    def feed(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and self.ok:
+            piece, view = view[:ZSTD_SLICE], view[ZSTD_SLICE:]
+            self._feed(bytes(piece))
+
+    def _feed(self, data: bytes) -> None:
+        while data and self.ok:
+            self._in_frame = True
+            try:
+                out = self._d.decompress(data)
+            except zstandard.ZstdError:
+                self.ok = False
+                return
+            if len(self._head) < len(WARC_MAGIC) and out:
+                self._head += out[: len(WARC_MAGIC)]
+                if not WARC_MAGIC.startswith(self._head[: len(WARC_MAGIC)]):
+                    self.ok = False
+            if self._d.eof:
+                data = self._d.unused_data
+                self._d = self._ctx.decompressobj()
+                self._in_frame = False
+            else:
+                data = b""
+
+    def finish(self) -> bool:
+        return self.ok and not self._in_frame and self._head.startswith(WARC_MAGIC)
+
+
+def read_dictionary(frame: bytes) -> tuple[zstandard.ZstdCompressionDict, int] | None:
+    """The dictionary in a skippable frame (``magic, length, dictionary``), decompressed when
+    it is itself zstd-compressed, and its id; None when it is no usable dictionary."""
+    raw = frame[8:]
+    try:
+        if raw.startswith(ZSTD_MAGIC):
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_DICTIONARY)
+        dictionary = zstandard.ZstdCompressionDict(raw)
+        dict_id = dictionary.dict_id()
+    except zstandard.ZstdError:
+        return None
+    return (dictionary, dict_id) if dict_id else None
+
+
+# -- the builder -----------------------------------------------------------------------------
+
+
+@define
+class _Container:
+    """One output file being appended to."""
+
+    path: Path
+    file: IO[bytes]
+    members: int = 0
+    # Where write-behind has started up to: the sealing fsync then has only the tail to flush.
+    flushed: int = 0
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # unbuffered: a write may be short
+            view = view[self.file.write(view) or 0 :]
+        end = self.file.tell()
+        if end - self.flushed >= WRITE_BEHIND:
+            fs.write_behind(self.file.fileno(), self.flushed, end, max(0, end - 4 * WRITE_BEHIND))
+            self.flushed = end
+
+    def rollback(self, offset: int) -> None:
+        self.file.seek(offset)
+        self.file.truncate()
+        self.flushed = min(self.flushed, offset)
+
+
+@define
+class _Builder:
+    work: Path
+    basename: str
+    stop: threading.Event
+    chunk: int
+    containers: dict[str, _Container] = field(factory=dict)
+    placements: list[Placement] = field(factory=list)
+    src_pos: int = 0
+    # Members whose test failed in an earlier pass: straight to the tar.
+    force_tar: frozenset[str] = frozenset()
+    # Members are tested on "lanes" (one thread each) while the builder's thread hashes and
+    # writes them and goes on to the next member: the inflate, the slowest of the three, runs
+    # on every core.  A member's chunks go to one lane in order; different members' tests run
+    # side by side.  Each member is appended to its container before its test ends; should
+    # one fail, the package is built again with it in the tar (:class:`_TestsFailed`).
+    lanes: list[ThreadPoolExecutor] = field(factory=list)
+    tests: list[tuple[Member, Future[bool]]] = field(factory=list)
+    # Chunks handed to the lanes and not yet tested, oldest first (bounded: memory).
+    queued: deque[Future[None]] = field(factory=deque)
+
+    def container(self, suffix: str, preamble: bytes = b"") -> _Container:
+        if suffix not in self.containers:
+            path = self.work / (self.basename + suffix)
+            f = open(path, "w+b", buffering=0)
+            f.write(preamble)
+            self.containers[suffix] = _Container(path, f)
+        return self.containers[suffix]
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.shutdown(wait=True, cancel_futures=True)
+        for c in self.containers.values():
+            c.file.close()
+
+    def read_chunks(self, f: IO[bytes], first: bytes) -> Iterator[bytes]:
+        if first:
+            yield first
+        while True:
+            if self.stop.is_set():
+                raise BuildStopped()
+            data = f.read(self.chunk)
+            if not data:
+                return
+            yield data
+
+    def add(self, member: Member, path: Path) -> dict[str, Any]:
+        """Pack one member; return its index line."""
+        name = member_name(member)
+        header, fields = tar_header(name, member.size_bytes, member.accepted_at)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise MemberMismatch(member, "missing") from None
+        with f:
+            first = f.read(self.chunk)
+            target: _Container | None = None
+            test: GzipTest | ZstdTest | None = None
+            suffix = TAR
+            if name.endswith(".warc.gz"):
+                suffix, test = WARC_GZ, GzipTest()
+            elif name.endswith(".warc.zst"):
+                first = _read_at_least(f, first, 8)
+                length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
+                if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
+                    first = _read_at_least(f, first, 8 + length)
+                    found = read_dictionary(first[: 8 + length])
+                    if found is not None:
+                        dictionary, dict_id = found
+                        suffix, test = zst_suffix(dict_id), ZstdTest(dictionary)
+                        target = self.container(suffix, first[: 8 + length])
+            if test is not None and member.object_id in self.force_tar:
+                test, target = None, None
+            if test is not None:
+                target = target or self.container(suffix)
+                line = self._append_tested(member, f, first, target, test, header, fields)
+            else:
+                line = self._append_tar(member, self.read_chunks(f, first), header, fields)
+        self.src_pos += len(header) + member.size_bytes + _padding(member.size_bytes)
+        return line
+
+    def _append_tested(
+        self,
+        member: Member,
+        f: IO[bytes],
+        first: bytes,
+        target: _Container,
+        test: GzipTest | ZstdTest,
+        header: bytes,
+        fields: dict[str, Any],
+    ) -> dict[str, Any]:
+        lane = self.lanes[len(self.tests) % len(self.lanes)]
+        start = target.tell()
+        digest = blake3.blake3()
+        size = 0
+        limit = LANE_DEPTH * len(self.lanes)
+        for data in self.read_chunks(f, first):
+            # At most LANE_DEPTH chunks per lane wait for a test, whatever the member sizes.
+            while len(self.queued) >= limit:
+                self.queued.popleft().result()
+            self.queued.append(lane.submit(test.feed, data))
+            digest.update(data)
+            size += len(data)
+            target.write(data)
+        self._check(member, digest, size, target, start)
+        self.tests.append((member, lane.submit(test.finish)))
+        target.members += 1
+        suffix = _suffix_of(self, target)
+        self.placements.append(Placement(member.object_id, suffix, start))
+        container = "warc" if suffix == WARC_GZ else "zst"
+        return self._line(member, container, start, size, header, fields, suffix, start)
+
+    def failed_tests(self) -> set[str]:
+        """Wait for every member's test; the ids of those that failed."""
+        return {m.object_id for m, outcome in self.tests if not outcome.result()}
+
+    def _append_tar(
+        self, member: Member, chunks: Iterator[bytes], header: bytes, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        tar = self.container(TAR)
+        start = tar.tell()
+        tar.write(header)
+        digest = blake3.blake3()
+        size = 0
+        for data in chunks:
+            digest.update(data)
+            size += len(data)
+            tar.write(data)
+        self._check(member, digest, size, tar, start)
+        tar.write(b"\0" * _padding(size))
+        tar.members += 1
+        data_offset = start + len(header)
+        self.placements.append(Placement(member.object_id, TAR, data_offset))
+        entry_size = len(header) + size + _padding(size)
+        return self._line(member, "tar", start, entry_size, header, fields, TAR, data_offset)
+
+    def _check(
+        self, member: Member, digest: Any, size: int, target: _Container, start: int
+    ) -> None:
+        actual = f"blake3:{digest.hexdigest()}"
+        if size != member.size_bytes or actual != member.checksum:
+            target.rollback(start)
+            raise MemberMismatch(member, f"{actual} ({size} bytes)")
+
+    def _line(
+        self,
+        member: Member,
+        container: str,
+        offset: int,
+        size: int,
+        header: bytes,
+        fields: dict[str, Any],
+        suffix: str,
+        data_offset: int,
+    ) -> dict[str, Any]:
+        entry = self.src_pos
+        data = entry + len(header)
+        target: dict[str, Any] = {"container": container, "offset": offset, "size": size}
+        if container == "zst":
+            target["dict_id"] = int(suffix.split(".")[1])
+        return {
+            "target": target,
+            "src_offsets": {
+                "entry": entry,
+                "data": data,
+                "next_entry": data + member.size_bytes + _padding(member.size_bytes),
+            },
+            "header_fields": fields,
+            "header_base64": base64.b64encode(header).decode("ascii"),
+            "canner": {
+                "object_id": member.object_id,
+                "receipt_id": f"receipt:{member.object_id}",
+                "checksum": member.checksum,
+                "size_bytes": member.size_bytes,
+                "project": member.project,
+                "filename": member.filename,
+                "accepted_at": member.accepted_at,
+                "file": self.basename + suffix,
+                "offset": data_offset,
+            },
+        }
+
+
+def _suffix_of(builder: _Builder, target: _Container) -> str:
+    return target.path.name[len(builder.basename) :]
+
+
+def _read_at_least(f: IO[bytes], data: bytes, n: int) -> bytes:
+    while len(data) < n:
+        more = f.read(max(n - len(data), CHUNK))
+        if not more:
+            break
+        data += more
+    return data
+
+
+class _TestsFailed(Exception):
+    """Members appended to a container failed their test: build again, those in the tar."""
+
+    def __init__(self, object_ids: set[str]) -> None:
+        super().__init__(", ".join(sorted(object_ids)))
+        self.object_ids = object_ids
+
+
+def build_package(
+    members: list[Member],
+    source: Callable[[str], Path],
+    work: Path,
+    basename: str,
+    stop: threading.Event,
+    chunk: int = CHUNK,
+    test_threads: int | None = None,
+) -> BuiltPackage:
+    """Write the megawarc of ``members`` (in this order) into the directory ``work``.
+
+    ``source(object_id)`` is a member's upload file.  Every file written is fsynced (the caller
+    renames ``work`` into place and fsyncs its parent).  Each member is read once, unless one
+    fails its test: then the package is written again with it in the tar.  ``test_threads``
+    (default: one per CPU) test members side by side.  Raises :class:`MemberMismatch` for a
+    member whose bytes do not match its receipt, :class:`BuildStopped` when ``stop`` is set,
+    ``OSError`` for I/O failures; ``work`` is then left for the caller to remove.
+    """
+    lanes = test_threads or max(1, os.cpu_count() or 1)
+    force_tar: frozenset[str] = frozenset()
+    while True:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        try:
+            return _build(members, source, work, basename, stop, chunk, lanes, force_tar)
+        except _TestsFailed as e:
+            force_tar = force_tar | e.object_ids
+
+
+def _build(
+    members: list[Member],
+    source: Callable[[str], Path],
+    work: Path,
+    basename: str,
+    stop: threading.Event,
+    chunk: int,
+    lanes: int,
+    force_tar: frozenset[str],
+) -> BuiltPackage:
+    builder = _Builder(work, basename, stop, chunk, force_tar=force_tar)
+    builder.lanes = [ThreadPoolExecutor(1, f"canner-test-{i}") for i in range(lanes)]
+    index_path = work / (basename + INDEX)
+    try:
+        with (
+            open(index_path, "wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as index,
+        ):
+            for member in members:
+                line = builder.add(member, source(member.object_id))
+                index.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+            raw.flush()
+        failed = builder.failed_tests()
+        if failed:
+            raise _TestsFailed(failed)
+        tar = builder.containers.get(TAR)
+        if tar is not None:
+            tar.write(b"\0" * _padding(tar.tell(), TAR_RECORD))
+        files: dict[str, int] = {}
+        for suffix, c in list(builder.containers.items()):
+            if c.members == 0:
+                c.file.close()
+                c.path.unlink()
+                del builder.containers[suffix]
+                continue
+            c.file.flush()
+            os.fsync(c.file.fileno())
+            files[suffix] = c.tell()
+        with open(index_path, "rb") as done:
+            os.fsync(done.fileno())
+        files[INDEX] = index_path.stat().st_size
+        return BuiltPackage(files, builder.placements)
+    finally:
+        builder.close()
+
+
+# -- reading back ----------------------------------------------------------------------------
+
+
+def read_index(path: Path) -> Iterator[dict[str, Any]]:
+    """The lines of a ``.megawarc.json.gz`` index, one at a time."""
+    with gzip.open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+class VerifyFailed(Exception):
+    """A sealed package does not hold what its index says (a member's bytes differ)."""
+
+
+def verify_package(
+    directory: Path,
+    basename: str,
+    stop: threading.Event,
+    chunk: int = CHUNK,
+    expected: Collection[str] | None = None,
+) -> dict[str, str]:
+    """Re-read every file of a sealed package once: each member's bytes (from the index) must
+    hash to its receipt, and the index must list exactly the ``expected`` object ids (when
+    given: the batch's members).  Returns each file's MD5 (suffix -> hex).  Raises
+    :class:`VerifyFailed` naming the member, :class:`BuildStopped`, or ``OSError``."""
+    spans: dict[str, list[tuple[int, int, str, str]]] = {}
+    listed: set[str] = set()
+    for line in read_index(directory / (basename + INDEX)):
+        c = line["canner"]
+        listed.add(c["object_id"])
+        suffix = c["file"][len(basename) :]
+        spans.setdefault(suffix, []).append(
+            (c["offset"], c["size_bytes"], c["checksum"], c["object_id"])
+        )
+    if expected is not None and listed != set(expected):
+        differ = sorted(listed.symmetric_difference(expected))
+        raise VerifyFailed(f"the index and the batch differ in {len(differ)} members: {differ[:5]}")
+    md5s: dict[str, str] = {}
+    for path in sorted(directory.iterdir()):
+        suffix = path.name[len(basename) :]
+        if not path.name.startswith(basename):
+            continue
+        md5s[suffix] = _verify_file(path, sorted(spans.pop(suffix, [])), stop, chunk)
+    if spans:
+        raise VerifyFailed(f"files missing from the package: {', '.join(sorted(spans))}")
+    return md5s
+
+
+def _verify_file(
+    path: Path, spans: list[tuple[int, int, str, str]], stop: threading.Event, chunk: int
+) -> str:
+    md5 = hashlib.md5(usedforsecurity=False)
+    pending = list(spans)
+    current: tuple[int, int, str, str, Any] | None = None
+    pos = 0
+    with open(path, "rb") as f:
+        while True:
+            if stop.is_set():
+                raise BuildStopped()
+            data = f.read(chunk)
+            if not data:
+                break
+            md5.update(data)
+            end = pos + len(data)
+            view = memoryview(data)
+            cursor = pos
+            while cursor < end:
+                if current is None:
+                    if not pending or pending[0][0] >= end:
+                        break
+                    offset, size, checksum, oid = pending.pop(0)
+                    if offset < cursor:
+                        raise VerifyFailed(f"{path.name}: overlapping members at {offset}")
+                    current = (offset, size, checksum, oid, blake3.blake3())
+                offset, size, checksum, oid, h = current
+                lo = max(offset, cursor)
+                hi = min(offset + size, end)
+                if lo >= end:
+                    break
+                h.update(view[lo - pos : hi - pos])
+                cursor = hi
+                if hi == offset + size:
+                    if f"blake3:{h.hexdigest()}" != checksum:
+                        raise VerifyFailed(f"{oid} in {path.name} does not match its receipt")
+                    current = None
+            pos = end
+    if current is not None or pending:
+        raise VerifyFailed(f"{path.name} ends before all of its members")
+    return md5.hexdigest()

@@ -1,0 +1,397 @@
+"""The packaging pipeline with a fake clock, a real SQLite file, real files and a fake sink:
+batching, building, the verification pass, source purge, delivery, purge and rebuild."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+
+from canner.blocking import run_inline
+from canner.config import parse_config
+from canner.delivery import index as dsql
+from canner.delivery.index import AcceptedObject
+from canner.delivery.liveness import InFlight
+from canner.ids import ObjectIds
+from canner.inventory import survey_json, take_survey
+from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
+from canner.packaging import batches as sql
+from canner.packaging.megawarc import INDEX, TAR, WARC_GZ
+from canner.packaging.pipeline import PackagingService
+from canner.packaging.store import PackageStore
+from canner.receipts import ReceiptStore
+from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
+from canner.sinks.plan import ItemPlan
+from canner.status_page import StatusView, render_status
+from canner.tus.store import UploadStore
+from tests.fakes import SyncIndex, succeeded
+from tests.packaging_support import checksum, warc_bytes
+
+RETENTION = 3600.0
+
+
+@define(eq=False)
+class FakeItems:
+    """A PackageSink that keeps what it was sent, by item and name."""
+
+    files: dict[tuple[str, str], bytes] = field(factory=dict)
+    puts: list[str] = field(factory=list)
+    fail_next: int = 0
+    watch: Any = None  # called during each upload (tests look at what is in flight)
+    broken_verify: int = 0
+
+    def deliver_planned(self, plan: ItemPlan, path: Path, progress: Any) -> Deferred[Delivered]:
+        progress(plan.size)
+        if self.watch is not None:
+            self.watch()
+        if self.fail_next:
+            self.fail_next -= 1
+            return fail(DeliveryFailed("503 SlowDown"))
+        key = (plan.identifier, plan.remote_name)
+        data = path.read_bytes()
+        assert hashlib.md5(data).hexdigest() == plan.content_md5 and len(data) == plan.size
+        if key not in self.files:
+            self.puts.append(plan.remote_name)
+        self.files[key] = data
+        return succeed(Delivered(plan.identifier, plan.remote_name))
+
+    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
+        if self.broken_verify:
+            self.broken_verify -= 1
+            return fail(RuntimeError("a bug in the sink"))
+        data = self.files.get((plan.identifier, plan.remote_name))
+        ok = data is not None and hashlib.md5(data).hexdigest() == plan.content_md5
+        return succeed(RemoteCheck(ok, "" if ok else "not listed"))
+
+
+def project_config(tmp_path: Path, target: str, max_wait: str = "1h") -> Any:
+    raw = {
+        "issuer": "https://c.test",
+        "min_free_bytes": 1,
+        "data_dir": str(tmp_path),
+        "projects": {
+            "example": {
+                "packaging": {"mode": "megawarc", "target_bytes": target, "max_wait": max_wait},
+                "delivery": {
+                    "sink": "internet_archive",
+                    "credentials": "ia.ini",
+                    "identifier": "example-{batch_date}-{package}",
+                    "local_artifact_retention": "1h",
+                },
+            }
+        },
+    }
+    return parse_config(raw, tmp_path).projects
+
+
+class Harness:
+    def __init__(
+        self, tmp_path: Path, target: str = "3000", max_wait: str = "1h", in_flight: Any = None
+    ) -> None:
+        self.in_flight = in_flight
+        self.tmp = tmp_path
+        for sub in ("uploads", "receipts"):
+            (tmp_path / sub).mkdir(exist_ok=True)
+        self.uploads = UploadStore(tmp_path / "uploads")
+        self.receipts = ReceiptStore(tmp_path / "receipts")
+        self.store = PackageStore(tmp_path / "packages")
+        self.store.prepare()
+        self.clock = Clock()
+        self.clock.advance(1_800_000_000)
+        self.items = FakeItems()
+        self.projects = project_config(tmp_path, target, max_wait)
+        self.open_index()
+        self.accepted: dict[str, bytes] = {}
+
+    def open_index(self) -> None:
+        self.index = SyncIndex(self.tmp / "delivery.sqlite")
+        self.service = PackagingService(
+            self.index,
+            self.uploads,
+            self.receipts,
+            self.store,
+            self.projects,
+            {"example": self.items},
+            run_inline,
+            run_inline,
+            self.clock,
+            2,
+            1,
+            in_flight=self.in_flight,
+            random=lambda: 0.0,
+        )
+
+    def accept(self, data: bytes, name: str = "a.warc.gz") -> str:
+        oid = f"{len(self.accepted):032x}"
+        self.uploads.data_path(oid).write_bytes(data)
+        self.uploads.info_path(oid).write_bytes(b"{}")
+        (self.receipts.directory / f"{oid}.json").write_bytes(b"{}")
+        obj = AcceptedObject(
+            oid, "example", name, len(data), checksum(data), int(self.clock.seconds())
+        )
+        self.index.run(dsql.insert_objects, [obj], self.clock.seconds())
+        self.accepted[oid] = data
+        self.clock.advance(1)
+        return oid
+
+    def assign(self) -> dict[str, int]:
+        packaging = {"example": self.projects["example"].packaging}
+        result: dict[str, int] = succeeded(
+            self.index.run(sql.assign_batches, packaging, self.clock.seconds())
+        )
+        return result
+
+    def tick(self, times: int = 1) -> None:
+        for _ in range(times):
+            succeeded(self.service.tick())
+
+    def packages(self) -> list[sql.PackageRow]:
+        return succeeded(self.index.run(sql.all_packages))
+
+
+def test_batches_close_by_size_and_by_wait(tmp_path: Path) -> None:
+    """Objects join the open batch in acceptance order; a batch closes once it reaches the
+    target; an object above the target forms its own batch; a small batch closes after
+    max_wait; closing decisions are durable rows."""
+    h = Harness(tmp_path, target="1000", max_wait="10m")
+    for size in (400, 400, 300, 5000, 100):
+        h.accept(b"x" * size, "f.bin")
+    counts = succeeded(
+        h.index.run(
+            sql.assign_batches, {"example": h.projects["example"].packaging}, h.clock.seconds()
+        )
+    )
+    assert counts == {"assigned": 5, "closed": 2}
+    rows = h.packages()
+    assert [(r.state, r.members, r.bytes, r.close_reason) for r in rows] == [
+        ("closed", 3, 1100, "size"),
+        ("closed", 1, 5000, "size"),
+        ("open", 1, 100, None),
+    ]
+    h.clock.advance(600)
+    counts = succeeded(
+        h.index.run(
+            sql.assign_batches, {"example": h.projects["example"].packaging}, h.clock.seconds()
+        )
+    )
+    assert counts == {"assigned": 0, "closed": 1}
+    assert h.packages()[2].close_reason == "max_wait"
+
+
+def test_a_package_goes_from_batch_to_ia_and_sources_then_package_are_purged(
+    tmp_path: Path,
+) -> None:
+    """Build, seal, verify, purge the sources (each receipt names its package), deliver every
+    file to one item, verify it there, and purge the package after retention."""
+    h = Harness(tmp_path, target="1GB", max_wait="1s")
+    ids = [h.accept(warc_bytes(i)) for i in range(3)] + [h.accept(b"notes\n" * 300, "n.txt")]
+    h.tick()
+    (row,) = h.packages()
+    assert row.state == "verified" and row.sources_purged_at is not None
+    assert row.package_id == sql.package_id_of(
+        "example", succeeded(h.index.run(sql.batch_members, row.batch_id))
+    )
+    for oid in ids:
+        assert not h.uploads.data_path(oid).exists()
+        side = h.receipts.read_package(oid)
+        assert side is not None and side["package"] == row.package_id
+    # The synchronous runners let one tick go all the way to IA and back.
+    files = {p.name for p in h.store.directory(row.package_id).iterdir()}
+    assert files == {row.package_id + s for s in (WARC_GZ, TAR, INDEX, ".delivery.json")}
+    assert row.delivery_state == "delivered"
+    assert row.remote_identifier == f"example-{row.batch_date}-{row.package_id}"
+    assert sorted(h.items.puts) == sorted(row.package_id + s for s in (WARC_GZ, TAR, INDEX))
+    assert row.remote_verified_at is not None and row.purged_at is None
+    obj = succeeded(h.index.run(dsql.get_row, ids[0]))
+    assert obj.state == "delivered" and obj.remote_identifier == row.remote_identifier
+    assert obj.remote_name == row.package_id + WARC_GZ and obj.purged_at is not None
+    h.tick()
+    assert h.packages()[0].purged_at is None  # retention has not passed
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    (row,) = h.packages()
+    assert row.purged_at is not None
+    left = {p.name for p in h.store.directory(row.package_id).iterdir()}
+    assert left == {row.package_id + INDEX, row.package_id + ".delivery.json"}
+
+
+def test_a_member_corrupted_after_acceptance_is_flagged_and_the_batch_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A member whose bytes changed on disk stops its package: it is flagged for an operator
+    with both hashes, its upload is left in place, and the batch is built without it."""
+    h = Harness(tmp_path, target="1GB", max_wait="1s")
+    good = [h.accept(warc_bytes(i)) for i in range(2)]
+    bad = h.accept(warc_bytes(7))
+    good.append(h.accept(warc_bytes(8)))
+    h.uploads.data_path(bad).write_bytes(b"tampered" + h.accepted[bad][8:])
+    h.tick()
+    flagged = succeeded(h.index.run(dsql.get_row, bad))
+    assert flagged.needs_operator == 1 and checksum(h.accepted[bad]) in (flagged.last_error or "")
+    assert h.uploads.data_path(bad).exists()
+    h.tick()
+    rows = h.packages()
+    assert [r.state for r in rows] == ["verified"]
+    members = succeeded(h.index.run(sql.batch_members, rows[0].batch_id))
+    assert [m.object_id for m in members] == good
+    assert all(not h.uploads.data_path(oid).exists() for oid in good)
+    # The operator puts the right bytes back and retries: it is packed on its own.
+    h.uploads.data_path(bad).write_bytes(h.accepted[bad])
+    assert succeeded(h.index.run(sql.readmit, bad, h.clock.seconds()))
+    h.clock.advance(2)
+    h.tick()
+    assert [r.members for r in h.packages()] == [3, 1]
+    assert not h.uploads.data_path(bad).exists()
+
+
+def test_failed_deliveries_retry_with_backoff_and_nothing_is_sent_twice(tmp_path: Path) -> None:
+    """A failed PUT puts the package in retry_wait; the next attempt completes the item."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.items.fail_next = 1
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "retry_wait" and row.last_error == "503 SlowDown"
+    assert row.next_attempt_at == h.clock.seconds() + 60
+    h.tick()
+    assert h.packages()[0].delivery_state == "retry_wait"
+    h.clock.advance(61)
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and len(h.items.puts) == 2
+    assert row.attempts == 2
+
+
+def test_rebuild_from_disk_brings_back_packages_before_and_after_purge(tmp_path: Path) -> None:
+    """With delivery.sqlite deleted, packages on disk come back with their members and
+    delivery facts, and nothing is packed or uploaded again."""
+    h = Harness(tmp_path, target="100")
+    first = h.accept(warc_bytes(1))
+    h.tick(3)
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    second = h.accept(warc_bytes(2))
+    h.tick()
+    third = h.accept(warc_bytes(3))
+    h.items.fail_next = 10**6  # sealed, verified, sources purged, never delivered
+    h.tick()
+    h.items.fail_next = 0
+    before = {r.package_id: r for r in h.packages()}
+    assert [r.delivery_state for r in before.values()] == ["delivered", "delivered", "retry_wait"]
+    assert before[next(iter(before))].purged_at is not None
+    h.index.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
+    h.open_index()
+    assert succeeded(h.service.restore_packages()) == 3
+    puts = list(h.items.puts)
+    h.tick(3)
+    after = {r.package_id: r for r in h.packages()}
+    assert set(after) == set(before)
+    # Only the package that never reached IA is uploaded, once.
+    assert len(h.items.puts) == len(puts) + 2  # its WARC and its index
+    for oid in (first, second, third):
+        row = succeeded(h.index.run(dsql.get_row, oid))
+        assert row is not None and row.state == "delivered"
+    purged = [r for r in after.values() if r.purged_at is not None]
+    assert len(purged) == 1 and purged[0].remote_verified_at is not None
+    assert len([r for r in after.values() if r.delivery_state == "delivered"]) == 3
+    assert not h.uploads.data_path(third).exists()
+
+
+def test_start_removes_unfinished_builds_and_restarts_them(tmp_path: Path) -> None:
+    """A temp directory left by a killed build is removed at start and the batch, left
+    building, is built again from the start."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    succeeded(
+        h.index.run(
+            sql.assign_batches, {"example": h.projects["example"].packaging}, h.clock.seconds()
+        )
+    )
+    succeeded(h.index.run(sql.claim_builds, h.clock.seconds(), 1))
+    orphan = h.store.root / ".tmp-deadbeef-000000"
+    orphan.mkdir()
+    (orphan / "x").write_bytes(b"partial")
+    h.service.startService()
+    assert not orphan.exists()
+    (row,) = h.packages()
+    assert row.state == "verified"
+    succeeded(h.service.stopService())
+
+
+def test_package_id_depends_only_on_members() -> None:
+    """The same members give the same id; another member or checksum gives another."""
+    a = sql.Member("a" * 32, "p", None, 5, "blake3:" + "0" * 64, 1)
+    b = sql.Member("b" * 32, "p", None, 6, "blake3:" + "1" * 64, 2)
+    assert sql.package_id_of("p", [a, b]) == sql.package_id_of("p", [a, b])
+    assert sql.package_id_of("p", [a]) != sql.package_id_of("p", [a, b])
+    assert sql.package_id_of("q", [a, b]) != sql.package_id_of("p", [a, b])
+
+
+def test_operators_see_batches_and_packages_by_phase(tmp_path: Path) -> None:
+    """The survey, the metrics and the status page count batches filling and packages by
+    phase, from the index."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.tick()
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    h.projects = project_config(tmp_path, "1GB")  # the next object waits in an open batch
+    h.open_index()
+    h.accept(warc_bytes(2))
+    h.tick()
+    survey = take_survey(tmp_path, ObjectIds(""), h.clock.seconds())
+    assert survey.index is not None
+    assert survey.index.packages["purged"] == 1 and survey.index.packages["open"] == 1
+    assert survey_json(survey)["packages"]["open"] == 1
+    cache = SurveyCache(run_inline, lambda now: survey, h.clock)
+    succeeded(cache.refresh())
+    metrics = Metrics(DELIVER, ["example"])
+    metrics.register(SurveyCollector(cache, 1))
+    get = metrics.registry.get_sample_value
+    assert get("canner_packages", {"phase": "purged"}) == 1
+    assert get("canner_packages", {"phase": "open"}) == 1
+    assert get("canner_packages_bytes", {"phase": "open"}) == len(h.accepted[f"{1:032x}"])
+    page = render_status(StatusView("https://c.test", survey, 1, ())).decode()
+    assert re.search(r'data-field="packages_open"><b>1</b>', page)
+
+
+def test_package_uploads_show_in_flight(tmp_path: Path) -> None:
+    """While a package file uploads, the in-flight list (heartbeat, status page, metrics)
+    shows it under the package id with the file's name and the bytes sent."""
+    clock = Clock()
+    in_flight = InFlight(clock)
+    h = Harness(tmp_path, target="100", in_flight=in_flight)
+    seen: list[Any] = []
+    h.items.watch = lambda: seen.extend(in_flight.snapshot())
+    h.accept(warc_bytes(1))
+    h.tick()
+    (row,) = h.packages()
+    assert {p.object_id for p in seen} == {row.package_id}
+    assert {p.filename for p in seen} == {row.package_id + s for s in (WARC_GZ, INDEX)}
+    assert all(p.sent == p.size for p in seen)
+    assert in_flight.snapshot() == [] and in_flight.total_sent > 0
+
+
+def test_a_job_that_crashes_is_retried_a_minute_later(tmp_path: Path) -> None:
+    """An unexpected error in a follow-up is logged and the package checked again after a
+    minute, not at every tick."""
+    h = Harness(tmp_path, target="100")
+    h.items.broken_verify = 1
+    h.accept(warc_bytes(1))
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.remote_verified_at is None
+    assert row.next_check_at == h.clock.seconds() + 60
+    assert "a bug in the sink" in (row.last_error or "")
+    h.tick()
+    assert h.packages()[0].remote_verified_at is None
+    h.clock.advance(61)
+    h.tick()
+    assert h.packages()[0].remote_verified_at is not None
