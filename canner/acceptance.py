@@ -152,7 +152,10 @@ class Acceptance:
         info = upload.info
         origin = Origin(info.project, info.filename)
         try:
-            receipt, hash_seconds, fresh = await self._commit(upload, origin)
+            existing = await self._run(self.committed_receipt, upload, origin)
+            if existing is not None:
+                return existing
+            receipt, hash_seconds = await self._commit(upload, origin)
         except ChecksumMismatch as e:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
@@ -177,8 +180,6 @@ class Acceptance:
             raise AcceptanceFailed(
                 f"storage failure: {e.strerror}", no_space=e.errno in NO_SPACE_ERRNOS
             ) from None
-        if not fresh:
-            return receipt  # committed by an earlier acceptance
         log.info(
             "accepted {object_id} ({size} bytes) for {project}",
             object_id=receipt.object_id,
@@ -189,14 +190,13 @@ class Acceptance:
         self.enqueue_delivery(receipt, origin)
         return receipt
 
-    async def _commit(self, upload: LockedUpload, origin: Origin) -> tuple[Receipt, float, bool]:
+    async def _commit(self, upload: LockedUpload, origin: Origin) -> tuple[Receipt, float]:
         """Everything before the commit point, concurrently; then the commit point.
 
         A small upload takes one trip to an I/O thread (each trip costs the reactor a wakeup):
         that thread hands the durable steps to the fan-out pool and hashes meanwhile.  A large
         one hashes in the hash pool while an I/O thread waits for the durable steps.  Returns
-        the receipt on disk, the seconds the hash took, and False when an earlier acceptance
-        had committed it already.
+        the receipt on disk and the seconds the hash took.
         """
         info = upload.info
         receipt = Receipt(
@@ -207,30 +207,25 @@ class Acceptance:
             accepted_at=max(1, int(self._clock.seconds())),
         )
         if info.size <= INLINE_HASH_MAX:
-            small: tuple[Receipt, float, bool] = await self._run(
+            small: tuple[Receipt, float] = await self._run(
                 self._commit_small, upload, origin, receipt
             )
             return small
-        existing = await self._run(self.committed_receipt, upload, origin)
-        if existing is not None:
-            return existing, 0.0, False
         durable = self._run(self._durable_steps, upload, origin, receipt)
         hashed = self._hash(_attempt, self.hash_upload, upload)
         steps, hash_result = await durable, await hashed
-        stored, seconds = await self._run(self._decide, upload, receipt, steps, hash_result)
-        return stored, seconds, True
+        big: tuple[Receipt, float] = await self._run(
+            self._decide, upload, receipt, steps, hash_result
+        )
+        return big
 
     # The steps block; each runs on a worker thread.
 
     def _commit_small(
         self, upload: LockedUpload, origin: Origin, receipt: Receipt
-    ) -> tuple[Receipt, float, bool]:
-        existing = self.committed_receipt(upload, origin)
-        if existing is not None:
-            return existing, 0.0, False
+    ) -> tuple[Receipt, float]:
         steps = self._durable_steps(upload, origin, receipt, meanwhile=self.hash_upload)
-        stored, seconds = self._decide(upload, receipt, steps[:-1], steps[-1])
-        return stored, seconds, True
+        return self._decide(upload, receipt, steps[:-1], steps[-1])
 
     def _durable_steps(
         self,
