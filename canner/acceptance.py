@@ -26,13 +26,11 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from attrs import define, field, frozen
-from twisted.internet.defer import Deferred
+from attrs import define, field
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -48,25 +46,6 @@ log = Logger()
 # Uploads up to this size hash on an I/O thread; larger ones in the hash pool, so a long hash
 # never holds an I/O thread.
 INLINE_HASH_MAX = 4 << 20
-
-
-# Threads for the concurrent steps of acceptances (five per acceptance, mostly in fsync).
-FANOUT_THREADS = 32
-
-
-@frozen
-class _Outcome:
-    """What a step returned or raised."""
-
-    value: Any = None
-    error: BaseException | None = None
-
-
-def _attempt(f: Callable[..., Any], *args: Any) -> _Outcome:
-    try:
-        return _Outcome(f(*args))
-    except Exception as e:
-        return _Outcome(error=e)
 
 
 class ChecksumMismatch(Exception):
@@ -97,8 +76,6 @@ class Acceptance:
     _clock: IReactorTime
     _issuer: str
     _enqueue: Enqueue
-    # Where the steps before the commit point run side by side (see _durable_steps).
-    _fanout: Executor = field(factory=lambda: ThreadPoolExecutor(FANOUT_THREADS, "canner-sync"))
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
 
@@ -146,7 +123,6 @@ class Acceptance:
     def stop(self) -> None:
         """Ask running hashes to stop at their next read (process shutdown)."""
         self._stopping.set()
-        self._fanout.shutdown(wait=False)
 
     async def _accept(self, upload: LockedUpload) -> Receipt:
         info = upload.info
@@ -193,10 +169,8 @@ class Acceptance:
     async def _commit(self, upload: LockedUpload, origin: Origin) -> tuple[Receipt, float]:
         """Everything before the commit point, concurrently; then the commit point.
 
-        A small upload takes one trip to an I/O thread (each trip costs the reactor a wakeup):
-        that thread hands the durable steps to the fan-out pool and hashes meanwhile.  A large
-        one hashes in the hash pool while an I/O thread waits for the durable steps.  Returns
-        the receipt on disk and the seconds the hash took.
+        Waits for every step to end before deciding, so nothing runs on behind a failure.
+        Returns the receipt on disk and the seconds the hash took.
         """
         info = upload.info
         receipt = Receipt(
@@ -206,71 +180,37 @@ class Acceptance:
             size_bytes=info.size,
             accepted_at=max(1, int(self._clock.seconds())),
         )
-        if info.size <= INLINE_HASH_MAX:
-            small: tuple[Receipt, float] = await self._run(
-                self._commit_small, upload, origin, receipt
-            )
-            return small
-        durable = self._run(self._durable_steps, upload, origin, receipt)
-        hashed = self._hash(_attempt, self.hash_upload, upload)
-        steps, hash_result = await durable, await hashed
-        big: tuple[Receipt, float] = await self._run(
-            self._decide, upload, receipt, steps, hash_result
-        )
-        return big
-
-    # The steps block; each runs on a worker thread.
-
-    def _commit_small(
-        self, upload: LockedUpload, origin: Origin, receipt: Receipt
-    ) -> tuple[Receipt, float]:
-        steps = self._durable_steps(upload, origin, receipt, meanwhile=self.hash_upload)
-        return self._decide(upload, receipt, steps[:-1], steps[-1])
-
-    def _durable_steps(
-        self,
-        upload: LockedUpload,
-        origin: Origin,
-        receipt: Receipt,
-        meanwhile: Callable[[LockedUpload], Any] | None = None,
-    ) -> list[_Outcome]:
-        """Run the independent steps before the commit point concurrently and wait for all:
-        the upload's fsyncs (``UploadStore.sync_steps``), the origin record, the prepared
-        receipt; ``meanwhile(upload)`` runs in this thread and its outcome comes last."""
-        oid = upload.info.upload_id
-        steps: list[Callable[[], Any]] = [
-            *self._uploads.sync_steps(upload),
-            partial(self._receipts.record_origin, oid, origin),
-            partial(self._receipts.prepare, receipt),
+        hasher = self._run if info.size <= INLINE_HASH_MAX else self._hash
+        syncs = [self._run(step) for step in self._uploads.sync_steps(upload)]
+        steps: list[Deferred[Any]] = [
+            *syncs,
+            self._run(self._receipts.record_origin, info.upload_id, origin),
+            self._run(self._receipts.prepare, receipt),
+            hasher(self.hash_upload, upload),
         ]
-        futures = [self._fanout.submit(_attempt, step) for step in steps]
-        here = [_attempt(meanwhile, upload)] if meanwhile is not None else []
-        return [future.result() for future in futures] + here
-
-    def _decide(
-        self, upload: LockedUpload, receipt: Receipt, steps: list[_Outcome], hashed: _Outcome
-    ) -> tuple[Receipt, float]:
-        """After every step ended: commit, or clean up and raise what went wrong (a failed
-        upload fsync resets the upload; a mismatch rejects it for good)."""
-        *syncs, _origin, prepared = steps
-        failures = [step.error for step in [*steps, hashed] if step.error is not None]
-        if failures:
-            if prepared.error is None:
-                self._receipts.discard(prepared.value)
-            for sync in syncs:
-                if isinstance(sync.error, OSError):
-                    raise self._distrust(upload, sync.error)
-            raise failures[0]
-        (digest, count), seconds = hashed.value
+        results = await DeferredList(steps, consumeErrors=True)
+        prepared_ok, prepared = results[-2]
+        failed = [value for ok, value in results if not ok]
+        if failed:
+            if prepared_ok:
+                await self._run(self._receipts.discard, prepared)
+            sync_failures = [value for ok, value in results[: len(syncs)] if not ok]
+            if sync_failures and isinstance(sync_failures[0].value, OSError):
+                raise await self._run(self._distrust, upload, sync_failures[0].value)
+            failed[0].raiseException()
+        (digest, count), seconds = results[-1][1]
         try:
-            self._check_hash(upload.info, digest, count)
+            self._check_hash(info, digest, count)
         except ChecksumMismatch as e:
-            self._reject(upload, prepared.value, str(e))
+            await self._run(self._reject, upload, prepared, str(e))
             raise
         except OSError:
-            self._receipts.discard(prepared.value)
+            await self._run(self._receipts.discard, prepared)
             raise
-        return self.commit_receipt(receipt, prepared.value), seconds
+        stored = await self._run(self.commit_receipt, receipt, prepared)
+        return stored, seconds
+
+    # The steps block; each runs on a worker thread.
 
     def committed_receipt(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
         """The receipt an earlier acceptance committed, if any (``receipts/`` is fsynced again

@@ -8,7 +8,6 @@ fsync, hashing, file and directory I/O and SQLite never run on the reactor threa
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from typing import ParamSpec, Protocol, TypeVar
 
 from attrs import define, field
@@ -59,16 +58,3 @@ class ThreadPoolRunner(Service):
         super().stopService()
         # Blocks until running jobs end; every job here is bounded (one fsync, one write).
         self._pool.stop()
-
-
-class InlineExecutor(Executor):
-    """A :class:`concurrent.futures.Executor` that runs each call at once, in the caller's
-    thread: deterministic order for unit tests."""
-
-    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:
-            future.set_exception(e)
-        return future

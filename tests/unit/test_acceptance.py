@@ -14,7 +14,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 
 from canner.acceptance import INLINE_HASH_MAX, Acceptance, AcceptanceFailed, ChecksumMismatch
-from canner.blocking import InlineExecutor, run_inline
+from canner.blocking import run_inline
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import LockedUpload, UploadInfo, UploadStore
 from tests.fakes import succeeded
@@ -39,7 +39,6 @@ class Env:
             self.clock,
             "https://canner.example",
             lambda r, o: self.enqueued.append((r, o)),
-            fanout=InlineExecutor(),  # the concurrent steps, one after the other
         )
 
     def complete_upload(self, data: bytes, declared: bytes | None = None) -> LockedUpload:
