@@ -2,23 +2,20 @@
 
 See docs/architecture.md, "Acceptance".
 
-Before the commit point, independent steps run concurrently: the fsyncs of the data file, the
-info sidecar and ``uploads/`` (``UploadStore.sync_steps``), the origin record, the receipt
-written to a fsynced temp file, and the BLAKE3 of the stored bytes.  Only when all of them have
-succeeded and the hash matches is the receipt published (a hard link, never overwriting) and
-``receipts/`` fsynced: the commit point.  Then ``enqueue_delivery`` (best effort).  The kernel
-shares one journal commit among concurrent fsyncs, so an acceptance waits for about two rounds
-of fsync instead of six in a row.
+``sync_upload`` (data file, info sidecar, ``uploads/``; the origin record is written here too) ->
+``verify_checksum`` (BLAKE3 of the stored bytes, in the hash pool) -> ``commit_receipt`` (the
+receipt published without overwriting, then ``receipts/`` fsynced: the commit point) ->
+``enqueue_delivery`` (best effort).  Each step runs in as few thread hops as it can.
 
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
 already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
 (callers join it), and the caller's flock keeps other processes out.
 
-Storage errors are not all alike.  A failed fsync of the upload's data, sidecar or ``uploads/``
-leaves its bytes untrustworthy: the store resets the upload (see ``UploadStore.distrust``) and
-the worker must send it again; retrying the fsync would only report success over lost pages.  A
-failed ``receipts/`` fsync unpublishes the receipt it just linked, so nothing can serve a receipt
-that a power cut would erase; the upload's bytes were durable, so a retry may commit again.
+Storage errors are not all alike.  A failed write or fsync of the upload's data or sidecar leaves
+its bytes untrustworthy: the store resets the upload (see ``UploadStore.distrust``) and the worker
+must send it again; retrying the fsync would only report success over lost pages.  A failed
+``receipts/`` fsync unpublishes the receipt it just linked, so nothing can serve a receipt that a
+power cut would erase; the upload's bytes were durable, so a retry may commit again.
 """
 
 from __future__ import annotations
@@ -26,25 +23,23 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from attrs import define, field
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
-from canner.checksum import Checksum, HashCancelled, blake3_file
+from canner.checksum import HashCancelled, blake3_file
 from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadInfo, UploadStore
+from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
 
 log = Logger()
 
-# Uploads up to this size hash on an I/O thread; larger ones in the hash pool, so a long hash
-# never holds an I/O thread.
+# Uploads up to this size are synced, hashed and committed in one thread hop; larger ones hash
+# in the hash pool, so a long hash never holds an I/O thread.
 INLINE_HASH_MAX = 4 << 20
 
 
@@ -127,11 +122,19 @@ class Acceptance:
     async def _accept(self, upload: LockedUpload) -> Receipt:
         info = upload.info
         origin = Origin(info.project, info.filename)
+        receipt: Receipt | None = None
+        hash_seconds = 0.0
         try:
-            existing = await self._run(self.committed_receipt, upload, origin)
-            if existing is not None:
-                return existing
-            receipt, hash_seconds = await self._commit(upload, origin)
+            if info.size <= INLINE_HASH_MAX:
+                # Small: the whole sequence in one thread hop, in the same order.
+                existing, hash_seconds, receipt = await self._run(
+                    self._accept_inline, upload, origin
+                )
+            else:
+                existing = await self._run(self.sync_upload, upload, origin)
+                if existing is None:
+                    hash_seconds = await self._hash(self.verify_checksum, upload)
+                    receipt = await self._run(self.commit_receipt, upload)
         except ChecksumMismatch as e:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
@@ -156,6 +159,9 @@ class Acceptance:
             raise AcceptanceFailed(
                 f"storage failure: {e.strerror}", no_space=e.errno in NO_SPACE_ERRNOS
             ) from None
+        if existing is not None:
+            return existing
+        assert receipt is not None
         log.info(
             "accepted {object_id} ({size} bytes) for {project}",
             object_id=receipt.object_id,
@@ -166,11 +172,63 @@ class Acceptance:
         self.enqueue_delivery(receipt, origin)
         return receipt
 
-    async def _commit(self, upload: LockedUpload, origin: Origin) -> tuple[Receipt, float]:
-        """Everything before the commit point, concurrently; then the commit point.
+    def _accept_inline(
+        self, upload: LockedUpload, origin: Origin
+    ) -> tuple[Receipt | None, float, Receipt | None]:
+        existing = self.sync_upload(upload, origin)
+        if existing is not None:
+            return existing, 0.0, None
+        hash_seconds = self.verify_checksum(upload)
+        return None, hash_seconds, self.commit_receipt(upload)
 
-        Waits for every step to end before deciding, so nothing runs on behind a failure.
-        Returns the receipt on disk and the seconds the hash took.
+    # The steps block; each runs on a worker thread.
+
+    def sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
+        """Step 2: fsync data, sidecar and ``uploads/`` (a failure resets the upload:
+        :class:`StorageFault`), then record the origin next to where the receipt will go
+        (fsynced; its name is made durable by the ``receipts/`` fsync that the receipt needs
+        anyway).
+
+        Returns the receipt when an earlier acceptance committed one (``receipts/`` is fsynced
+        again first, in case that acceptance failed before its own directory fsync).
+        """
+        oid = upload.info.upload_id
+        existing = self._receipts.read(oid)
+        if existing is None:
+            self._uploads.sync_upload(upload)
+        self._receipts.record_origin(oid, origin)
+        if existing is not None:
+            fsync_dir(self._receipts.directory)
+        return existing
+
+    def verify_checksum(self, upload: LockedUpload) -> float:
+        """Step 3: BLAKE3 of the stored bytes; returns the seconds it took.
+
+        On a mismatch the upload is rejected for good (durably) and :class:`ChecksumMismatch`
+        raised.
+        """
+        info = upload.info
+        start = self._clock.seconds()
+        path = self._uploads.data_path(info.upload_id)
+        digest, count = blake3_file(path, info.size, self._stopping)
+        if count != info.size:
+            # The offset said complete, so bytes vanished underneath us: storage trouble.
+            raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
+        if digest != info.checksum:
+            reason = f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
+            self._reject(upload, reason)
+            raise ChecksumMismatch(reason)
+        return self._clock.seconds() - start
+
+    def _reject(self, upload: LockedUpload, reason: str) -> None:
+        self._uploads.reject(upload, reason)
+        self._receipts.forget_origin(upload.info.upload_id)
+
+    def commit_receipt(self, upload: LockedUpload) -> Receipt:
+        """Step 4: publish the receipt, then fsync ``receipts/``: the commit point.
+
+        If that fsync fails, a receipt this call published is unpublished again before the error
+        propagates, so no reader finds a receipt whose name may not survive a power cut.
         """
         info = upload.info
         receipt = Receipt(
@@ -180,84 +238,7 @@ class Acceptance:
             size_bytes=info.size,
             accepted_at=max(1, int(self._clock.seconds())),
         )
-        hasher = self._run if info.size <= INLINE_HASH_MAX else self._hash
-        syncs = [self._run(step) for step in self._uploads.sync_steps(upload)]
-        steps: list[Deferred[Any]] = [
-            *syncs,
-            self._run(self._receipts.record_origin, info.upload_id, origin),
-            self._run(self._receipts.prepare, receipt),
-            hasher(self.hash_upload, upload),
-        ]
-        results = await DeferredList(steps, consumeErrors=True)
-        prepared_ok, prepared = results[-2]
-        failed = [value for ok, value in results if not ok]
-        if failed:
-            if prepared_ok:
-                await self._run(self._receipts.discard, prepared)
-            sync_failures = [value for ok, value in results[: len(syncs)] if not ok]
-            if sync_failures and isinstance(sync_failures[0].value, OSError):
-                raise await self._run(self._distrust, upload, sync_failures[0].value)
-            failed[0].raiseException()
-        (digest, count), seconds = results[-1][1]
-        try:
-            self._check_hash(info, digest, count)
-        except ChecksumMismatch as e:
-            await self._run(self._reject, upload, prepared, str(e))
-            raise
-        except OSError:
-            await self._run(self._receipts.discard, prepared)
-            raise
-        stored = await self._run(self.commit_receipt, receipt, prepared)
-        return stored, seconds
-
-    # The steps block; each runs on a worker thread.
-
-    def committed_receipt(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
-        """The receipt an earlier acceptance committed, if any (``receipts/`` is fsynced again
-        first, in case that acceptance failed before its own directory fsync; the origin record
-        is completed too)."""
-        oid = upload.info.upload_id
-        existing = self._receipts.read(oid)
-        if existing is not None:
-            self._receipts.record_origin(oid, origin)
-            fsync_dir(self._receipts.directory)
-        return existing
-
-    def hash_upload(self, upload: LockedUpload) -> tuple[tuple[Checksum, int], float]:
-        """BLAKE3 of the stored bytes: ``((digest, bytes read), seconds)``."""
-        start = self._clock.seconds()
-        path = self._uploads.data_path(upload.info.upload_id)
-        result = blake3_file(path, upload.info.size, self._stopping)
-        return result, self._clock.seconds() - start
-
-    @staticmethod
-    def _check_hash(info: UploadInfo, digest: Checksum, count: int) -> None:
-        if count != info.size:
-            # The offset said complete, so bytes vanished underneath us: storage trouble.
-            raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
-        if digest != info.checksum:
-            raise ChecksumMismatch(
-                f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
-            )
-
-    def _distrust(self, upload: LockedUpload, error: OSError) -> StorageFault:
-        fault = self._uploads.distrust(upload, "fsync failed", error)
-        self._receipts.forget_origin(upload.info.upload_id)
-        return fault
-
-    def _reject(self, upload: LockedUpload, prepared: Path, reason: str) -> None:
-        """The upload is rejected for good (durably), and no receipt is left prepared."""
-        self._receipts.discard(prepared)
-        self._uploads.reject(upload, reason)
-        self._receipts.forget_origin(upload.info.upload_id)
-
-    def commit_receipt(self, receipt: Receipt, prepared: Path) -> Receipt:
-        """Publish the prepared receipt, then fsync ``receipts/``: the commit point.
-
-        If that fsync fails, a receipt this call published is unpublished again before the error
-        propagates, so no reader finds a receipt whose name may not survive a power cut.
-        """
-        stored = self._receipts.publish(receipt, prepared)
+        stored = self._receipts.commit(receipt)
         try:
             fsync_dir(self._receipts.directory)  # the commit point
         except OSError:

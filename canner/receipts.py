@@ -223,29 +223,6 @@ class ReceiptStore:
         assert existing is not None, "a published receipt is never removed"
         return existing
 
-    def prepare(self, receipt: Receipt) -> Path:
-        """Write ``receipt`` to a fsynced temp file in ``receipts/``, not yet published (see
-        :meth:`publish`); the caller removes it with :meth:`discard` if it is not."""
-        return fs.write_temp(self.directory, f"{receipt.object_id}.json", receipt.to_json(),
-                             sync=True)  # fmt: skip
-
-    def publish(self, receipt: Receipt, prepared: Path) -> Receipt:
-        """Publish a prepared receipt without overwriting anything (a hard link); returns the
-        receipt now on disk, ``receipt`` or one published earlier.  The temp file is removed.
-        The caller must fsync :attr:`directory` before answering with it."""
-        try:
-            os.link(prepared, self.receipt_path(receipt.object_id))
-        except FileExistsError:
-            existing = self.read(receipt.object_id)
-            assert existing is not None, "a published receipt is never removed"
-            return existing
-        finally:
-            self.discard(prepared)
-        return receipt
-
-    def discard(self, prepared: Path) -> None:
-        prepared.unlink(missing_ok=True)
-
     def unpublish(self, object_id: str) -> None:
         """Remove a receipt whose commit failed (its ``receipts/`` fsync did); best effort.
 

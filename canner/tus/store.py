@@ -23,8 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
-from functools import partial
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -286,24 +285,16 @@ class UploadStore:
         except OSError as e:
             raise self.distrust(upload, "writing failed", e) from None
 
-    def sync_steps(self, upload: LockedUpload) -> list[Callable[[], None]]:
-        """The fsyncs that make an upload durable: its data file, its info sidecar and
-        ``uploads/`` (their names).  They are independent: run them concurrently (the kernel
-        shares one journal commit among concurrent fsyncs).  If any fails, :meth:`distrust`
-        the upload: a retried fsync would report success for pages the kernel already dropped.
-        """
-        return [
-            partial(os.fsync, upload.fd),
-            partial(fs.fsync_path, self.info_path(upload.info.upload_id)),
-            partial(fs.fsync_dir, self.directory),
-        ]
-
     def sync_upload(self, upload: LockedUpload) -> None:
-        """Run :meth:`sync_steps` one after the other; a failure resets the upload
-        (:meth:`distrust`) and raises :class:`StorageFault`."""
+        """fsync the data file, the info sidecar and ``uploads/`` (step 2 of acceptance).
+
+        A failure resets the upload (:meth:`distrust`) and raises :class:`StorageFault`: a
+        retried fsync would report success for pages the kernel already dropped.
+        """
         try:
-            for step in self.sync_steps(upload):
-                step()
+            os.fsync(upload.fd)
+            fs.fsync_path(self.info_path(upload.info.upload_id))
+            fs.fsync_dir(self.directory)
         except OSError as e:
             raise self.distrust(upload, "fsync failed", e) from None
 

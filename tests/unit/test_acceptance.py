@@ -94,11 +94,11 @@ class FlakyReceipts(ReceiptStore):
 
     error: OSError | None = None
 
-    def prepare(self, receipt: Receipt) -> Path:
+    def commit(self, receipt: Receipt) -> Receipt:
         error, FlakyReceipts.error = FlakyReceipts.error, None
         if error is not None:
             raise error
-        return super().prepare(receipt)
+        return super().commit(receipt)
 
 
 @pytest.mark.parametrize("size", [7, INLINE_HASH_MAX + 1], ids=["inline", "hash-pool"])
