@@ -66,7 +66,7 @@ class PackageSink(Protocol):
         self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
     ) -> Deferred[Delivered]: ...
 
-    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]: ...
+    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]: ...
 
 
 def purge_sources(
@@ -546,8 +546,8 @@ class PackagingService(Service):
         if row.remote_verified_at is None:
             sink = self._sinks[row.project]
             plans = await self._plans(row)
-            for plan, _path in plans:
-                check = await sink.verify_planned(plan)
+            for plan, path in plans:
+                check = await sink.verify_planned(plan, path)
                 if not check.verified:
                     again = now + verify_delay(now, row.delivered_at)
                     await self._index.run(

@@ -697,11 +697,18 @@ class IADeliverySink:
     def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
         return Deferred.fromCoroutine(self._verify(row, path))
 
-    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
-        """Is the planned file at IA with its size and MD5?"""
-        return Deferred.fromCoroutine(
-            self._verify_file(plan.identifier, plan.remote_name, plan.size, plan.content_md5)
+    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
+        """Is the planned file (a package's, local copy at ``path``) at IA with its size and
+        MD5, and do the bytes IA serves match?"""
+        return Deferred.fromCoroutine(self._verify_plan(plan, path))
+
+    async def _verify_plan(self, plan: ItemPlan, path: Path) -> RemoteCheck:
+        listed = await self._verify_file(
+            plan.identifier, plan.remote_name, plan.size, plan.content_md5
         )
+        if not listed.verified:
+            return listed
+        return await self._read_back(plan.identifier, plan.remote_name, path, plan.size)
 
     async def _verify(self, row: QueueRow, path: Path) -> RemoteCheck:
         assert row.remote_identifier is not None and row.remote_name is not None
@@ -710,7 +717,7 @@ class IADeliverySink:
         )
         if not listed.verified:
             return listed
-        return await self._read_back(row, path)
+        return await self._read_back(row.remote_identifier, row.remote_name, path, row.size_bytes)
 
     async def _verify_file(
         self, identifier: str, remote_name: str, size: int, content_md5: str | None
@@ -728,17 +735,15 @@ class IADeliverySink:
             return RemoteCheck(False, "not listed by the metadata API yet", absent=True)
         return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
 
-    async def _read_back(self, row: QueueRow, path: Path) -> RemoteCheck:
-        """The metadata matches; before a purge may follow, check the bytes IA serves."""
-        assert row.remote_identifier is not None and row.remote_name is not None
+    async def _read_back(
+        self, identifier: str, remote_name: str, path: Path, size: int
+    ) -> RemoteCheck:
+        """The metadata matches; before a purge may follow, check the bytes IA serves against
+        the local copy at ``path``."""
         if self._delivery.readback_bytes <= 0:
             return RemoteCheck(True)
         result = await self._sink.read_back(
-            row.remote_identifier,
-            row.remote_name,
-            path,
-            row.size_bytes,
-            self._delivery.readback_bytes,
+            identifier, remote_name, path, size, self._delivery.readback_bytes
         )
         if result.ok:
             return RemoteCheck(True)
@@ -751,9 +756,9 @@ class IADeliverySink:
             )
         if not result.needs_operator:
             log.warn(
-                "read-back of {object_id} failed, trying again later: {error}",
-                object_id=row.object_id,
-                identifier=row.remote_identifier,
+                "read-back of {identifier}/{remote_name} failed, trying again later: {error}",
+                identifier=identifier,
+                remote_name=remote_name,
                 error=result.detail,
             )
         return RemoteCheck(False, result.detail, needs_operator=result.needs_operator)

@@ -255,3 +255,33 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(env_factory: Any) ->
     sources_wait_for_verified_packages(env.db, env.data_dir, ids)
     assert not list((env.data_dir / "packages").glob(".tmp-*"))
     print("phases hit:", hit)
+
+
+def test_a_package_whose_bytes_at_ia_differ_is_flagged_and_kept(env_factory: Any) -> None:
+    """IA lists every package file with the right size and MD5 but serves other bytes: the
+    read-back before the purge flags the package with the offsets it compared, and its files
+    stay on disk past retention."""
+    env = env_factory(
+        packaging={"mode": "megawarc", "target_bytes": "1GB", "max_wait": "2s"},
+        retention="1s",
+    )
+    env.fake.add_fault("altered", count=1000)
+    for name, data in artifacts(5, SEED + 1):
+        tus_upload(env, name, data)
+
+    def flagged() -> list[dict[str, Any]] | None:
+        rows = packages(env)
+        return rows if rows and all(r["needs_operator"] for r in rows) else None
+
+    rows = wait_for(flagged, 120, "the package flagged by its read-back", 0.5, env.describe)
+    assert rows is not None and len(rows) == 1
+    row = rows[0]
+    assert "IA serves other bytes than the local payload at offsets" in row["last_error"], row
+    assert row["remote_verified_at"] is None and row["purged_at"] is None, row
+    time.sleep(2)  # past retention: still not purged
+    row = packages(env)[0]
+    assert row["purged_at"] is None, row
+    package_dir = env.data_dir / "packages"
+    assert any(p.name.startswith(row["package_id"]) for p in package_dir.rglob("*")), (
+        "the package files were deleted although IA serves other bytes"
+    )

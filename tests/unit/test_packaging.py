@@ -60,7 +60,7 @@ class FakeItems:
         self.files[key] = data
         return succeed(Delivered(plan.identifier, plan.remote_name))
 
-    def verify_planned(self, plan: ItemPlan) -> Deferred[RemoteCheck]:
+    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
         if self.broken_verify:
             self.broken_verify -= 1
             return fail(RuntimeError("a bug in the sink"))
