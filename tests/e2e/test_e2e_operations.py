@@ -54,8 +54,9 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-# Free space moves while tests write elsewhere on the same filesystem.
-FREE_SPACE_SLACK = 256 * 1024 * 1024
+# Free space moves while tests write elsewhere on the same filesystem (the parallel e2e workers
+# include a 1 GiB upload).
+FREE_SPACE_SLACK = 1536 * 1024 * 1024
 RELAY = """
 import os, socket, sys, threading
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
