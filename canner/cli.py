@@ -40,6 +40,7 @@ import attrs
 from attrs import define, field, frozen
 
 from canner import inventory
+from canner import releases as rel
 from canner.config import Config, ConfigError, load_config, parse_duration
 from canner.delivery import index as sql
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
@@ -47,6 +48,7 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
+from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
@@ -456,6 +458,47 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     return 0
 
 
+# -- release -----------------------------------------------------------------------------------
+
+
+def release(config_path: Path, given: Sequence[str], io: Io) -> int:
+    """Release receipts as HQ would (``canner release ID...``): one JSON line per id; exit 1
+    when any was refused (not delivered and verified yet, or unknown)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    receipt_ids = []
+    for text in given:
+        oid = rel.object_id_of(text) or text
+        if not config.object_ids.is_valid(oid):
+            oid = _object_id(config, oid)
+        receipt_ids.append(f"receipt:{oid}")
+    oids = [rel.object_id_of(r) for r in receipt_ids]
+    now = io.now()
+    receipts = ReceiptStore(data_dir / "receipts")
+    candidates = _write(data_dir, rel.release_candidates, oids)
+    archived_ids = ArchivedIds(LedgerDir(data_dir / "ledger"))
+    archived = {}
+    for oid in oids:
+        where = archived_ids.find(oid) if oid not in candidates else None
+        if where is not None:
+            archived[oid] = where.released_at
+    answers, to_publish = rel.classify(
+        receipt_ids, candidates, archived, config.object_ids.is_valid
+    )
+    published = rel.publish_releases(receipts, to_publish, now, "operator")
+    if published:
+        rel.sync_releases(receipts)
+        _write(data_dir, rel.record_releases, list(published.items()))
+    results = rel.finish_answers(receipt_ids, answers, published, now)
+    for result in results:
+        io.out.write(json.dumps(result.as_dict(), separators=(",", ":")) + "\n")
+    refused = [r for r in results if r.status in (rel.NOT_DELIVERED, rel.UNKNOWN)]
+    for r in refused:
+        io.err.write(f"canner: {r.id}: {r.status.replace('_', ' ')}\n")
+    return 1 if refused else 0
+
+
 # -- rebuild-index -----------------------------------------------------------------------------
 
 
@@ -603,6 +646,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
     command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
+    command(
+        "release", "release receipts as HQ does (only delivered and verified objects)"
+    ).add_argument("ids", nargs="+", help="object ids, receipt:<id>, or unique prefixes")
     return parser
 
 
@@ -632,6 +678,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "deliveries": listing,
         "retry": again,
         "rebuild-index": lambda: rebuild_index(args.config, io),
+        "release": lambda: release(args.config, args.ids, io),
     }
     try:
         return runs[args.command]()

@@ -132,6 +132,32 @@ class ManholeConfig:
 
 
 @frozen
+class HQConfig:
+    """``[hq]``: who may release receipts (absent: ``POST /api/v1/releases`` answers 401)."""
+
+    # One "name sha256:<hex>" line per HQ client: the file never holds a usable secret.
+    tokens: Path
+
+
+LEDGER_PERIODS = ("day", "month")
+
+
+@frozen
+class LedgerConfig:
+    """``[ledger]``: where released records go once their period closed (canner-deliver)."""
+
+    period: str
+    delay: float
+    node: str
+    sink: str
+    credentials: Path
+    identifier: str
+    s3_url: str
+    metadata_url: str
+    metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
+
+
+@frozen
 class Config:
     """The whole validated configuration."""
 
@@ -149,6 +175,8 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     manhole: ManholeConfig | None = None
     access_log: bool = True
+    hq: HQConfig | None = None
+    ledger: LedgerConfig | None = None
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -170,6 +198,20 @@ _TOP_KEYS = {
     "metrics",
     "manhole",
     "access_log",
+    "hq",
+    "ledger",
+}
+_HQ_KEYS = {"tokens"}
+_LEDGER_KEYS = {
+    "period",
+    "delay",
+    "node",
+    "sink",
+    "credentials",
+    "identifier",
+    "s3_url",
+    "metadata_url",
+    "metadata",
 }
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
@@ -297,6 +339,64 @@ def _parse_delivery(raw: Any, name: str, base_dir: Path) -> DeliveryConfig:
             name + ".metadata_url",
         ),
         metadata=metadata,
+    )
+
+
+def _metadata_table(raw: Any, name: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, "must be a table")
+    metadata: dict[str, tuple[str, ...]] = {}
+    for key, value in raw.items():
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str) for v in values):
+            raise ConfigError(f"{name}.{key}", "must be a string or a list of strings")
+        metadata[key] = tuple(values)
+    return metadata
+
+
+def _parse_hq(raw: Any, base_dir: Path) -> HQConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("hq", "must be a table")
+    _unknown(raw, _HQ_KEYS, "hq.")
+    return HQConfig(tokens=(base_dir / _string(raw, "tokens", "hq.tokens")).resolve())
+
+
+def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("ledger", "must be a table")
+    _unknown(raw, _LEDGER_KEYS, "ledger.")
+    period = _string(raw, "period", "ledger.period", "day")
+    if period not in LEDGER_PERIODS:
+        raise ConfigError("ledger.period", f'must be "day" or "month", not {period!r}')
+    sink = _string(raw, "sink", "ledger.sink", "internet_archive")
+    if sink != "internet_archive":
+        raise ConfigError("ledger.sink", f'must be "internet_archive", not {sink!r}')
+    node = _string(raw, "node", "ledger.node", node_prefix)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", node):
+        raise ConfigError(
+            "ledger.node",
+            "required (it names this node's ledgers; defaults to node_prefix): 1-64 characters"
+            " of [A-Za-z0-9._-]",
+        )
+    return LedgerConfig(
+        period=period,
+        delay=_duration(raw, "delay", "ledger.delay", "168h"),
+        node=node,
+        sink=sink,
+        credentials=(base_dir / _string(raw, "credentials", "ledger.credentials")).resolve(),
+        identifier=_string(raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}"),
+        s3_url=_http_url(
+            _string(raw, "s3_url", "ledger.s3_url", "https://s3.us.archive.org"), "ledger.s3_url"
+        ),
+        metadata_url=_http_url(
+            _string(raw, "metadata_url", "ledger.metadata_url", "https://archive.org"),
+            "ledger.metadata_url",
+        ),
+        metadata=_metadata_table(raw.get("metadata", {}), "ledger.metadata"),
     )
 
 
@@ -460,6 +560,8 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         metrics=_parse_metrics(raw.get("metrics")),
         manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
         access_log=access_log,
+        hq=_parse_hq(raw.get("hq"), base_dir),
+        ledger=_parse_ledger(raw.get("ledger"), base_dir, node_prefix),
     )
 
 

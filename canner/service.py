@@ -33,7 +33,9 @@ from canner.delivery.liveness import HeartbeatService, InFlight
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
+from canner.hq import HQRoutes, Releases
 from canner.inventory import take_survey
+from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.manhole import OperatorHelpers, manhole_service
 from canner.metrics import (
     DELIVER,
@@ -44,9 +46,11 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.objects import ObjectReader
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.releases import TokenFile
 from canner.sinks.base import Sink
 from canner.sinks.projects import project_sinks
 from canner.status_page import RecentProblems, StatusSource
@@ -289,6 +293,13 @@ def receiver_service(
         started_at=reactor.seconds(),
     )
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
+    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    hq = HQRoutes(
+        ObjectReader(config.data_dir, config.object_ids, config.issuer, archived),
+        Releases(index, receipts, archived, config.object_ids, run, reactor),
+        TokenFile(config.hq.tokens) if config.hq is not None else None,
+        run,
+    )
     site = receiver_site(
         intake,
         tus,
@@ -299,6 +310,7 @@ def receiver_service(
         status,
         ready,
         access_log=config.access_log,
+        hq=hq.app.resource(),
     )
     PeriodicService(
         reactor,

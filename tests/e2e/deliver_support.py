@@ -226,6 +226,8 @@ class DeliveryReceiver(Receiver):
     retention: str = "2s"
     concurrency: int = 2
     metadata: dict[str, list[str]] = field(default_factory=dict)
+    # More TOML tables appended to the config file ([hq], [ledger], ...).
+    extra: str = ""
 
     @classmethod
     def configured(
@@ -234,6 +236,7 @@ class DeliveryReceiver(Receiver):
         fake_url: str,
         retention: str = "2s",
         concurrency: int = 2,
+        extra: str = "",
         **config: Any,
     ) -> DeliveryReceiver:
         root.mkdir(parents=True, exist_ok=True)
@@ -247,6 +250,7 @@ class DeliveryReceiver(Receiver):
             retention=retention,
             concurrency=concurrency,
             metadata={"collection": ["test"], "title": ["Artifact {object_id}"]},
+            extra=extra,
         )
         (root / "keys").write_text(f"{ACCESS}\n{SECRET}\n", encoding="utf-8")
         config.setdefault("max_upload_bytes", 512 * 1024 * 1024)
@@ -271,6 +275,8 @@ class DeliveryReceiver(Receiver):
             "",
             f"[projects.{PROJECT}.delivery.metadata]",
             *(f"{key} = {json.dumps(values)}" for key, values in self.metadata.items()),
+            "",
+            self.extra,
             "",
         ]
         with open(self.config_path, "a", encoding="utf-8") as f:
@@ -494,12 +500,18 @@ def make_env(
     retention: str = "2s",
     concurrency: int = 2,
     start_deliver: bool = True,
+    extra: Callable[[FakeIA, Path], str] | None = None,
     **config: Any,
 ) -> Env:
     fake = FakeIA(root / "fake", metadata_lag=metadata_lag)
     fake.start()
     receiver = DeliveryReceiver.configured(
-        root / "canner", fake.url, retention=retention, concurrency=concurrency, **config
+        root / "canner",
+        fake.url,
+        retention=retention,
+        concurrency=concurrency,
+        extra=extra(fake, root / "canner") if extra is not None else "",
+        **config,
     )
     deliver = Deliver(receiver.config_path, receiver.data_dir, root / "canner" / "deliver.log")
     env = Env(fake, receiver, deliver)
