@@ -12,6 +12,7 @@ import json
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
 import pytest
 import requests
 from deliver_support import (
@@ -41,9 +42,7 @@ def hq_tables(fake: FakeIA, root: Path) -> str:
     """``[hq]`` with two clients (``hq`` and ``hq2``)."""
     tokens = root / "hq-tokens"
     root.mkdir(parents=True, exist_ok=True)
-    tokens.write_text(
-        "# HQ clients\n" + tokens_line("hq", TOKEN) + tokens_line("hq2", OTHER_TOKEN)
-    )
+    tokens.write_text("# HQ clients\n" + tokens_line("hq", TOKEN) + tokens_line("hq2", OTHER_TOKEN))
     return f"[hq]\ntokens = {json.dumps(str(tokens))}\n"
 
 
@@ -51,9 +50,7 @@ def release(env: Env, ids: list[str], token: str | None = TOKEN) -> requests.Res
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    return env.receiver.request(
-        "POST", "/api/v1/releases", data=json.dumps(ids), headers=headers
-    )
+    return env.receiver.request("POST", "/api/v1/releases", data=json.dumps(ids), headers=headers)
 
 
 def status(env: Env, object_id: str) -> requests.Response:
@@ -85,7 +82,7 @@ def test_status_query_shows_three_independent_facts(hq_env: Env) -> None:
     parts; an unknown or malformed id is a JSON 404."""
     env = hq_env
     data = b"status query payload\n" * 100
-    oid, receipt_header = env.receiver.upload_all(data, filename="a.warc.gz")
+    oid, _receipt_header = env.receiver.upload_all(data, filename="a.warc.gz")
     r = status(env, oid)
     assert r.status_code == 200, r.text
     assert r.headers["Content-Type"] == "application/json"
