@@ -48,7 +48,8 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
-from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ledger import store as ledger_store
+from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
@@ -499,6 +500,104 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
     return 1 if refused else 0
 
 
+# -- ledger ------------------------------------------------------------------------------------
+
+
+def _ledger_doc(row: ledger_store.LedgerRow, manifest: Manifest | None) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "period": row.period,
+        "state": row.state,
+        "records": row.records,
+        "bytes": row.bytes,
+        "md5": row.md5,
+        "blake3": row.blake3,
+        "identifier": row.identifier,
+        "remote_name": row.remote_name,
+        "url": manifest.url if manifest else None,
+        "verified_at": row.verified_at,
+        "done_at": row.done_at,
+        "needs_operator": bool(row.needs_operator),
+        "last_error": row.last_error,
+    }
+
+
+def list_ledgers(config_path: Path, io: Io) -> int:
+    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    for doc in _ledger_docs(data_dir):
+        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    return 0
+
+
+def _ledger_docs(data_dir: Path) -> list[dict[str, Any]]:
+    manifests = {m.name: m for m in LedgerDir(data_dir / "ledger").manifests()}
+    conn = inventory.open_read_only(data_dir / inventory.INDEX_NAME)
+    try:
+        rows = ledger_store.ledgers(conn.cursor())
+    finally:
+        conn.close()
+    docs = [_ledger_doc(row, manifests.pop(row.name, None)) for row in rows]
+    for m in manifests.values():  # verified, and not (yet) known to a rebuilt index
+        docs.append(
+            {
+                "name": m.name,
+                "period": m.period,
+                "state": "done" if m.done_at else "deleting",
+                "records": m.records,
+                "bytes": m.size,
+                "md5": m.md5,
+                "blake3": m.blake3,
+                "identifier": m.identifier,
+                "remote_name": m.remote_name,
+                "url": m.url,
+                "verified_at": m.verified_at,
+                "done_at": m.done_at,
+                "needs_operator": False,
+                "last_error": None,
+            }
+        )
+    return docs
+
+
+def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
+    """``canner ledger flush``: ask canner-deliver to close the current period now and archive
+    every record past ``delay``; wait until every ledger is done (or ``timeout``)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    if config.ledger is None:
+        raise CommandError("no [ledger] table in the config: there is nowhere to archive to")
+    lock = DataDirLock(data_dir / "deliver.lock")
+    try:
+        lock.acquire()
+    except Locked:
+        pass  # canner-deliver runs: it does the work
+    else:
+        lock.release()
+        raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
+    requested = io.now()
+    _write(data_dir, ledger_store.request_flush, requested)
+    deadline = time.monotonic() + timeout
+    while True:
+        state = _write(data_dir, ledger_store.flush_state)
+        unfinished = _write(data_dir, ledger_store.unfinished)
+        if state is not None and state[1] is not None and unfinished == 0:
+            break
+        if time.monotonic() > deadline:
+            for doc in _ledger_docs(data_dir):
+                if doc["state"] != "done":
+                    io.err.write(f"canner: ledger {doc['name']} is {doc['state']}: "
+                                 f"{doc['last_error'] or 'in progress'}\n")  # fmt: skip
+            raise CommandError(f"the flush did not finish within {timeout:.0f}s")
+        time.sleep(0.2)
+    for doc in _ledger_docs(data_dir):
+        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    return 0
+
+
 # -- rebuild-index -----------------------------------------------------------------------------
 
 
@@ -566,6 +665,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         scan = Progress(io.err, "reading receipts", total)
     receipts = _CountedReceipts(receipts_dir, progress=scan)
     uploads = UploadStore(data_dir / "uploads")
+    archived = ArchivedIds(LedgerDir(data_dir / "ledger"))
     conn = sqlite3.connect(path, isolation_level=None)
     added = found_total = 0
     problems: list[str] = []
@@ -575,7 +675,9 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         # Bounded batches: the walk, the index lookup and the inserts never hold every receipt.
         for batch in receipt_batches(receipts, config.object_ids, INSERT_BATCH):
             have = sql.known_among(conn.cursor(), batch)
-            found = read_accepted(receipts, uploads, [o for o in batch if o not in have])
+            # Records a verified ledger owns stay archived: never indexed again.
+            fresh = [o for o in batch if o not in have and not archived.contains(o)]
+            found = read_accepted(receipts, uploads, fresh)
             problems += found.problems
             if not found.objects:
                 continue
@@ -649,6 +751,11 @@ def _parser() -> argparse.ArgumentParser:
     command(
         "release", "release receipts as HQ does (only delivered and verified objects)"
     ).add_argument("ids", nargs="+", help="object ids, receipt:<id>, or unique prefixes")
+    ledger = command("ledger", "list ledgers as JSON lines; 'ledger flush' archives now")
+    ledger.add_argument("action", nargs="?", choices=["flush"], help="flush: archive now")
+    ledger.add_argument(
+        "--timeout", type=float, default=600.0, help="flush: seconds to wait (default 600)"
+    )
     return parser
 
 
@@ -679,6 +786,11 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "retry": again,
         "rebuild-index": lambda: rebuild_index(args.config, io),
         "release": lambda: release(args.config, args.ids, io),
+        "ledger": lambda: (
+            flush_ledger(args.config, args.timeout, io)
+            if args.action == "flush"
+            else list_ledgers(args.config, io)
+        ),
     }
     try:
         return runs[args.command]()

@@ -36,6 +36,7 @@ from canner.fs import DataDirLock, Locked
 from canner.hq import HQRoutes, Releases
 from canner.inventory import take_survey
 from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ledger.service import LedgerService, validate_ledger
 from canner.manhole import OperatorHelpers, manhole_service
 from canner.metrics import (
     DELIVER,
@@ -52,7 +53,10 @@ from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.releases import TokenFile
 from canner.sinks.base import Sink
+from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.internet_archive import IASink
 from canner.sinks.projects import project_sinks
+from canner.sinks.transport import make_http_client
 from canner.status_page import RecentProblems, StatusSource
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
@@ -454,6 +458,8 @@ def deliver_service(
     io.setServiceParent(top)
     hashing.setServiceParent(top)
     ids = config.object_ids
+    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    ledger = _ledger_service(config, index, receipts, io, reactor)
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
@@ -463,6 +469,9 @@ def deliver_service(
         while (batch := await io(next, batches, None)) is not None:
             known = await index.run(sql.known_among, batch)
             missing = [oid for oid in batch if oid not in known]
+            if missing:
+                # Records a verified ledger owns are never indexed again.
+                missing = await io(_not_archived, archived, missing)
             if missing:
                 found = await io(read_accepted, receipts, uploads, missing)
                 if found.objects:
@@ -475,9 +484,16 @@ def deliver_service(
         config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
     )
     in_flight.on_sent = metrics.sent
-    PeriodicService(
-        reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
-    ).setServiceParent(top)
+
+    def guarded_rescan() -> Deferred[Any]:
+        # Never while the ledger deletes records: the rescan could re-insert them.
+        if ledger is None:
+            return Deferred.fromCoroutine(rescan())
+        return ledger.guard.run(lambda: Deferred.fromCoroutine(rescan()))
+
+    PeriodicService(reactor, RESCAN_INTERVAL, guarded_rescan, "receipt rescan").setServiceParent(
+        top
+    )
     scheduler = DeliveryService(
         index,
         uploads,
@@ -491,6 +507,8 @@ def deliver_service(
         in_flight=in_flight,
     )
     scheduler.setServiceParent(top)
+    if ledger is not None:
+        ledger.setServiceParent(top)
     # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
     HeartbeatService(index, in_flight, reactor).setServiceParent(top)
     _trend_sampler(config, index, reactor).setServiceParent(top)
@@ -525,6 +543,44 @@ def deliver_service(
     # Ready once the index answers a query through the daemon's own connection.
     SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
     return top
+
+
+def _not_archived(archived: ArchivedIds, object_ids: list[str]) -> list[str]:
+    return [oid for oid in object_ids if not archived.contains(oid)]
+
+
+def _ledger_service(
+    config: Config, index: DeliveryIndex, receipts: ReceiptStore, io: BlockingRunner, reactor: Any
+) -> LedgerService | None:
+    """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking)."""
+    ledger = config.ledger
+    if ledger is None:
+        return None
+    validate_ledger(ledger)
+    try:
+        credentials = load_credentials(ledger.credentials)
+    except CredentialsError as e:
+        raise ConfigError("ledger.credentials", str(e)) from None
+    sink = IASink(
+        make_http_client(reactor),
+        reactor,
+        credentials,
+        ledger.s3_url,
+        ledger.metadata_url,
+        io,
+    )
+    return LedgerService(
+        ledger,
+        config.object_ids,
+        index,
+        config.data_dir / "delivery.sqlite",
+        LedgerDir(config.data_dir / "ledger"),
+        receipts,
+        config.data_dir / "uploads",
+        sink,
+        io,
+        reactor,
+    )
 
 
 def _index_answers(cur: Any) -> None:

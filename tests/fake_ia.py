@@ -18,7 +18,8 @@ It implements what ``docs/reference/internet-archive.md`` describes, independent
   ``lost_response`` (store, then drop the connection without answering), ``stall`` (stop reading
   after ``after_bytes`` bytes, never answer), ``forbidden`` (403), ``redirect`` (307 to the same
   path, or to ``location`` + path), ``spam`` (503 "appears to be spam"); on the metadata API
-  ``error500``, ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``; on check_limit
+  ``error500``, ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``, ``wrong_md5`` (every
+  file listed with an MD5 that is not its content's); on check_limit
   ``over_limit``, ``error500``, ``garbage``.
 * Admin endpoints for tests in another process: ``GET /_fake/objects``, ``GET /_fake/items``,
   ``GET|POST|DELETE /_fake/faults`` (POST a JSON fault or list of faults),
@@ -55,10 +56,15 @@ from twisted.web.server import Request, Site
 PUT_FAULTS = frozenset(
     {"slowdown", "error500", "reset", "lost_response", "stall", "forbidden", "redirect", "spam"}
 )
-METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark"})
+METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark", "wrong_md5"})
 CHECK_LIMIT_FAULTS = frozenset({"over_limit", "error500", "garbage"})
 TARGETS = {"put": PUT_FAULTS, "metadata": METADATA_FAULTS, "check_limit": CHECK_LIMIT_FAULTS}
-_DEFAULT_TARGET = {"over_limit": "check_limit", "garbage": "metadata", "dark": "metadata"}
+_DEFAULT_TARGET = {
+    "over_limit": "check_limit",
+    "garbage": "metadata",
+    "dark": "metadata",
+    "wrong_md5": "metadata",
+}
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{4,99}")
 META_HEADER = re.compile(r"x-archive-meta(\d\d)?-(.+)")
@@ -598,9 +604,12 @@ class FakeIA:
 
     def _metadata(self, request: FakeRequest, identifier: str) -> None:
         fault = self._take_fault("metadata")
-        if fault is not None and fault.kind != "dark":
+        if fault is not None and fault.kind not in ("dark", "wrong_md5"):
             request.respond_fault(fault)
             return
+        wrong_md5 = fault is not None and fault.kind == "wrong_md5"
+        if wrong_md5:
+            fault = None
         now = self.clock.seconds()
         item = self.items.get(identifier)
         visible = []
@@ -612,7 +621,9 @@ class FakeIA:
                         "name": f.name,
                         "source": "original",
                         "size": str(version.size),
-                        "md5": version.md5,
+                        "md5": ("f" * 32 if version.md5 != "f" * 32 else "0" * 32)
+                        if wrong_md5
+                        else version.md5,
                         "sha1": version.sha1,
                         "crc32": "00000000",
                         "mtime": str(int(version.mtime)),

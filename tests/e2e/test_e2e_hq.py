@@ -7,69 +7,26 @@ sees: the JSON answers, the side files next to the receipts and ``canner deliver
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-import requests
-from deliver_support import (
-    REPO,
-    Env,
-    FakeIA,
-    envs,
-    make_checks_due_now,
-    remove_index,
-    venv_bin,
-    wait_for,
+from deliver_support import Env, envs, remove_index
+from hq_support import (
+    OTHER_TOKEN,
+    TOKEN,
+    canner,
+    hq_tables,
+    release,
+    release_file,
+    status,
+    tokens_line,
+    wait_verified,
 )
 
 pytestmark = pytest.mark.e2e
 
 env_factory = pytest.fixture(name="env_factory")(envs)
-
-TOKEN = "hq-token-0123456789abcdef"
-OTHER_TOKEN = "hq-token-of-the-second-client"
-
-
-def tokens_line(name: str, token: str) -> str:
-    return f"{name} sha256:{hashlib.sha256(token.encode()).hexdigest()}\n"
-
-
-def hq_tables(fake: FakeIA, root: Path) -> str:
-    """``[hq]`` with two clients (``hq`` and ``hq2``)."""
-    tokens = root / "hq-tokens"
-    root.mkdir(parents=True, exist_ok=True)
-    tokens.write_text("# HQ clients\n" + tokens_line("hq", TOKEN) + tokens_line("hq2", OTHER_TOKEN))
-    return f"[hq]\ntokens = {json.dumps(str(tokens))}\n"
-
-
-def release(env: Env, ids: list[str], token: str | None = TOKEN) -> requests.Response:
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    return env.receiver.request("POST", "/api/v1/releases", data=json.dumps(ids), headers=headers)
-
-
-def status(env: Env, object_id: str) -> requests.Response:
-    return env.receiver.request("GET", f"/api/v1/objects/{object_id}")
-
-
-def wait_verified(env: Env, ids: list[str], timeout: float = 60.0) -> None:
-    def done() -> bool:
-        make_checks_due_now(env.db)
-        rows = env.rows()
-        return all(rows[o]["verified_at"] is not None for o in ids if o in rows) and all(
-            o in rows for o in ids
-        )
-
-    wait_for(done, timeout, f"{ids} verified", 0.3, env.describe)
-
-
-def release_file(env: Env, object_id: str) -> Path:
-    return env.data_dir / "receipts" / f"{object_id}.release.json"
 
 
 @pytest.fixture
@@ -192,17 +149,6 @@ def test_bad_tokens_are_401_and_change_nothing(hq_env: Env) -> None:
         )
         assert r.status_code == 400, body
         assert r.json()["error"] == "bad_request"
-
-
-def canner(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [venv_bin("canner"), *args, "--config", str(env.config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_operator_release_and_rebuilt_index_keeps_released_at(hq_env: Env) -> None:
