@@ -316,7 +316,7 @@ class LedgerService(Service):
             log.error("ledger {ledger}: {error}", ledger=row.name, error=error)
             # The first mismatch uploads again at once (the copy may have been damaged on the
             # way); a mismatch that persists backs off like a failed delivery.
-            again = now if row.attempts == 0 else now + retry_delay(row.attempts, 0.5)
+            again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
             await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
             await self._index.run(
                 store.update_ledger, row.ledger_id, row.state, {"state": "written"}
