@@ -133,3 +133,19 @@ def fast_forward_ledgers(env: Env) -> None:
         conn.execute("UPDATE ledgers SET next_attempt_at = 0 WHERE state != 'done'")
     finally:
         conn.close()
+
+
+_SPEC: list[Any] = []
+
+
+def check_openapi(response: requests.Response) -> requests.Response:
+    """Validate a live response (status, headers, body) against ``docs/hq-api.yaml``."""
+    from openapi_core import OpenAPI
+    from openapi_core.contrib.requests import RequestsOpenAPIRequest, RequestsOpenAPIResponse
+
+    if not _SPEC:
+        _SPEC.append(OpenAPI.from_file_path(str(REPO / "docs" / "hq-api.yaml")))
+    _SPEC[0].validate_response(
+        RequestsOpenAPIRequest(response.request), RequestsOpenAPIResponse(response)
+    )
+    return response
