@@ -33,7 +33,7 @@ from canner.delivery.liveness import HeartbeatService, InFlight
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
-from canner.hq import HQRoutes, Releases
+from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.service import LedgerService, validate_ledger
@@ -72,6 +72,7 @@ Observer = Callable[[Mapping[str, Any]], None]
 
 IO_THREADS = 16
 HASH_THREADS = 2
+RELEASE_THREADS = 32
 
 
 @define(eq=False)
@@ -298,9 +299,15 @@ def receiver_service(
     )
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
+    # Release side files are synced from many threads at once (they wait on the disk, not on
+    # the CPU), so concurrent fdatasyncs share journal commits.
+    release_io = ThreadPoolRunner(reactor, "canner-release", RELEASE_THREADS)
+    release_io.setServiceParent(top)
     hq = HQRoutes(
-        ObjectReader(config.data_dir, config.object_ids, config.issuer, archived),
-        Releases(index, receipts, archived, config.object_ids, run, reactor),
+        Lookups(reader, run),
+        reader,
+        Releases(index, receipts, archived, config.object_ids, release_io, reactor),
         TokenFile(config.hq.tokens) if config.hq is not None else None,
         run,
     )
