@@ -140,7 +140,8 @@ def send(
         )
         stats["requests"] += 1
         r.raise_for_status()
-        if rng.random() < drop:
+        # The first answer is always lost (so every run exercises a retry), then a share.
+        if stats["requests"] == 1 or rng.random() < drop:
             stats["dropped"] += 1  # the answer is lost: every event stays and is sent again
             continue
         conn.execute("BEGIN")
