@@ -50,6 +50,7 @@ from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
+from canner.ledger.service import validate_ledger
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
@@ -171,6 +172,21 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(path)
         except CredentialsError as e:
             raise ConfigError(key, str(e)) from None
+    if config.hq is not None:
+        try:
+            rel.TokenFile(config.hq.tokens).current()
+        except OSError as e:
+            raise ConfigError(
+                "hq.tokens", f"cannot read {config.hq.tokens}: {e.strerror}"
+            ) from None
+        except rel.TokenFileError as e:
+            raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
+    if config.ledger is not None:
+        validate_ledger(config.ledger)
+        try:
+            load_credentials(config.ledger.credentials)
+        except CredentialsError as e:
+            raise ConfigError("ledger.credentials", str(e)) from None
     if config.manhole is not None and not os.access(config.manhole.authorized_keys, os.R_OK):
         warnings.append(
             f"manhole.authorized_keys: {config.manhole.authorized_keys} is not readable"

@@ -204,10 +204,10 @@ class HQRoutes:
         released = sum(1 for r in results if r.status == rel.RELEASED)
         if released:
             log.info(
-                "{client} released {count} receipts",
-                client=client,
+                "{hq_client} released {count} receipts",
+                hq_client=client,
+                client=_client(request),
                 count=released,
-                requested=len(ids),
             )
         return _json(request, {"results": [r.as_dict() for r in results]})
 

@@ -26,6 +26,9 @@ field             meaning
 ``count``         how many things an event covers; ``ids`` lists them when useful
 ``path``          a file system path
 ``label``         the name of a periodic job whose run failed
+``client``        the address of an HTTP client (access log, refused releases)
+``hq_client``     the name of an HQ client (its line in ``[hq] tokens``)
+``ledger``        a ledger's name (``<node>-<period>[-n]``)
 ================  ============================================================================
 
 Access log events (namespace ``canner.access``, one per answered receiver request) carry

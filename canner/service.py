@@ -51,7 +51,7 @@ from canner.objects import ObjectReader
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
-from canner.releases import TokenFile
+from canner.releases import TokenFile, TokenFileError
 from canner.sinks.base import Sink
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.internet_archive import IASink
@@ -302,13 +302,14 @@ def receiver_service(
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
     # Release side files are synced from many threads at once (they wait on the disk, not on
     # the CPU), so concurrent fdatasyncs share journal commits.
+    tokens = _hq_tokens(config)
     release_io = ThreadPoolRunner(reactor, "canner-release", RELEASE_THREADS)
     release_io.setServiceParent(top)
     hq = HQRoutes(
         Lookups(reader, run),
         reader,
         Releases(index, receipts, archived, config.object_ids, release_io, reactor),
-        TokenFile(config.hq.tokens) if config.hq is not None else None,
+        tokens,
         run,
     )
     site = receiver_site(
@@ -550,6 +551,20 @@ def deliver_service(
     # Ready once the index answers a query through the daemon's own connection.
     SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
     return top
+
+
+def _hq_tokens(config: Config) -> TokenFile | None:
+    """The ``[hq] tokens`` file, read once now: an unreadable or malformed one refuses to start."""
+    if config.hq is None:
+        return None
+    tokens = TokenFile(config.hq.tokens)
+    try:
+        tokens.current()
+    except OSError as e:
+        raise ConfigError("hq.tokens", f"cannot read {config.hq.tokens}: {e.strerror}") from None
+    except TokenFileError as e:
+        raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
+    return tokens
 
 
 def _not_archived(archived: ArchivedIds, object_ids: list[str]) -> list[str]:
