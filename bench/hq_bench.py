@@ -133,6 +133,9 @@ def config_text(work: Path, data_dir: Path, port: int, extra: str = "") -> Path:
     path.write_text(
         f'issuer = "{ISSUER}"\ndata_dir = "{data_dir}"\n'
         f'listen = "tcp:{port}:interface=127.0.0.1"\nmin_free_bytes = 1\naccess_log = false\n'
+        # The metrics survey (index totals over every row) would run during the measurement:
+        # once an hour here, so the numbers are the queries' own cost.
+        '[metrics]\nrefresh = "1h"\n'
         f'[projects.bench]\n[hq]\ntokens = "{tokens}"\n{extra}'
     )
     return path
@@ -169,6 +172,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def settle(pid: int, timeout: float = 120.0) -> None:
+    """Wait until the process is idle (its start-up survey and trend sample are done)."""
+    deadline = time.monotonic() + timeout
+    before = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = cpu_seconds(pid)
+        if now - before < 0.05:
+            return
+        before = now
+
+
 def wait_http(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -198,6 +213,7 @@ def status_and_release(work: Path, rows: int, seconds: float, concurrency: int) 
     try:
         base = f"http://127.0.0.1:{port}"
         wait_http(base + "/healthz")
+        settle(proc.pid)
         load = work / "load.json"
         paths = [f"/api/v1/objects/{oid}" for oid in sample]
         load.write_text(

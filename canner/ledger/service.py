@@ -46,7 +46,8 @@ ASSIGN_INTERVAL = 60.0
 VERIFY_MIN, VERIFY_MAX = 2.0, 600.0
 WRITE_RETRY = 600.0
 DELETE_RETRY = 60.0
-DELETE_THREADS = 8
+DELETE_THREADS = 16
+DELETE_BATCH = 4000
 
 
 def validate_ledger(config: LedgerConfig) -> None:
@@ -344,7 +345,7 @@ class LedgerService(Service):
         return f"{base}/download/{row.identifier}/{row.remote_name}"
 
     async def _delete(self, row: store.LedgerRow, now: float) -> None:
-        batches = id_batches(self._ledgers, row.name, self._full_id)
+        batches = id_batches(self._ledgers, row.name, self._full_id, DELETE_BATCH)
         deleted = 0
         while (batch := await self._run(next, batches, None)) is not None:
             # Unlinks wait on the disk: several threads at once keep it busy.

@@ -29,7 +29,7 @@ from canner.receipts import ReceiptStore
 from canner.releases import release_name
 
 PAGE = 2000
-ZSTD_LEVEL = 9
+ZSTD_LEVEL = 3
 
 
 @frozen
