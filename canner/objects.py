@@ -128,12 +128,12 @@ class ObjectReader:
                     continue
                 cur.execute(_SELECT, (oid,))
                 found = cur.fetchone()
-                data = receipts.read_bytes(oid)
                 if found is None:
-                    results.append(
-                        self._archived(oid) if data is None else self._not_indexed(receipts, oid)
-                    )
+                    # A verified ledger owns the record even while its receipt file still
+                    # waits for deletion; otherwise an accepted object not indexed yet.
+                    results.append(self._archived(oid) or self._not_indexed(receipts, oid))
                     continue
+                data = receipts.read_bytes(oid)
                 row = dict(zip(_COLUMNS, found, strict=True))
                 receipt = json.loads(data) if data is not None else None
                 results.append(describe(row, receipt, self.issuer, (uploads / oid).exists()))
