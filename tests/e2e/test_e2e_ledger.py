@@ -181,3 +181,38 @@ def test_sigkill_during_delete_resumes_after_restart(env_factory: Callable[..., 
     assert [o["name"] for o in env.fake.objects() if o["identifier"] == ledger["identifier"]] == [
         ledger["remote_name"]
     ]
+
+
+def test_sigkill_during_upload_and_verification_resumes(env_factory: Callable[..., Env]) -> None:
+    """canner-deliver killed while the ledger's PUT hangs, and again while IA's metadata API
+    fails: each restart resumes (upload again, verify), nothing local is deleted before the
+    remote copy verified, and exactly one ledger file ends up at IA."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.2)
+    receipts = archivable(env, 2, "killed")
+    env.fake.add_fault("stall", count=1, target="put")
+    out = flush(env, timeout=4)
+    assert out.returncode == 1
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "written"  # its PUT never answers
+    assert env.deliver.kill(signal.SIGKILL) == -signal.SIGKILL
+    env.fake.clear_faults()
+    env.fake.add_fault("error500", count=100000, target="metadata")  # no answer from IA yet
+    env.deliver.start()
+    wait_for(lambda: ledgers(env)[0]["state"] == "uploaded", 30, "the ledger uploaded again")
+    assert env.deliver.kill(signal.SIGKILL) == -signal.SIGKILL
+    for oid in receipts:  # not verified: nothing local deleted
+        assert (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert status(env, oid).json()["archived"] is None
+    env.fake.clear_faults()
+    env.deliver.start()
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "done" and ledger["records"] == 2
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert status(env, oid).json()["archived"]["ledger"] == ledger["name"]
+    ledgers_at_fake = [o for o in env.fake.objects() if o["name"].endswith(".jsonl.zst")]
+    assert [o["name"] for o in ledgers_at_fake] == [ledger["remote_name"]]
+    assert len(remote_lines(env.fake, ledger["identifier"], ledger["remote_name"])) == 2
