@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
+from werkzeug.exceptions import HTTPException
 
 from canner import releases as rel
 from canner.blocking import BlockingRunner
@@ -170,6 +171,18 @@ class HQRoutes:
         request.setHeader("Retry-After", "5")
         doc = {"error": "index_unavailable", "message": f"delivery index: {failure.value}"}
         return _json(request, doc, 503)
+
+    @app.handle_errors(HTTPException)
+    def no_route(self, request: IRequest, failure: Any) -> bytes:
+        error: HTTPException = failure.value
+        status = error.code or 404
+        if status == 405:
+            allowed = ", ".join(getattr(error, "valid_methods", None) or ())
+            request.setHeader("Allow", allowed)
+            doc = {"error": "method_not_allowed", "message": "method not allowed here"}
+        else:
+            doc = {"error": "not_found", "message": "no such endpoint"}
+        return _json(request, doc, status)
 
     @app.handle_errors(Exception)
     def internal(self, request: IRequest, failure: Any) -> bytes:

@@ -96,6 +96,11 @@ def test_every_endpoint_answers_as_documented(env_factory: Callable[..., Env]) -
     assert archived is not None and archived["archived"] is not None
     check("POST", "/api/v1/objects:query", 200, data=json.dumps({"object_ids": [oid]}))
     assert release(env, [f"receipt:{oid}"]).json()["results"][0]["status"] == "already_released"
+    r = rcv.request("GET", "/api/v1/releases")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+    assert "POST" in r.headers["Allow"]
+    r = rcv.request("GET", "/api/v1/objectsx")
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
     check("GET", "/healthz", 200)
     check("GET", "/readyz", 200)
     check("GET", "/", 200)
