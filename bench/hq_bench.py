@@ -141,11 +141,16 @@ def config_text(work: Path, data_dir: Path, port: int, extra: str = "") -> Path:
     return path
 
 
-def spawn(role: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+def pinned(cpu: int | None) -> list[str]:
+    """``taskset -c CPU`` when pinning (the receiver on one core, the load on another)."""
+    return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
+
+def spawn(role: str, config: Path, log: Path, cpu: int | None = None) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [str(VENV / "twistd"), "--nodaemon", "--pidfile=", f"canner-{role}", "--config",
-             str(config)],
+            [*pinned(cpu), str(VENV / "twistd"), "--nodaemon", "--pidfile=", f"canner-{role}",
+             "--config", str(config)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
@@ -198,7 +203,9 @@ def wait_http(url: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def status_and_release(work: Path, rows: int, seconds: float, concurrency: int) -> dict[str, Any]:
+def status_and_release(
+    work: Path, rows: int, seconds: float, concurrency: int, pin: bool
+) -> dict[str, Any]:
     data = work / "status"
     (data / "receipts").mkdir(parents=True)
     (data / "uploads").mkdir()
@@ -208,7 +215,9 @@ def status_and_release(work: Path, rows: int, seconds: float, concurrency: int) 
     write_files(data / "receipts", sample, everything=False)
     print(f"prepared {rows} rows, {len(sample)} receipts in {time.monotonic() - t:.1f}s")
     port = free_port()
-    proc = spawn("receiver", config_text(work, data, port), work / "receiver.log")
+    proc = spawn(
+        "receiver", config_text(work, data, port), work / "receiver.log", 0 if pin else None
+    )
     result: dict[str, Any] = {"rows": rows}
     try:
         base = f"http://127.0.0.1:{port}"
@@ -230,7 +239,7 @@ def status_and_release(work: Path, rows: int, seconds: float, concurrency: int) 
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         out = subprocess.run(
-            ["node", str(BENCH / "node" / "get_load.js"), str(load)],
+            [*pinned(1 if pin else None), "node", str(BENCH / "node" / "get_load.js"), str(load)],
             capture_output=True, text=True, timeout=seconds + 60, check=True,
         )  # fmt: skip
         cpu = cpu_seconds(proc.pid) - cpu0
@@ -321,9 +330,18 @@ def archive(work: Path, count: int) -> dict[str, Any]:
         elapsed = time.monotonic() - t
         running.clear()
         sampler.join()
+        shutil.copy(work / "deliver.log", Path(tempfile.gettempdir()) / "hq_bench_deliver.log")
         if out.returncode != 0:
             raise SystemExit(f"flush failed: {out.stderr}")
         [doc] = [json.loads(line) for line in out.stdout.splitlines()]
+        start = doc["created_at"]
+        print(
+            "ledger steps after assignment: "
+            + ", ".join(
+                f"{k} +{doc[k] - start:.1f}s"
+                for k in ("written_at", "uploaded_at", "verified_at", "done_at")
+            )
+        )
         steps = [
             line
             for line in (work / "deliver.log").read_text().splitlines()
@@ -354,6 +372,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--skip", default="", help="comma-separated: status, archive")
+    parser.add_argument(
+        "--pin", action="store_true", help="receiver on CPU 0, load generator on CPU 1 (taskset)"
+    )
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -361,7 +382,9 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         if "status" not in skip:
-            results.update(status_and_release(work, args.rows, args.seconds, args.concurrency))
+            results.update(
+                status_and_release(work, args.rows, args.seconds, args.concurrency, args.pin)
+            )
             s, r = results["status"], results["release"]
             print(
                 f"status queries: {s['per_s']:.0f}/s over {s['seconds']:.1f}s"

@@ -531,6 +531,9 @@ def _ledger_doc(row: ledger_store.LedgerRow, manifest: Manifest | None) -> dict[
         "identifier": row.identifier,
         "remote_name": row.remote_name,
         "url": manifest.url if manifest else None,
+        "created_at": row.created_at,
+        "written_at": row.written_at,
+        "uploaded_at": row.uploaded_at,
         "verified_at": row.verified_at,
         "done_at": row.done_at,
         "needs_operator": bool(row.needs_operator),
@@ -569,6 +572,9 @@ def _ledger_docs(data_dir: Path) -> list[dict[str, Any]]:
                 "identifier": m.identifier,
                 "remote_name": m.remote_name,
                 "url": m.url,
+                "created_at": None,
+                "written_at": None,
+                "uploaded_at": None,
                 "verified_at": m.verified_at,
                 "done_at": m.done_at,
                 "needs_operator": False,
@@ -576,6 +582,14 @@ def _ledger_docs(data_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return docs
+
+
+def _read_flush(data_dir: Path) -> tuple[tuple[float, float | None] | None, int]:
+    conn = inventory.open_read_only(data_dir / inventory.INDEX_NAME)
+    try:
+        return ledger_store.flush_state(conn.cursor()), ledger_store.unfinished(conn.cursor())
+    finally:
+        conn.close()
 
 
 def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
@@ -595,11 +609,18 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
         lock.release()
         raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
     requested = io.now()
-    _write(data_dir, ledger_store.request_flush, requested)
     deadline = time.monotonic() + timeout
     while True:
-        state = _write(data_dir, ledger_store.flush_state)
-        unfinished = _write(data_dir, ledger_store.unfinished)
+        try:
+            _write(data_dir, ledger_store.request_flush, requested)
+            break
+        except sqlite3.OperationalError:
+            # canner-deliver holds the write lock (a large deletion commits): try again.
+            if time.monotonic() > deadline:
+                raise
+    while True:
+        # Read-only: never waits behind canner-deliver's writes (WAL readers do not block).
+        state, unfinished = _read_flush(data_dir)
         if state is not None and state[1] is not None and unfinished == 0:
             break
         if time.monotonic() > deadline:
