@@ -249,7 +249,7 @@ class LedgerService(Service):
             "blake3": written.blake3,
             "identifier": identifier,
             "remote_name": row.name + SUFFIX,
-            "written_at": now,
+            "written_at": self._clock.seconds(),
         }
         await self._index.run(store.update_ledger, row.ledger_id, "writing", values)
         log.info(
@@ -279,7 +279,10 @@ class LedgerService(Service):
             )
             return False
         await self._index.run(
-            store.update_ledger, row.ledger_id, "written", {"state": "uploaded", "uploaded_at": now}
+            store.update_ledger,
+            row.ledger_id,
+            "written",
+            {"state": "uploaded", "uploaded_at": self._clock.seconds()},
         )
         log.info(
             "uploaded ledger {ledger} to {identifier}", ledger=row.name, identifier=plan.identifier
@@ -364,9 +367,14 @@ class LedgerService(Service):
             # Files first, rows after: a rebuilt index skips these ids (the manifest says so).
             deleted += await self._index.run(store.delete_records, row.ledger_id, batch)
         manifest = await self._run(self._read_manifest, row.name)
-        await self._run(self._ledgers.write_manifest, evolve(manifest, done_at=now))
+        await self._run(
+            self._ledgers.write_manifest, evolve(manifest, done_at=self._clock.seconds())
+        )
         await self._index.run(
-            store.update_ledger, row.ledger_id, "deleting", {"state": "done", "done_at": now}
+            store.update_ledger,
+            row.ledger_id,
+            "deleting",
+            {"state": "done", "done_at": self._clock.seconds()},
         )
         log.info(
             "ledger {ledger} done: local state of its {count} records deleted",
