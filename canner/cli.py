@@ -50,6 +50,7 @@ from attrs import define, field, frozen
 
 from canner import drain as draining
 from canner import inventory
+from canner import releases as rel
 from canner.config import Config, ConfigError, load_config, parse_duration
 from canner.delivery import index as sql
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
@@ -57,6 +58,9 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
+from canner.ledger import store as ledger_store
+from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
+from canner.ledger.service import validate_ledger
 from canner.packaging import batches as psql
 from canner.packaging.pipeline import read_package
 from canner.packaging.store import PackageStore
@@ -206,6 +210,21 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(path)
         except CredentialsError as e:
             raise ConfigError(key, str(e)) from None
+    if config.hq is not None:
+        try:
+            rel.TokenFile(config.hq.tokens).current()
+        except OSError as e:
+            raise ConfigError(
+                "hq.tokens", f"cannot read {config.hq.tokens}: {e.strerror}"
+            ) from None
+        except rel.TokenFileError as e:
+            raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
+    if config.ledger is not None:
+        validate_ledger(config.ledger)
+        try:
+            load_credentials(config.ledger.credentials)
+        except CredentialsError as e:
+            raise ConfigError("ledger.credentials", str(e)) from None
     if config.manhole is not None and not os.access(config.manhole.authorized_keys, os.R_OK):
         warnings.append(
             f"manhole.authorized_keys: {config.manhole.authorized_keys} is not readable"
@@ -580,6 +599,166 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     return 0
 
 
+# -- release -----------------------------------------------------------------------------------
+
+
+def release(config_path: Path, given: Sequence[str], io: Io) -> int:
+    """Release receipts as HQ would (``canner release ID...``): one JSON line per id; exit 1
+    when any was refused (not delivered and verified yet, or unknown)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    receipt_ids = []
+    for text in given:
+        oid = rel.object_id_of(text) or text
+        if not config.object_ids.is_valid(oid):
+            oid = _object_id(config, oid)
+        receipt_ids.append(f"receipt:{oid}")
+    oids = [rel.object_id_of(r) for r in receipt_ids]
+    now = io.now()
+    receipts = ReceiptStore(data_dir / "receipts")
+    candidates = _write(data_dir, rel.release_candidates, oids)
+    archived_ids = ArchivedIds(LedgerDir(data_dir / "ledger"))
+    archived = {}
+    for oid in oids:
+        where = archived_ids.find(oid) if oid not in candidates else None
+        if where is not None:
+            archived[oid] = where.released_at
+    answers, to_publish = rel.classify(
+        receipt_ids, candidates, archived, config.object_ids.is_valid
+    )
+    published = rel.publish_releases(receipts, to_publish, now, "operator")
+    if published:
+        rel.sync_releases(receipts)
+        _write(data_dir, rel.record_releases, list(published.items()))
+    results = rel.finish_answers(receipt_ids, answers, published, now)
+    for result in results:
+        io.out.write(json.dumps(result.as_dict(), separators=(",", ":")) + "\n")
+    refused = [r for r in results if r.status in (rel.NOT_DELIVERED, rel.UNKNOWN)]
+    for r in refused:
+        io.err.write(f"canner: {r.id}: {r.status.replace('_', ' ')}\n")
+    return 1 if refused else 0
+
+
+# -- ledger ------------------------------------------------------------------------------------
+
+
+def _ledger_doc(row: ledger_store.LedgerRow, manifest: Manifest | None) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "period": row.period,
+        "state": row.state,
+        "records": row.records,
+        "bytes": row.bytes,
+        "md5": row.md5,
+        "blake3": row.blake3,
+        "identifier": row.identifier,
+        "remote_name": row.remote_name,
+        "url": manifest.url if manifest else None,
+        "created_at": row.created_at,
+        "written_at": row.written_at,
+        "uploaded_at": row.uploaded_at,
+        "verified_at": row.verified_at,
+        "done_at": row.done_at,
+        "needs_operator": bool(row.needs_operator),
+        "last_error": row.last_error,
+    }
+
+
+def list_ledgers(config_path: Path, io: Io) -> int:
+    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    for doc in _ledger_docs(data_dir):
+        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    return 0
+
+
+def _ledger_docs(data_dir: Path) -> list[dict[str, Any]]:
+    manifests = {m.name: m for m in LedgerDir(data_dir / "ledger").manifests()}
+    conn = inventory.open_read_only(data_dir / inventory.INDEX_NAME)
+    try:
+        rows = ledger_store.ledgers(conn.cursor())
+    finally:
+        conn.close()
+    docs = [_ledger_doc(row, manifests.pop(row.name, None)) for row in rows]
+    for m in manifests.values():  # verified, and not (yet) known to a rebuilt index
+        docs.append(
+            {
+                "name": m.name,
+                "period": m.period,
+                "state": "done" if m.done_at else "deleting",
+                "records": m.records,
+                "bytes": m.size,
+                "md5": m.md5,
+                "blake3": m.blake3,
+                "identifier": m.identifier,
+                "remote_name": m.remote_name,
+                "url": m.url,
+                "created_at": None,
+                "written_at": None,
+                "uploaded_at": None,
+                "verified_at": m.verified_at,
+                "done_at": m.done_at,
+                "needs_operator": False,
+                "last_error": None,
+            }
+        )
+    return docs
+
+
+def _read_flush(data_dir: Path) -> tuple[tuple[float, float | None] | None, int]:
+    conn = inventory.open_read_only(data_dir / inventory.INDEX_NAME)
+    try:
+        return ledger_store.flush_state(conn.cursor()), ledger_store.unfinished(conn.cursor())
+    finally:
+        conn.close()
+
+
+def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
+    """``canner ledger flush``: ask canner-deliver to close the current period now and archive
+    every record past ``delay``; wait until every ledger is done (or ``timeout``)."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    if config.ledger is None:
+        raise CommandError("no [ledger] table in the config: there is nowhere to archive to")
+    lock = DataDirLock(data_dir / "deliver.lock")
+    try:
+        lock.acquire()
+    except Locked:
+        pass  # canner-deliver runs: it does the work
+    else:
+        lock.release()
+        raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
+    requested = io.now()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _write(data_dir, ledger_store.request_flush, requested)
+            break
+        except sqlite3.OperationalError:
+            # canner-deliver holds the write lock (a large deletion commits): try again.
+            if time.monotonic() > deadline:
+                raise
+    while True:
+        # Read-only: never waits behind canner-deliver's writes (WAL readers do not block).
+        state, unfinished = _read_flush(data_dir)
+        if state is not None and state[1] is not None and unfinished == 0:
+            break
+        if time.monotonic() > deadline:
+            for doc in _ledger_docs(data_dir):
+                if doc["state"] != "done":
+                    io.err.write(f"canner: ledger {doc['name']} is {doc['state']}: "
+                                 f"{doc['last_error'] or 'in progress'}\n")  # fmt: skip
+            raise CommandError(f"the flush did not finish within {timeout:.0f}s")
+        time.sleep(0.2)
+    for doc in _ledger_docs(data_dir):
+        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    return 0
+
+
 # -- rebuild-index -----------------------------------------------------------------------------
 
 
@@ -647,6 +826,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         scan = Progress(io.err, "reading receipts", total)
     receipts = _CountedReceipts(receipts_dir, progress=scan)
     uploads = UploadStore(data_dir / "uploads")
+    archived = ArchivedIds(LedgerDir(data_dir / "ledger"))
     conn = sqlite3.connect(path, isolation_level=None)
     added = found_total = 0
     problems: list[str] = []
@@ -656,7 +836,9 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         # Bounded batches: the walk, the index lookup and the inserts never hold every receipt.
         for batch in receipt_batches(receipts, config.object_ids, INSERT_BATCH):
             have = sql.known_among(conn.cursor(), batch)
-            found = read_accepted(receipts, uploads, [o for o in batch if o not in have])
+            # Records a verified ledger owns stay archived: never indexed again.
+            fresh = [o for o in batch if o not in have and not archived.contains(o)]
+            found = read_accepted(receipts, uploads, fresh)
             problems += found.problems
             if not found.objects:
                 continue
@@ -762,6 +944,14 @@ def _parser() -> argparse.ArgumentParser:
         "drain", "take no new uploads (uploads in progress and deliveries go on); durable"
     ).add_argument("--reason", default="", help="a note shown by /readyz and canner status")
     command("undrain", "take new uploads again")
+    command(
+        "release", "release receipts as HQ does (only delivered and verified objects)"
+    ).add_argument("ids", nargs="+", help="object ids, receipt:<id>, or unique prefixes")
+    ledger = command("ledger", "list ledgers as JSON lines; 'ledger flush' archives now")
+    ledger.add_argument("action", nargs="?", choices=["flush"], help="flush: archive now")
+    ledger.add_argument(
+        "--timeout", type=float, default=600.0, help="flush: seconds to wait (default 600)"
+    )
     return parser
 
 
@@ -794,6 +984,12 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "rebuild-index": lambda: rebuild_index(args.config, io),
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),
+        "release": lambda: release(args.config, args.ids, io),
+        "ledger": lambda: (
+            flush_ledger(args.config, args.timeout, io)
+            if args.action == "flush"
+            else list_ledgers(args.config, io)
+        ),
     }
     try:
         return runs[args.command]()

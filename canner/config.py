@@ -174,6 +174,32 @@ class ManholeConfig:
 
 
 @frozen
+class HQConfig:
+    """``[hq]``: who may release receipts (absent: ``POST /api/v1/releases`` answers 401)."""
+
+    # One "name sha256:<hex>" line per HQ client: the file never holds a usable secret.
+    tokens: Path
+
+
+LEDGER_PERIODS = ("day", "month")
+
+
+@frozen
+class LedgerConfig:
+    """``[ledger]``: where released records go once their period closed (canner-deliver)."""
+
+    period: str
+    delay: float
+    node: str
+    sink: str
+    credentials: Path
+    identifier: str
+    s3_url: str
+    metadata_url: str
+    metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
+
+
+@frozen
 class Config:
     """The whole validated configuration."""
 
@@ -201,6 +227,9 @@ class Config:
     def packages_path(self) -> Path:
         return self.packages_dir if self.packages_dir is not None else self.data_dir / "packages"
 
+    hq: HQConfig | None = None
+    ledger: LedgerConfig | None = None
+
     @property
     def object_ids(self) -> ObjectIds:
         return ObjectIds(self.node_prefix)
@@ -224,6 +253,20 @@ _TOP_KEYS = {
     "connections",
     "packages_dir",
     "packaging_concurrency",
+    "hq",
+    "ledger",
+}
+_HQ_KEYS = {"tokens"}
+_LEDGER_KEYS = {
+    "period",
+    "delay",
+    "node",
+    "sink",
+    "credentials",
+    "identifier",
+    "s3_url",
+    "metadata_url",
+    "metadata",
 }
 _CONNECTIONS_KEYS = {"max", "max_per_client", "header_timeout"}
 _PACKAGING_KEYS = {"mode", "target_bytes", "max_wait"}
@@ -465,6 +508,64 @@ def _parse_delivery(
     )
 
 
+def _metadata_table(raw: Any, name: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, "must be a table")
+    metadata: dict[str, tuple[str, ...]] = {}
+    for key, value in raw.items():
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str) for v in values):
+            raise ConfigError(f"{name}.{key}", "must be a string or a list of strings")
+        metadata[key] = tuple(values)
+    return metadata
+
+
+def _parse_hq(raw: Any, base_dir: Path) -> HQConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("hq", "must be a table")
+    _unknown(raw, _HQ_KEYS, "hq.")
+    return HQConfig(tokens=(base_dir / _string(raw, "tokens", "hq.tokens")).resolve())
+
+
+def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("ledger", "must be a table")
+    _unknown(raw, _LEDGER_KEYS, "ledger.")
+    period = _string(raw, "period", "ledger.period", "day")
+    if period not in LEDGER_PERIODS:
+        raise ConfigError("ledger.period", f'must be "day" or "month", not {period!r}')
+    sink = _string(raw, "sink", "ledger.sink", "internet_archive")
+    if sink != "internet_archive":
+        raise ConfigError("ledger.sink", f'must be "internet_archive", not {sink!r}')
+    node = _string(raw, "node", "ledger.node", node_prefix)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", node):
+        raise ConfigError(
+            "ledger.node",
+            "required (it names this node's ledgers; defaults to node_prefix): 1-64 characters"
+            " of [A-Za-z0-9._-]",
+        )
+    return LedgerConfig(
+        period=period,
+        delay=_duration(raw, "delay", "ledger.delay", "168h"),
+        node=node,
+        sink=sink,
+        credentials=(base_dir / _string(raw, "credentials", "ledger.credentials")).resolve(),
+        identifier=_string(raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}"),
+        s3_url=_http_url(
+            _string(raw, "s3_url", "ledger.s3_url", "https://s3.us.archive.org"), "ledger.s3_url"
+        ),
+        metadata_url=_http_url(
+            _string(raw, "metadata_url", "ledger.metadata_url", "https://archive.org"),
+            "ledger.metadata_url",
+        ),
+        metadata=_metadata_table(raw.get("metadata", {}), "ledger.metadata"),
+    )
+
+
 def _parse_projects(raw: Any, base_dir: Path) -> dict[str, ProjectConfig]:
     if not isinstance(raw, Mapping) or not raw:
         raise ConfigError("projects", "at least one [projects.<id>] table is required")
@@ -660,6 +761,8 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         packaging_concurrency=_positive_int(
             raw, "packaging_concurrency", 1, "packaging_concurrency"
         ),
+        hq=_parse_hq(raw.get("hq"), base_dir),
+        ledger=_parse_ledger(raw.get("ledger"), base_dir, node_prefix),
     )
 
 

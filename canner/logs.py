@@ -30,6 +30,9 @@ field             meaning
 ``members``       how many objects a package holds; ``bytes`` their size together
 ``files``         the files of a package (suffixes), or how many were delivered
 ``assigned``      objects put into batches by one tick; ``closed`` batches it closed
+``client``        the address of an HTTP client (access log, refused releases)
+``hq_client``     the name of an HQ client (its line in ``[hq] tokens``)
+``ledger``        a ledger's name (``<node>-<period>[-n]``)
 ================  ============================================================================
 
 Access log events (namespace ``canner.access``, one per answered receiver request) carry

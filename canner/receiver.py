@@ -109,17 +109,29 @@ class ReceiverRoutes:
 class _Root(Resource):
     """Sends ``/files...`` to the tus app and everything else to :class:`ReceiverRoutes`."""
 
-    def __init__(self, tus: IResource, rest: IResource) -> None:
+    def __init__(self, tus: IResource, rest: IResource, hq: IResource | None = None) -> None:
         super().__init__()
         self._tus = tus
         self._rest = rest
+        self._hq = hq
 
     def getChildWithDefault(self, path: bytes, request: IRequest) -> IResource:
         if path == b"files":
             return self._tus
         # Undo the traversal step so the Klein app sees the whole path.
         request.postpath.insert(0, request.prepath.pop())
+        if self._hq is not None and _is_hq_path(request.postpath):
+            return self._hq
         return self._rest
+
+
+def _is_hq_path(segments: list[bytes]) -> bool:
+    """``/api/v1/objects...`` and ``/api/v1/releases`` belong to HQ's API (canner.hq)."""
+    return (
+        len(segments) >= 3
+        and segments[:2] == [b"api", b"v1"]
+        and (segments[2] == b"releases" or segments[2].startswith(b"objects"))
+    )
 
 
 access = Logger(namespace="canner.access")
@@ -199,9 +211,10 @@ def receiver_site(
     access_log: bool = True,
     connection_limits: ConnectionLimits | None = None,
     header_timeout: float | None = None,
+    hq: IResource | None = None,
 ) -> ReceiverSite:
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
-    root = _Root(tus.app.resource(), routes.app.resource())
+    root = _Root(tus.app.resource(), routes.app.resource(), hq)
     site = MeteredSite(
         root,
         intake,

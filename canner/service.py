@@ -34,7 +34,10 @@ from canner.delivery.liveness import HeartbeatService, InFlight
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
+from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
+from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ledger.service import LedgerService, validate_ledger
 from canner.manhole import OperatorHelpers, manhole_service
 from canner.metrics import (
     DELIVER,
@@ -45,14 +48,19 @@ from canner.metrics import (
     SurveyCollector,
     TimedAcceptance,
 )
+from canner.objects import ObjectReader
 from canner.packaging import batches as packaging_sql
 from canner.packaging.pipeline import PackageSink, PackagingService
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.releases import TokenFile, TokenFileError
 from canner.sinks.base import Sink
+from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.internet_archive import IASink
 from canner.sinks.projects import project_sinks
+from canner.sinks.transport import make_http_client
 from canner.status_page import RecentProblems, StatusSource
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
@@ -68,6 +76,7 @@ Observer = Callable[[Mapping[str, Any]], None]
 
 IO_THREADS = 16
 HASH_THREADS = 2
+RELEASE_THREADS = 32
 
 
 @define(eq=False)
@@ -307,6 +316,20 @@ def receiver_service(
         started_at=reactor.seconds(),
     )
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
+    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
+    # Release side files are synced from many threads at once (they wait on the disk, not on
+    # the CPU), so concurrent fdatasyncs share journal commits.
+    tokens = _hq_tokens(config)
+    release_io = ThreadPoolRunner(reactor, "canner-release", RELEASE_THREADS)
+    release_io.setServiceParent(top)
+    hq = HQRoutes(
+        Lookups(reader, run),
+        reader,
+        Releases(index, receipts, archived, config.object_ids, release_io, reactor),
+        tokens,
+        run,
+    )
     site = receiver_site(
         intake,
         tus,
@@ -319,6 +342,7 @@ def receiver_service(
         access_log=config.access_log,
         connection_limits=_connection_limits(config),
         header_timeout=config.connections.header_timeout,
+        hq=hq.app.resource(),
     )
     PeriodicService(
         reactor,
@@ -340,6 +364,7 @@ def receiver_service(
             "uploads": uploads,
             "receipts": receipts,
             "site": site,
+            "hq": hq,
             "metrics": metrics,
             "sql": sql,
         },
@@ -475,6 +500,8 @@ def deliver_service(
     io.setServiceParent(top)
     hashing.setServiceParent(top)
     ids = config.object_ids
+    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    ledger = _ledger_service(config, index, receipts, io, reactor)
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
@@ -484,6 +511,9 @@ def deliver_service(
         while (batch := await io(next, batches, None)) is not None:
             known = await index.run(sql.known_among, batch)
             missing = [oid for oid in batch if oid not in known]
+            if missing:
+                # Records a verified ledger owns are never indexed again.
+                missing = await io(_not_archived, archived, missing)
             if missing:
                 found = await io(read_accepted, receipts, uploads, missing)
                 if found.objects:
@@ -496,9 +526,16 @@ def deliver_service(
         config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
     )
     in_flight.on_sent = metrics.sent
-    PeriodicService(
-        reactor, RESCAN_INTERVAL, lambda: Deferred.fromCoroutine(rescan()), "receipt rescan"
-    ).setServiceParent(top)
+
+    def guarded_rescan() -> Deferred[Any]:
+        # Never while the ledger deletes records: the rescan could re-insert them.
+        if ledger is None:
+            return Deferred.fromCoroutine(rescan())
+        return ledger.guard.run(lambda: Deferred.fromCoroutine(rescan()))
+
+    PeriodicService(reactor, RESCAN_INTERVAL, guarded_rescan, "receipt rescan").setServiceParent(
+        top
+    )
     scheduler = DeliveryService(
         index,
         uploads,
@@ -538,6 +575,8 @@ def deliver_service(
         # service has asked it to stop.
         packing.setServiceParent(top)
         packaging.setServiceParent(top)
+    if ledger is not None:
+        ledger.setServiceParent(top)
     # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
     HeartbeatService(index, in_flight, reactor).setServiceParent(top)
     _trend_sampler(config, index, reactor).setServiceParent(top)
@@ -561,6 +600,7 @@ def deliver_service(
             "packaging": packaging,
             "packages": packages,
             "packaging_sql": packaging_sql,
+            "ledger": ledger,
             "sinks": sinks,
             "uploads": uploads,
             "receipts": receipts,
@@ -575,6 +615,58 @@ def deliver_service(
     # Ready once the index answers a query through the daemon's own connection.
     SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
     return top
+
+
+def _hq_tokens(config: Config) -> TokenFile | None:
+    """The ``[hq] tokens`` file, read once now: an unreadable or malformed one refuses to start."""
+    if config.hq is None:
+        return None
+    tokens = TokenFile(config.hq.tokens)
+    try:
+        tokens.current()
+    except OSError as e:
+        raise ConfigError("hq.tokens", f"cannot read {config.hq.tokens}: {e.strerror}") from None
+    except TokenFileError as e:
+        raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
+    return tokens
+
+
+def _not_archived(archived: ArchivedIds, object_ids: list[str]) -> list[str]:
+    return [oid for oid in object_ids if not archived.contains(oid)]
+
+
+def _ledger_service(
+    config: Config, index: DeliveryIndex, receipts: ReceiptStore, io: BlockingRunner, reactor: Any
+) -> LedgerService | None:
+    """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking)."""
+    ledger = config.ledger
+    if ledger is None:
+        return None
+    validate_ledger(ledger)
+    try:
+        credentials = load_credentials(ledger.credentials)
+    except CredentialsError as e:
+        raise ConfigError("ledger.credentials", str(e)) from None
+    sink = IASink(
+        make_http_client(reactor),
+        reactor,
+        credentials,
+        ledger.s3_url,
+        ledger.metadata_url,
+        io,
+    )
+    return LedgerService(
+        ledger,
+        config.object_ids,
+        index,
+        config.data_dir / "delivery.sqlite",
+        LedgerDir(config.data_dir / "ledger"),
+        receipts,
+        config.data_dir / "uploads",
+        sink,
+        io,
+        reactor,
+    )
 
 
 def _index_answers(cur: Any) -> None:

@@ -24,7 +24,8 @@ It implements what ``docs/reference/internet-archive.md`` describes, independent
   ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``; on check_limit ``over_limit``,
   ``error500``, ``garbage``; on the datanode download ``altered`` (serve other bytes than
   stored, every byte inverted, while the metadata API still shows the stored size and MD5),
-  ``error500``, ``forbidden``.
+  ``error500``, ``forbidden``; on the metadata API also ``wrong_md5`` (every file listed
+  with an MD5 that is not its content's).
 * Admin endpoints for tests in another process: ``GET /_fake/objects``, ``GET /_fake/items``,
   ``GET|POST|DELETE /_fake/faults`` (POST a JSON fault or list of faults),
   ``GET /_fake/requests``, ``POST /_fake/settings`` (``{"metadata_lag": s}``),
@@ -70,7 +71,7 @@ PUT_FAULTS = frozenset(
         "vanish",
     }
 )
-METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark"})
+METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark", "wrong_md5"})
 CHECK_LIMIT_FAULTS = frozenset({"over_limit", "error500", "garbage"})
 DOWNLOAD_FAULTS = frozenset({"altered", "error500", "forbidden"})
 TARGETS = {
@@ -84,6 +85,7 @@ _DEFAULT_TARGET = {
     "garbage": "metadata",
     "dark": "metadata",
     "altered": "download",
+    "wrong_md5": "metadata",
 }
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
@@ -638,9 +640,12 @@ class FakeIA:
 
     def _metadata(self, request: FakeRequest, identifier: str) -> None:
         fault = self._take_fault("metadata")
-        if fault is not None and fault.kind != "dark":
+        if fault is not None and fault.kind not in ("dark", "wrong_md5"):
             request.respond_fault(fault)
             return
+        wrong_md5 = fault is not None and fault.kind == "wrong_md5"
+        if wrong_md5:
+            fault = None
         now = self.clock.seconds()
         item = self.items.get(identifier)
         visible = []
@@ -652,7 +657,9 @@ class FakeIA:
                         "name": f.name,
                         "source": "original",
                         "size": str(version.size),
-                        "md5": version.md5,
+                        "md5": ("f" * 32 if version.md5 != "f" * 32 else "0" * 32)
+                        if wrong_md5
+                        else version.md5,
                         "sha1": version.sha1,
                         "crc32": "00000000",
                         "mtime": str(int(version.mtime)),

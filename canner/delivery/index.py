@@ -41,10 +41,16 @@ class AcceptedObject:
     accepted_at: int
     # Set when the payload was purged after a verified delivery (rebuilding a lost index).
     delivery: DeliveryRecord | None = None
+    # Set when HQ released the receipt (its receipts/{id}.release.json side file).
+    released_at: float | None = None
 
     @classmethod
     def of(
-        cls, receipt: Receipt, origin: Origin, delivery: DeliveryRecord | None = None
+        cls,
+        receipt: Receipt,
+        origin: Origin,
+        delivery: DeliveryRecord | None = None,
+        released_at: float | None = None,
     ) -> AcceptedObject:
         return cls(
             receipt.object_id,
@@ -54,6 +60,7 @@ class AcceptedObject:
             str(receipt.checksum),
             receipt.accepted_at,
             delivery,
+            released_at,
         )
 
 
@@ -129,6 +136,7 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
     New objects are ``pending``; an object with a delivery record (its payload was purged after
     a verified delivery) comes back ``delivered``, with where, when and ``purged_at``.
     """
+    objects = list(objects)
     before = cur.connection.total_changes
     fresh, delivered = [], []
     for o in objects:
@@ -154,7 +162,13 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
         " VALUES (?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?)",
         delivered,
     )
-    return cur.connection.total_changes - before
+    added = cur.connection.total_changes - before
+    # A release is its own fact: it comes back with the row, whatever the delivery state says.
+    cur.executemany(
+        "UPDATE objects SET released_at = ? WHERE object_id = ? AND released_at IS NULL",
+        [(o.released_at, o.object_id) for o in objects if o.released_at is not None],
+    )
+    return added
 
 
 def open_pool(path: Path) -> ConnectionPool:
@@ -273,6 +287,7 @@ COLUMNS = (
     "updated_at",
     "redeliveries",
     "force_upload",
+    "released_at",
 )
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM objects"
 
@@ -305,6 +320,7 @@ class QueueRow:
     redeliveries: int = 0
     # 1: a read-back found the remote bytes wrong; the next delivery must PUT (schema v5).
     force_upload: int = 0
+    released_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COLUMNS}

@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
 from canner.receipts import Origin, ReceiptStore
+from canner.releases import read_release, release_name
 from canner.tus.store import CorruptInfo, UploadStore
 
 log = Logger()
@@ -77,6 +78,8 @@ def read_accepted(receipts: ReceiptStore, uploads: UploadStore, object_ids: list
             origin = _origin(receipts, uploads, object_id)
             step = receipts.delivery_path(object_id)
             delivery = receipts.read_delivery(object_id)
+            step = receipts.directory / release_name(object_id)
+            released_at = read_release(receipts, object_id)
         except (OSError, ValueError, KeyError, TypeError) as e:
             problem = f"{step}: {e}"
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
@@ -89,5 +92,5 @@ def read_accepted(receipts: ReceiptStore, uploads: UploadStore, object_ids: list
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
             found.problems.append(problem)
             continue
-        found.objects.append(AcceptedObject.of(receipt, origin, delivery))
+        found.objects.append(AcceptedObject.of(receipt, origin, delivery, released_at))
     return found

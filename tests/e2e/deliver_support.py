@@ -231,6 +231,8 @@ class DeliveryReceiver(Receiver):
     delivery: dict[str, Any] = field(default_factory=dict)
     # [projects.example.packaging] (mode = "megawarc" ...); empty: identity delivery
     packaging: dict[str, str] = field(default_factory=dict)
+    # More TOML tables appended to the config file ([hq], [ledger], ...).
+    extra: str = ""
 
     @classmethod
     def configured(
@@ -241,6 +243,7 @@ class DeliveryReceiver(Receiver):
         concurrency: int = 2,
         delivery: dict[str, Any] | None = None,
         packaging: dict[str, str] | None = None,
+        extra: str = "",
         **config: Any,
     ) -> DeliveryReceiver:
         root.mkdir(parents=True, exist_ok=True)
@@ -256,6 +259,7 @@ class DeliveryReceiver(Receiver):
             metadata={"collection": ["test"], "title": ["Artifact {object_id}"]},
             delivery=dict(delivery or {}),
             packaging=packaging or {},
+            extra=extra,
         )
         if rcv.packaging:
             rcv.metadata = {"collection": ["test"], "title": ["Batch {batch_date} {package}"]}
@@ -291,6 +295,8 @@ class DeliveryReceiver(Receiver):
             "",
             f"[projects.{PROJECT}.delivery.metadata]",
             *(f"{key} = {json.dumps(values)}" for key, values in self.metadata.items()),
+            "",
+            self.extra,
             "",
         ]
         with open(self.config_path, "a", encoding="utf-8") as f:
@@ -515,6 +521,7 @@ def make_env(
     concurrency: int = 2,
     start_deliver: bool = True,
     delivery: dict[str, Any] | None = None,
+    extra: Callable[[FakeIA, Path], str] | None = None,
     **config: Any,
 ) -> Env:
     fake = FakeIA(root / "fake", metadata_lag=metadata_lag)
@@ -525,6 +532,7 @@ def make_env(
         retention=retention,
         concurrency=concurrency,
         delivery=delivery,
+        extra=extra(fake, root / "canner") if extra is not None else "",
         **config,
     )
     deliver = Deliver(receiver.config_path, receiver.data_dir, root / "canner" / "deliver.log")

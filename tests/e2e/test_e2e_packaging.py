@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from deliver_support import REPO, Env, envs, remove_index, venv_bin, wait_for
 from e2e_support import blake3_hex
 from tusclient import client as tus_client
@@ -139,6 +140,13 @@ def test_two_hundred_artifacts_become_packages_at_ia_and_survive_an_index_rebuil
     shown = json.loads(canner(env, "show", ids[0]))
     assert shown["package"]["identifier"].startswith("example-")
     assert shown["package"]["remote_name"].endswith(".megawarc.warc.gz")
+    # HQ's status query says the same: the package and the byte offset in its file.
+    status = requests.get(f"{env.receiver.base_url}/api/v1/objects/{ids[0]}", timeout=10)
+    assert status.status_code == 200, status.text
+    delivery = status.json()["delivery"]
+    assert delivery["package_id"] == shown["package"]["package"]
+    assert delivery["package_offset"] == shown["package"]["offset"]
+    assert delivery["identifier"] == shown["package"]["identifier"]
 
     puts = len(env.fake.puts())
     env.deliver.stop()

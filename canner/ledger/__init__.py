@@ -1,0 +1,1 @@
+"""The ledger: released records leave the node in compressed files verified remotely."""

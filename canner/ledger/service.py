@@ -1,0 +1,387 @@
+"""The ledger in canner-deliver: assign released records to ledgers, then write, upload, verify
+and delete, one guarded step at a time.
+
+Each ledger moves ``writing -> written -> uploaded -> deleting -> done`` in ``delivery.sqlite``
+(a guarded update per step), so after a SIGKILL the next tick resumes where it stopped: a
+``writing`` ledger is rewritten from its assigned records (the same bytes), a ``written`` one is
+uploaded (the sink first looks for an identical remote file), an ``uploaded`` one is verified
+through the metadata API (size and MD5), and a ``deleting`` one deletes again (missing is done).
+The manifest (``ledger/<name>.json``) is written once the remote copy verified, before anything
+is deleted: it is what makes the ledger the owner of its records' local state, also for a
+rebuilt index (:meth:`LedgerService.adopt`).  A remote copy that differs is flagged
+(``needs_operator``) and uploaded again; nothing local is deleted meanwhile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from attrs import define, evolve, field
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, DeferredLock, FirstError
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from canner import fs
+from canner.blocking import BlockingRunner
+from canner.config import ConfigError, LedgerConfig
+from canner.delivery.index import DeliveryIndex
+from canner.delivery.queue import retry_delay
+from canner.ids import ObjectIds
+from canner.ledger import store
+from canner.ledger.files import SUFFIX, LedgerDir, Manifest, expand, template_placeholders
+from canner.ledger.steps import LedgerError, id_batches, remove_local_state, write_ledger
+from canner.receipts import ReceiptStore
+from canner.sinks.internet_archive import IASink
+from canner.sinks.metadata import metadata_headers, metadata_key_problem
+from canner.sinks.plan import ItemPlan, identifier_problem
+from canner.sinks.wire import RemoteFile, Unknown
+
+log = Logger()
+
+TICK = 1.0
+ASSIGN_INTERVAL = 60.0
+VERIFY_MIN, VERIFY_MAX = 2.0, 600.0
+WRITE_RETRY = 600.0
+DELETE_RETRY = 60.0
+DELETE_THREADS = 16
+DELETE_BATCH = 4000
+
+
+def validate_ledger(config: LedgerConfig) -> None:
+    """Refuse a ``[ledger]`` whose identifier or metadata could break IA's rules."""
+    try:
+        used = template_placeholders(config.identifier)
+    except ValueError as e:
+        raise ConfigError("ledger.identifier", str(e)) from None
+    if "period" not in used:
+        raise ConfigError("ledger.identifier", "must contain {period}: one item per period")
+    for period in ("2026-11-30", "2026-11"):
+        problem = identifier_problem(expand(config.identifier, config.node, period))
+        if problem is not None:
+            raise ConfigError("ledger.identifier", problem)
+    for key, values in config.metadata.items():
+        problem = metadata_key_problem(key)
+        if problem is not None:
+            raise ConfigError(f"ledger.metadata.{key}", problem)
+        for value in values:
+            try:
+                template_placeholders(value)
+            except ValueError as e:
+                raise ConfigError(f"ledger.metadata.{key}", str(e)) from None
+
+
+def ledger_plan(config: LedgerConfig, row: store.LedgerRow) -> ItemPlan:
+    """Where a written ledger goes: ``identifier`` (per period), its file name, and headers."""
+    assert row.bytes is not None and row.md5 is not None
+    identifier = expand(config.identifier, config.node, row.period)
+    metadata = {
+        key: [expand(v, config.node, row.period) for v in values]
+        for key, values in config.metadata.items()
+    }
+    headers = [
+        ("content-md5", row.md5),
+        ("x-archive-auto-make-bucket", "1"),
+        ("x-archive-size-hint", str(row.bytes)),
+        *metadata_headers(metadata),
+    ]
+    return ItemPlan(
+        project="",
+        object_id=row.name,
+        identifier=identifier,
+        remote_name=row.name + SUFFIX,
+        size=row.bytes,
+        content_md5=row.md5,
+        size_hint=row.bytes,
+        headers=tuple(headers),
+    )
+
+
+@define(eq=False)
+class LedgerService(Service):
+    """Runs the ledger of one data directory (in canner-deliver, which owns the data dir)."""
+
+    _config: LedgerConfig
+    _ids: ObjectIds
+    _index: DeliveryIndex
+    _db: Path
+    _ledgers: LedgerDir
+    _receipts: ReceiptStore
+    _uploads: Path
+    _sink: IASink
+    _run: BlockingRunner
+    _clock: IReactorTime
+    # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
+    guard: DeferredLock = field(factory=DeferredLock)
+    _adopted: bool = False
+    _assigned_at: float = float("-inf")
+    _loop: LoopingCall | None = None
+    _done: Deferred[Any] | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = LoopingCall(self._guarded_tick)
+        self._loop.clock = self._clock
+        self._done = self._loop.start(TICK, now=True)
+
+    def stopService(self) -> Deferred[Any] | None:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        return self._done
+
+    def _guarded_tick(self) -> Deferred[None]:
+        d = self.guard.run(lambda: Deferred.fromCoroutine(self.tick()))
+        return d.addErrback(lambda f: log.failure("ledger tick failed", f))
+
+    def _full_id(self, tail: str) -> str:
+        prefix = self._ids.prefix
+        return f"{prefix}-{tail}" if prefix else tail
+
+    async def tick(self) -> None:
+        if not self._adopted:
+            await self.adopt()
+            self._adopted = True
+        now = self._clock.seconds()
+        flush = await self._index.run(store.pending_flush)
+        if flush is not None or now - self._assigned_at >= ASSIGN_INTERVAL:
+            self._assigned_at = now
+            taken = [m.name for m in await self._run(self._ledgers.manifests)]
+            made = await self._index.run(
+                store.assign_records,
+                now,
+                self._config.delay,
+                self._config.period,
+                self._config.node,
+                flush is not None,
+                taken,
+            )
+            if made:
+                log.info("{count} new ledgers to archive", count=len(made))
+            if flush is not None:
+                await self._index.run(store.flush_handled, flush, now)
+        for row in await self._index.run(store.due_ledgers, now):
+            while self.running and row.state != "done":
+                advanced = await self._step(row)
+                if advanced is None:
+                    break
+                row = advanced
+
+    async def adopt(self) -> None:
+        """Bring every verified ledger on disk into the index (after the index was lost, or a
+        crash between writing a manifest and recording it)."""
+        for manifest in await self._run(self._ledgers.manifests):
+            facts = {
+                "bytes": manifest.size,
+                "md5": manifest.md5,
+                "blake3": manifest.blake3,
+                "identifier": manifest.identifier,
+                "remote_name": manifest.remote_name,
+                "verified_at": manifest.verified_at,
+                "done_at": manifest.done_at,
+            }
+            changed = await self._index.run(
+                store.adopt_manifest,
+                manifest.name,
+                manifest.period,
+                manifest.records,
+                facts,
+                manifest.done_at is not None,
+            )
+            if changed:
+                log.info("adopted verified ledger {ledger} from disk", ledger=manifest.name)
+
+    async def _step(self, row: store.LedgerRow) -> store.LedgerRow | None:
+        """Run the ledger's next step; the updated row, or None when it must wait."""
+        now = self._clock.seconds()
+        if row.state == "writing":
+            await self._write(row, now)
+        elif row.state == "written":
+            if not await self._upload(row, now):
+                return None
+        elif row.state in ("uploaded", "verified"):
+            if not await self._verify(row, now):
+                return None
+        elif row.state == "deleting":
+            try:
+                await self._delete(row, now)
+            except (OSError, FirstError) as failed:
+                e = failed.subFailure.value if isinstance(failed, FirstError) else failed
+                if not isinstance(e, OSError):
+                    raise
+                log.error(
+                    "deleting the local state of ledger {ledger} failed, retrying: {error}",
+                    ledger=row.name,
+                    error=str(e),
+                )
+                await self._index.run(
+                    store.record_ledger_failure,
+                    row.ledger_id,
+                    f"delete: {e}",
+                    now + DELETE_RETRY,
+                    False,
+                )
+                return None
+        updated = await self._index.run(store.get_ledger, row.ledger_id)
+        if updated is None or updated.state == row.state:
+            return None
+        return updated  # type: ignore[no-any-return]
+
+    async def _write(self, row: store.LedgerRow, now: float) -> None:
+        try:
+            written = await self._run(
+                write_ledger, self._db, self._ledgers, self._receipts, row.ledger_id, row.name
+            )
+        except (LedgerError, OSError, ValueError) as e:
+            log.error("writing ledger {ledger} failed: {error}", ledger=row.name, error=str(e))
+            await self._index.run(
+                store.record_ledger_failure, row.ledger_id, f"write: {e}", now + WRITE_RETRY, True
+            )
+            return
+        identifier = expand(self._config.identifier, self._config.node, row.period)
+        values = {
+            "state": "written",
+            "records": written.records,
+            "bytes": written.size,
+            "md5": written.md5,
+            "blake3": written.blake3,
+            "identifier": identifier,
+            "remote_name": row.name + SUFFIX,
+            "written_at": self._clock.seconds(),
+        }
+        await self._index.run(store.update_ledger, row.ledger_id, "writing", values)
+        log.info(
+            "wrote ledger {ledger}: {count} records, {size} bytes",
+            ledger=row.name,
+            count=written.records,
+            size=written.size,
+        )
+
+    async def _upload(self, row: store.LedgerRow, now: float) -> bool:
+        plan = ledger_plan(self._config, row)
+        result = await self._sink.deliver(plan, self._ledgers.ledger_path(row.name))
+        if not result.delivered:
+            delay = retry_delay(row.attempts, 0.5, needs_operator=result.outcome.needs_operator)
+            await self._index.run(
+                store.record_ledger_failure,
+                row.ledger_id,
+                f"upload: {result.outcome.reason}",
+                now + delay,
+                result.outcome.needs_operator,
+            )
+            log.warn(
+                "uploading ledger {ledger} failed, retry in {delay:.0f}s: {error}",
+                ledger=row.name,
+                delay=delay,
+                error=result.outcome.reason,
+            )
+            return False
+        await self._index.run(
+            store.update_ledger,
+            row.ledger_id,
+            "written",
+            {"state": "uploaded", "uploaded_at": self._clock.seconds()},
+        )
+        log.info(
+            "uploaded ledger {ledger} to {identifier}", ledger=row.name, identifier=plan.identifier
+        )
+        return True
+
+    async def _verify(self, row: store.LedgerRow, now: float) -> bool:
+        assert row.identifier and row.remote_name and row.bytes is not None and row.md5
+        found = await self._sink.lookup(row.identifier, row.remote_name)
+        if isinstance(found, RemoteFile) and found.matches(row.bytes, row.md5):
+            manifest = Manifest(
+                name=row.name,
+                period=row.period,
+                records=row.records,
+                size=row.bytes,
+                md5=row.md5,
+                blake3=row.blake3 or "",
+                identifier=row.identifier,
+                remote_name=row.remote_name,
+                url=self._sink_url(row),
+                verified_at=now,
+            )
+            # The manifest first: from here on the ledger owns its records' local state.
+            await self._run(self._ledgers.write_manifest, manifest)
+            values = {
+                "state": "deleting",
+                "verified_at": now,
+                "needs_operator": 0,
+                "last_error": None,
+            }
+            await self._index.run(store.update_ledger, row.ledger_id, row.state, values)
+            log.info(
+                "verified ledger {ledger} at {identifier}",
+                ledger=row.name,
+                identifier=row.identifier,
+            )
+            return True
+        if isinstance(found, RemoteFile):
+            error = f"remote copy differs: {found.size} bytes, md5 {found.md5}; uploading again"
+            log.error("ledger {ledger}: {error}", ledger=row.name, error=error)
+            # The first mismatch uploads again at once (the copy may have been damaged on the
+            # way); a mismatch that persists backs off like a failed delivery.
+            again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
+            await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
+            await self._index.run(
+                store.update_ledger, row.ledger_id, row.state, {"state": "written"}
+            )
+            return False
+        waited = now - (row.uploaded_at or now)
+        delay = min(max(waited / 2.0, VERIFY_MIN), VERIFY_MAX)
+        if isinstance(found, Unknown):
+            error = f"verify: {found.reason}"
+            needs_operator = found.needs_operator
+        else:
+            error, needs_operator = "verify: not listed by the metadata API yet", False
+        await self._index.run(
+            store.record_ledger_failure, row.ledger_id, error, now + delay, needs_operator
+        )
+        return False
+
+    def _sink_url(self, row: store.LedgerRow) -> str:
+        base = self._config.metadata_url.rstrip("/")
+        return f"{base}/download/{row.identifier}/{row.remote_name}"
+
+    async def _delete(self, row: store.LedgerRow, now: float) -> None:
+        batches = id_batches(self._ledgers, row.name, self._full_id, DELETE_BATCH)
+        deleted = 0
+        while (batch := await self._run(next, batches, None)) is not None:
+            # Unlinks wait on the disk: several threads at once keep it busy.
+            step = -(-len(batch) // DELETE_THREADS)
+            await DeferredList(
+                [
+                    self._run(
+                        remove_local_state, self._receipts, self._uploads, batch[i : i + step]
+                    )
+                    for i in range(0, len(batch), step)
+                ],
+                fireOnOneErrback=True,
+                consumeErrors=True,
+            )
+            await self._run(fs.fsync_dir, self._receipts.directory)
+            # Files first, rows after: a rebuilt index skips these ids (the manifest says so).
+            deleted += await self._index.run(store.delete_records, row.ledger_id, batch)
+        manifest = await self._run(self._read_manifest, row.name)
+        await self._run(
+            self._ledgers.write_manifest, evolve(manifest, done_at=self._clock.seconds())
+        )
+        await self._index.run(
+            store.update_ledger,
+            row.ledger_id,
+            "deleting",
+            {"state": "done", "done_at": self._clock.seconds()},
+        )
+        log.info(
+            "ledger {ledger} done: local state of its {count} records deleted",
+            ledger=row.name,
+            count=row.records,
+            rows=deleted,
+        )
+
+    def _read_manifest(self, name: str) -> Manifest:
+        return Manifest.from_json(self._ledgers.manifest_path(name).read_bytes())

@@ -1,0 +1,310 @@
+"""HQ release: HQ no longer references a receipt, and canner records ``released_at`` durably.
+
+A release is a fact of its own, beside delivery and the local payload: it never changes the
+delivery state.  Its durable copy is ``receipts/{id}.release.json`` (so a rebuilt index keeps it);
+``objects.released_at`` in ``delivery.sqlite`` mirrors it.  The side file is published once and
+never replaced, so a repeated release answers the first ``released_at``, whoever asks and however
+often.  Only a delivered object whose remote copy was verified may be released.
+
+HQ clients authenticate with a bearer token; :class:`TokenFile` holds only SHA-256 digests of the
+tokens (``name sha256:<hex>`` per line) and is re-read when it changes, so removing a client's line
+revokes it without a restart.  Everything here blocks except the pure parts; call it through a
+blocking runner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import sqlite3
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field, frozen
+
+from canner import fs
+from canner.receipts import ReceiptStore
+
+MAX_BATCH = 1000
+RELEASED = "released"
+ALREADY_RELEASED = "already_released"
+NOT_DELIVERED = "not_delivered"
+UNKNOWN = "unknown"
+
+_TOKEN_LINE = re.compile(r"([A-Za-z0-9._@:-]{1,128})\s+sha256:([0-9a-f]{64})")
+
+
+class TokenFileError(ValueError):
+    """The tokens file is unusable; ``str()`` names the line."""
+
+
+def parse_tokens(text: str) -> dict[str, bytes]:
+    """``name sha256:<hex>`` lines (blank lines and ``#`` comments allowed) -> name: digest."""
+    tokens: dict[str, bytes] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _TOKEN_LINE.fullmatch(line)
+        if match is None:
+            raise TokenFileError(f"line {number}: expected 'NAME sha256:<64 lowercase hex>'")
+        name, digest = match.groups()
+        if name in tokens:
+            raise TokenFileError(f"line {number}: client {name!r} appears twice")
+        tokens[name] = bytes.fromhex(digest)
+    return tokens
+
+
+def token_digest(token: str) -> str:
+    """What a tokens file holds for ``token``: ``sha256:<hex>``."""
+    return "sha256:" + hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def bearer_token(authorization: bytes | str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    if not authorization:
+        return None
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+@define
+class TokenFile:
+    """The ``[hq] tokens`` file, re-read whenever its modification time or size changes."""
+
+    path: Path
+    _tokens: dict[str, bytes] = field(factory=dict)
+    _stamp: tuple[int, int] | None = None
+
+    def current(self) -> dict[str, bytes]:
+        """The clients now allowed (blocking: stats, and reads the file when it changed).
+
+        Raises ``OSError`` or :class:`TokenFileError` when the file is unreadable or malformed.
+        """
+        st = os.stat(self.path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._tokens = parse_tokens(self.path.read_text(encoding="utf-8"))
+            self._stamp = stamp
+        return self._tokens
+
+    def authenticate(self, token: str | None) -> str | None:
+        """The name of the client whose token this is, or None; compares every entry in
+        constant time (no early exit), so timing tells nothing about near misses."""
+        clients = self.current()
+        if token is None:
+            return None
+        presented = hashlib.sha256(token.encode("utf-8")).digest()
+        found = None
+        for name, digest in clients.items():
+            if hmac.compare_digest(presented, digest):
+                found = name
+        return found
+
+
+@frozen
+class ReleaseResult:
+    """The answer for one receipt id."""
+
+    id: str
+    status: str
+    released_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"id": self.id, "status": self.status}
+        if self.released_at is not None:
+            doc["released_at"] = self.released_at
+        return doc
+
+
+def parse_release_request(body: bytes) -> list[str]:
+    """The receipt ids of a release request (a JSON list, or ``{"ids": [...]}``), 1 to
+    :data:`MAX_BATCH` strings; ``ValueError`` otherwise."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the body must be JSON: a list of receipt ids") from None
+    if isinstance(raw, dict) and set(raw) == {"ids"}:
+        raw = raw["ids"]
+    if not isinstance(raw, list) or not all(isinstance(i, str) for i in raw):
+        raise ValueError("the body must be a JSON list of receipt ids (strings)")
+    if not raw:
+        raise ValueError("the list of receipt ids is empty")
+    if len(raw) > MAX_BATCH:
+        raise ValueError(f"at most {MAX_BATCH} receipt ids per request")
+    return raw
+
+
+def object_id_of(receipt_id: str) -> str:
+    """``receipt:<object_id>`` -> ``<object_id>`` (anything else -> '')."""
+    return receipt_id.removeprefix("receipt:") if receipt_id.startswith("receipt:") else ""
+
+
+# -- the side file ---------------------------------------------------------------------------
+
+
+def release_name(object_id: str) -> str:
+    return f"{object_id}.release.json"
+
+
+def release_json(object_id: str, released_at: float, client: str) -> bytes:
+    doc = {"object_id": object_id, "released_at": released_at, "client": client}
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def read_release(receipts: ReceiptStore, object_id: str) -> float | None:
+    """``released_at`` from the side file, or None when there is none."""
+    try:
+        raw = json.loads((receipts.directory / release_name(object_id)).read_bytes())
+    except FileNotFoundError:
+        return None
+    value = raw["released_at"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{release_name(object_id)}: released_at is not a number")
+    return float(value)
+
+
+def publish_releases(
+    receipts: ReceiptStore, object_ids: Sequence[str], now: float, client: str
+) -> dict[str, float]:
+    """Publish a side file for each id (never replacing one); return each id's ``released_at``:
+    ``now``, or the first release's time when a side file already existed.
+
+    Every file is written (and its writeback started) first and synced after, so one batch
+    costs about one journal commit rather than one per file.  The caller fsyncs ``receipts/``
+    (:func:`sync_releases`) before relying on the names.
+    """
+    directory = receipts.directory
+    staged: list[tuple[str, Path, int]] = []
+    try:
+        for oid in object_ids:
+            temp = directory / f"{fs.TEMP_PREFIX}{release_name(oid)}-{os.urandom(6).hex()}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            staged.append((oid, temp, fd))
+            data = release_json(oid, now, client)
+            os.write(fd, data)
+            # Start every file's writeback first: its blocks join the running journal
+            # transaction, so the first fdatasync below commits them all and the rest are cheap.
+            fs.write_behind(fd, 0, len(data), 0)
+        for _, _, fd in staged:
+            os.fdatasync(fd)
+        result: dict[str, float] = {}
+        for oid, temp, _ in staged:
+            try:
+                os.link(temp, directory / release_name(oid))
+                result[oid] = now
+            except FileExistsError:
+                first = read_release(receipts, oid)
+                assert first is not None
+                result[oid] = first
+        return result
+    finally:
+        for _, temp, fd in staged:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+
+
+def sync_releases(receipts: ReceiptStore) -> None:
+    fs.fsync_dir(receipts.directory)
+
+
+# -- the index -------------------------------------------------------------------------------
+
+
+@frozen
+class Candidate:
+    """What the index says about one id of a release request."""
+
+    object_id: str
+    releasable: bool  # delivered and verified
+    released_at: float | None
+
+
+def release_candidates(cur: sqlite3.Cursor, object_ids: Sequence[str]) -> dict[str, Candidate]:
+    """The indexed ids among ``object_ids`` (a bounded batch) with their release facts."""
+    ids = list(dict.fromkeys(object_ids))
+    if not ids:
+        return {}
+    marks = ", ".join("?" for _ in ids)
+    cur.execute(
+        "SELECT object_id, state = 'delivered' AND verified_at IS NOT NULL, released_at"
+        f" FROM objects WHERE object_id IN ({marks})",
+        ids,
+    )
+    return {oid: Candidate(oid, bool(ok), rel) for oid, ok, rel in cur.fetchall()}
+
+
+def record_releases(cur: sqlite3.Cursor, released: Iterable[tuple[str, float]]) -> int:
+    """Set ``released_at`` where it is not set yet (guarded); returns how many rows changed."""
+    before = cur.connection.total_changes
+    cur.executemany(
+        "UPDATE objects SET released_at = ? WHERE object_id = ? AND released_at IS NULL"
+        " AND state = 'delivered' AND verified_at IS NOT NULL",
+        [(at, oid) for oid, at in released],
+    )
+    return cur.connection.total_changes - before
+
+
+def classify(
+    receipt_ids: Sequence[str],
+    candidates: dict[str, Candidate],
+    archived: dict[str, float],
+    valid: Any,
+) -> tuple[list[ReleaseResult | None], list[str]]:
+    """Pure: the answers already known (None where a side file must be published) and the
+    object ids to publish side files for.
+
+    ``archived`` maps archived object ids to their ``released_at``; ``valid(object_id)`` says
+    whether an id is this node's.
+    """
+    answers: list[ReleaseResult | None] = []
+    to_publish: list[str] = []
+    for rid in receipt_ids:
+        oid = object_id_of(rid)
+        c = candidates.get(oid) if oid and valid(oid) else None
+        if c is None:
+            if oid in archived:
+                answers.append(ReleaseResult(rid, ALREADY_RELEASED, archived[oid]))
+            else:
+                answers.append(ReleaseResult(rid, UNKNOWN))
+        elif c.released_at is not None:
+            answers.append(ReleaseResult(rid, ALREADY_RELEASED, c.released_at))
+        elif not c.releasable:
+            answers.append(ReleaseResult(rid, NOT_DELIVERED))
+        else:
+            answers.append(None)
+            if oid not in to_publish:
+                to_publish.append(oid)
+    return answers, to_publish
+
+
+def finish_answers(
+    receipt_ids: Sequence[str],
+    answers: list[ReleaseResult | None],
+    published: dict[str, float],
+    now: float,
+) -> list[ReleaseResult]:
+    """Fill the published ids' answers: ``released`` when this request set the time (the first
+    mention in the batch), ``already_released`` when an earlier release (or an earlier
+    duplicate in this batch) did."""
+    done: list[ReleaseResult] = []
+    seen: set[str] = set()
+    for rid, answer in zip(receipt_ids, answers, strict=True):
+        if answer is not None:
+            done.append(answer)
+            continue
+        oid = object_id_of(rid)
+        at = published[oid]
+        fresh = at == now and oid not in seen
+        seen.add(oid)
+        done.append(ReleaseResult(rid, RELEASED if fresh else ALREADY_RELEASED, at))
+    return done

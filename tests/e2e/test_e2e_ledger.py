@@ -1,0 +1,218 @@
+"""The ledger end to end: released, purged records leave the node in a verified JSONL.zst ledger.
+
+Real receiver and canner-deliver processes, the fake IA for deliveries and ledgers, HQ's
+requests over HTTP and the ``canner`` command; SIGKILL at the delete step, a remote copy whose
+MD5 is wrong, and a rebuilt index.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Callable
+
+import pytest
+from deliver_support import Env, envs, remove_index, wait_for
+from hq_support import (
+    NODE,
+    canner,
+    fast_forward_ledgers,
+    ledger_tables,
+    ledgers,
+    local_lines,
+    release,
+    remote_lines,
+    status,
+    wait_purged,
+)
+
+pytestmark = pytest.mark.e2e
+
+env_factory = pytest.fixture(name="env_factory")(envs)
+
+RECEIPT_FIELDS = ["id", "issuer", "object_id", "checksum", "size_bytes", "accepted_at"]
+
+
+def archivable(env: Env, count: int, tag: str) -> dict[str, bytes]:
+    """Upload ``count`` objects, wait until delivered, verified and purged, release them all;
+    returns object id -> receipt JSON as served."""
+    ids = [
+        env.upload(f"{tag} {i}\n".encode() * (50 + i), filename=f"{tag}-{i}.warc")
+        for i in range(count)
+    ]
+    wait_purged(env, ids)
+    receipts = {oid: env.receiver.request("GET", f"/api/v1/receipts/{oid}").content for oid in ids}
+    answers = release(env, [f"receipt:{oid}" for oid in ids]).json()["results"]
+    assert [a["status"] for a in answers] == ["released"] * count
+    return receipts
+
+
+def receipt_files(env: Env, oid: str) -> list[str]:
+    return sorted(p.name for p in (env.data_dir / "receipts").glob(f"{oid}*"))
+
+
+def flush(env: Env, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return canner(env, "ledger", "flush", "--timeout", str(timeout), timeout=timeout + 30)
+
+
+def test_flush_archives_released_records_in_a_verified_ledger(
+    env_factory: Callable[..., Env],
+) -> None:
+    """canner ledger flush writes, uploads and verifies one ledger; its lines (sorted by object
+    id) carry each receipt byte for byte; then the receipts, side files and rows are gone, the
+    status query says where the record is, a repeated release answers the same released_at, and
+    a rebuilt index does not bring the objects back."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    receipts = archivable(env, 3, "ledger")
+    kept = env.upload(b"not released\n" * 10)
+    released_at = {oid: env.row(oid)["released_at"] for oid in receipts}
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done" and ledger["records"] == 3
+    assert ledger["name"].startswith(f"{NODE}-") and ledger["verified_at"] is not None
+    assert ledger["identifier"] == f"canner-ledger-{NODE}-{ledger['period']}"
+    assert ledger["remote_name"] == f"{ledger['name']}.jsonl.zst"
+    # The remote copy and the local one are the same lines; each starts with the receipt.
+    remote = remote_lines(env.fake, ledger["identifier"], ledger["remote_name"])
+    assert remote == local_lines(env, ledger["name"])
+    ordered = sorted(receipts)
+    assert [json.loads(line)["object_id"] for line in remote] == ordered
+    for line, oid in zip(remote, ordered, strict=True):
+        assert line.startswith(receipts[oid][:-1] + b","), line
+        record = json.loads(line)
+        assert list(record)[:6] == RECEIPT_FIELDS
+        assert record["released_at"] == released_at[oid]
+        assert record["project"] == "example" and record["purged_at"] is not None
+        assert record["identifier"].startswith("example-")
+    stored = env.fake.object(ledger["identifier"], ledger["remote_name"])
+    assert stored is not None and stored["md5"] == ledger["md5"]
+    # Local state of archived records is gone; the unreleased object is untouched.
+    rows = env.rows()
+    for n, oid in enumerate(ordered, start=1):
+        assert receipt_files(env, oid) == []
+        assert oid not in rows
+        doc = status(env, oid).json()
+        assert doc["archived"]["ledger"] == ledger["name"]
+        assert doc["archived"]["line"] == n
+        assert doc["hq"] == {"released_at": released_at[oid]}
+    assert kept in rows and receipt_files(env, kept)
+    again = release(env, [f"receipt:{ordered[0]}"]).json()["results"]
+    assert again == [
+        {
+            "id": f"receipt:{ordered[0]}",
+            "status": "already_released",
+            "released_at": released_at[ordered[0]],
+        }
+    ]
+    # A lost index is rebuilt without the archived objects; the ledger is still listed.
+    env.deliver.stop()
+    env.receiver.stop()
+    remove_index(env.data_dir)
+    out = canner(env, "rebuild-index")
+    assert out.returncode == 0, out.stderr
+    rows = env.rows()
+    assert kept in rows and not set(ordered) & set(rows)
+    assert [x["name"] for x in ledgers(env)] == [ledger["name"]]
+    env.deliver.start()
+    wait_for(lambda: any(x["state"] == "done" for x in ledgers(env)), 30, "ledger adopted")
+    assert not set(ordered) & set(env.rows())
+
+
+def test_wrong_remote_md5_is_flagged_and_uploaded_again(env_factory: Callable[..., Env]) -> None:
+    """While IA's metadata shows a different MD5 for the ledger, nothing local is deleted, the
+    ledger is flagged and uploaded again; once the remote copy verifies, it completes."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    receipts = archivable(env, 2, "wrongmd5")
+    env.fake.add_fault("wrong_md5", count=1000, target="metadata")
+    out = flush(env, timeout=8)
+    assert out.returncode == 1 and "did not finish" in out.stderr, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["needs_operator"] is True
+    assert "remote copy differs" in ledger["last_error"]
+    assert ledger["state"] in ("written", "uploaded")
+    stored = env.fake.object(ledger["identifier"], ledger["remote_name"])
+    assert stored is not None and stored["puts"] >= 2  # uploaded again after the mismatch
+    for oid in receipts:
+        assert (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert env.row(oid)["released_at"] is not None
+    assert not (env.data_dir / "ledger" / f"{ledger['name']}.json").exists()
+    env.fake.clear_faults()
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done" and ledger["needs_operator"] is False
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+
+
+def test_sigkill_during_delete_resumes_after_restart(env_factory: Callable[..., Env]) -> None:
+    """canner-deliver killed while deleting an archived ledger's local state (one receipt
+    cannot be deleted yet): after a restart the deletion finishes; nothing is archived twice."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    receipts = archivable(env, 3, "sigkill")
+    ordered = sorted(receipts)
+    stuck = env.data_dir / "receipts" / f"{ordered[1]}.json"
+    # An immutable file cannot be unlinked, even by root: the delete step stops there.
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        out = flush(env, timeout=6)
+        assert out.returncode == 1
+        [ledger] = ledgers(env)
+        assert ledger["state"] == "deleting" and "delete:" in (ledger["last_error"] or "")
+        assert not (env.data_dir / "receipts" / f"{ordered[0]}.json").exists()
+        assert stuck.exists()
+        assert env.deliver.kill(signal.SIGKILL) == -signal.SIGKILL
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    rows = env.rows()
+    assert ordered[1] in rows and ordered[2] in rows  # rows go after their files
+    env.deliver.start()
+    fast_forward_ledgers(env)
+    wait_for(lambda: ledgers(env)[0]["state"] == "done", 30, "the ledger done after restart")
+    [ledger] = ledgers(env)
+    for oid in ordered:
+        assert not list((env.data_dir / "receipts").glob(f"{oid}*"))
+        assert oid not in env.rows()
+    remote = remote_lines(env.fake, ledger["identifier"], ledger["remote_name"])
+    assert len(remote) == 3
+    assert [o["name"] for o in env.fake.objects() if o["identifier"] == ledger["identifier"]] == [
+        ledger["remote_name"]
+    ]
+
+
+def test_sigkill_during_upload_and_verification_resumes(env_factory: Callable[..., Env]) -> None:
+    """canner-deliver killed while the ledger's PUT hangs, and again while IA's metadata API
+    fails: each restart resumes (upload again, verify), nothing local is deleted before the
+    remote copy verified, and exactly one ledger file ends up at IA."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.2)
+    receipts = archivable(env, 2, "killed")
+    env.fake.add_fault("stall", count=1, target="put")
+    out = flush(env, timeout=4)
+    assert out.returncode == 1
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "written"  # its PUT never answers
+    assert env.deliver.kill(signal.SIGKILL) == -signal.SIGKILL
+    env.fake.clear_faults()
+    env.fake.add_fault("error500", count=100000, target="metadata")  # no answer from IA yet
+    env.deliver.start()
+    wait_for(lambda: ledgers(env)[0]["state"] == "uploaded", 30, "the ledger uploaded again")
+    assert env.deliver.kill(signal.SIGKILL) == -signal.SIGKILL
+    for oid in receipts:  # not verified: nothing local deleted
+        assert (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert status(env, oid).json()["archived"] is None
+    env.fake.clear_faults()
+    env.deliver.start()
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "done" and ledger["records"] == 2
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert status(env, oid).json()["archived"]["ledger"] == ledger["name"]
+    ledgers_at_fake = [o for o in env.fake.objects() if o["name"].endswith(".jsonl.zst")]
+    assert [o["name"] for o in ledgers_at_fake] == [ledger["remote_name"]]
+    assert len(remote_lines(env.fake, ledger["identifier"], ledger["remote_name"])) == 2

@@ -1,0 +1,319 @@
+"""HQ release and ledger: token files, release classification, ledger records, periods, the
+archived-id index and the ledger's SQL (on a real ``delivery.sqlite``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
+
+from canner import releases as rel
+from canner.config import ConfigError, parse_config
+from canner.delivery.index import (
+    AcceptedObject,
+    configure_connection,
+    get_row,
+    insert_objects,
+    upgrade_schema,
+)
+from canner.ids import ObjectIds
+from canner.ledger import store
+from canner.ledger.files import (
+    ArchivedIds,
+    LedgerDir,
+    Manifest,
+    id_record,
+    period_end,
+    period_of,
+    record_line,
+)
+from canner.ledger.service import validate_ledger
+from canner.ledger.steps import id_batches, write_ledger
+from canner.objects import ObjectReader
+from canner.receipts import ReceiptStore
+
+DAY = 86400.0
+T0 = 1_780_000_000.0  # 2026-05-28T20:26:40Z
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+def test_token_file_holds_digests_and_authenticates_by_them(tmp_path: Path) -> None:
+    """A token is accepted when its SHA-256 is listed; the name of its client is returned."""
+    path = tmp_path / "tokens"
+    path.write_text(f"# clients\nhq {rel.token_digest('s3cret')}\n\nhq2 {rel.token_digest('x')}\n")
+    tokens = rel.TokenFile(path)
+    assert tokens.authenticate("s3cret") == "hq"
+    assert tokens.authenticate("x") == "hq2"
+    assert tokens.authenticate("s3cret ") is None
+    assert tokens.authenticate(None) is None
+    path.write_text(f"hq {rel.token_digest('s3cret')}\n")  # hq2 removed, and the size changed
+    assert tokens.authenticate("x") is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hq sha256:abc",
+        "hq md5:" + "0" * 64,
+        "hq",
+        "a b sha256:" + "0" * 64,
+        "hq SHA256:" + "0" * 64,
+    ],
+)
+def test_malformed_token_lines_are_refused_naming_the_line(text: str) -> None:
+    """Anything but ``NAME sha256:<64 hex>`` is an error that names its line."""
+    with pytest.raises(rel.TokenFileError, match="line 2"):
+        rel.parse_tokens("# ok\n" + text)
+
+
+def test_bearer_header_parsing() -> None:
+    """Only ``Bearer <token>`` yields a token."""
+    assert rel.bearer_token(b"Bearer abc") == "abc"
+    assert rel.bearer_token("bearer  abc ") == "abc"
+    assert rel.bearer_token(b"Basic abc") is None
+    assert rel.bearer_token(b"Bearer ") is None
+    assert rel.bearer_token(None) is None
+
+
+# -- release classification ----------------------------------------------------------------------
+
+
+def test_release_answers_cover_every_case() -> None:
+    """Unknown, refused, already released, archived, fresh and a duplicate in one batch."""
+    valid = ObjectIds().is_valid
+    a, b, c, d, e = ("a" * 32, "b" * 32, "c" * 32, "d" * 32, "e" * 32)
+    candidates = {
+        a: rel.Candidate(a, True, None),
+        b: rel.Candidate(b, False, None),
+        c: rel.Candidate(c, True, 5.0),
+    }
+    ids = [f"receipt:{x}" for x in (a, b, c, d, e, a)] + ["nonsense"]
+    answers, publish = rel.classify(ids, candidates, {d: 3.0}, valid)
+    assert publish == [a]
+    done = rel.finish_answers(ids, answers, {a: 9.0}, 9.0)
+    assert [(r.status, r.released_at) for r in done] == [
+        ("released", 9.0),
+        ("not_delivered", None),
+        ("already_released", 5.0),
+        ("already_released", 3.0),
+        ("unknown", None),
+        ("already_released", 9.0),
+        ("unknown", None),
+    ]
+    # A side file from an earlier (crashed) release wins: the same time as the first time.
+    assert rel.finish_answers(ids[:1], answers[:1], {a: 7.0}, 9.0)[0].status == "already_released"
+
+
+def test_release_request_bodies() -> None:
+    """A JSON list (or {"ids": [...]}) of 1..1000 strings."""
+    assert rel.parse_release_request(b'["receipt:x"]') == ["receipt:x"]
+    assert rel.parse_release_request(b'{"ids": ["receipt:x"]}') == ["receipt:x"]
+    for bad in (b"", b"{", b"[]", b"[1]", b'{"x": []}', json.dumps(["a"] * 1001).encode()):
+        with pytest.raises(ValueError):
+            rel.parse_release_request(bad)
+
+
+def test_side_files_are_published_once(tmp_path: Path) -> None:
+    """A second release keeps the first time; the files hold the client's name."""
+    receipts = ReceiptStore(tmp_path)
+    assert rel.publish_releases(receipts, ["a" * 32], 10.0, "hq") == {"a" * 32: 10.0}
+    assert rel.publish_releases(receipts, ["a" * 32, "b" * 32], 20.0, "hq2") == {
+        "a" * 32: 10.0,
+        "b" * 32: 20.0,
+    }
+    assert rel.read_release(receipts, "a" * 32) == 10.0
+    assert json.loads((tmp_path / f"{'a' * 32}.release.json").read_bytes())["client"] == "hq"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{'a' * 32}.release.json",
+        f"{'b' * 32}.release.json",
+    ]
+
+
+# -- periods and records ---------------------------------------------------------------------------
+
+
+@given(st.floats(min_value=0, max_value=4e9), st.sampled_from(["day", "month"]))
+def test_a_time_lies_inside_its_period(when: float, period: str) -> None:
+    """Every time is before the end of its period and at or after the end of the one before."""
+    name = period_of(when, period)
+    assert when < period_end(name)
+    assert period_of(period_end(name), period) != name
+
+
+def test_period_names() -> None:
+    assert period_of(T0, "day") == "2026-05-28"
+    assert period_of(T0, "month") == "2026-05"
+    assert period_end("2026-12") == period_end("2026-12-31")
+
+
+def test_record_line_keeps_the_receipt_bytes() -> None:
+    """A ledger line starts with the receipt's own bytes and adds the facts after them."""
+    receipt = b'{"id":"receipt:x","issuer":"https://i","object_id":"x","size_bytes":1}'
+    facts: dict[str, Any] = {k: None for k in ("project", "filename", "identifier", "remote_name")}
+    facts.update(delivered_at=1.0, verified_at=2.0, purged_at=3.0, released_at=4.5)
+    line = record_line(receipt, facts)
+    assert line.startswith(receipt[:-1] + b',"project":null')
+    assert line.endswith(b"}\n") and line.count(b"\n") == 1
+    assert json.loads(line)["released_at"] == 4.5
+
+
+# -- the index and the files -----------------------------------------------------------------------
+
+
+def _db(tmp_path: Path) -> sqlite3.Connection:
+    path = tmp_path / "delivery.sqlite"
+    upgrade_schema(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    configure_connection(conn)
+    return conn
+
+
+def _accepted(oid: str) -> AcceptedObject:
+    return AcceptedObject(oid, "example", "f.warc", 10, "blake3:" + "ab" * 32, int(T0))
+
+
+def _released(conn: sqlite3.Connection, oid: str, released: float, purged: float) -> None:
+    insert_objects(conn.cursor(), [_accepted(oid)], T0)
+    conn.execute(
+        "UPDATE objects SET state = 'delivered', remote_identifier = 'item', remote_name = 'f',"
+        " delivered_at = ?, verified_at = ?, purged_at = ?, released_at = ? WHERE object_id = ?",
+        (T0, T0, purged, released, oid),
+    )
+
+
+def test_records_are_assigned_once_per_closed_period(tmp_path: Path) -> None:
+    """A period's ledger is made once it closed and delay passed; each record joins one ledger;
+    a flush archives the rest at once under the next free name."""
+    conn = _db(tmp_path)
+    day1, day2 = T0, T0 + DAY
+    _released(conn, "1" * 32, day1, day1 + 1)
+    _released(conn, "2" * 32, day1, day2)  # purged the next day: the next day's ledger
+    _released(conn, "3" * 32, day2, day2 + 1)
+    insert_objects(conn.cursor(), [_accepted("4" * 32)], T0)  # never released
+    cur = conn.cursor()
+    end1 = period_end(period_of(day1, "day"))
+    assert store.assign_records(cur, end1 - 1, 0.0, "day", "n", False) == []
+    [first] = store.assign_records(cur, end1 + 1, 0.0, "day", "n", False)
+    assert store.assign_records(cur, end1 + 1, 0.0, "day", "n", False) == []
+    ledger = store.get_ledger(cur, first)
+    assert ledger is not None and ledger.records == 1 and ledger.name == "n-2026-05-28"
+    [second] = store.assign_records(cur, day2 + 9, 0.0, "day", "n", True, taken=["n-2026-05-29"])
+    again = store.get_ledger(cur, second)
+    assert again is not None and again.name == "n-2026-05-29-2" and again.records == 2
+    ledger_of = dict(conn.execute("SELECT object_id, ledger_id FROM objects").fetchall())
+    assert ledger_of == {"1" * 32: first, "2" * 32: second, "3" * 32: second, "4" * 32: None}
+
+
+def test_written_ledger_and_archived_ids_find_every_record(tmp_path: Path) -> None:
+    """The ledger file is sorted by object id with the receipts' bytes; the .ids index finds
+    each id's line and released_at once a manifest exists, and nothing before."""
+    conn = _db(tmp_path)
+    receipts = ReceiptStore(tmp_path / "receipts")
+    receipts.directory.mkdir()
+    ids = sorted(hashlib.md5(str(i).encode()).hexdigest() for i in range(50))
+    for n, oid in enumerate(reversed(ids)):
+        _released(conn, oid, T0 + n, T0)
+        (receipts.directory / f"{oid}.json").write_bytes(b'{"object_id":"%s"}' % oid.encode())
+    [ledger_id] = store.assign_records(conn.cursor(), T0 + 10 * DAY, 0.0, "day", "n", True)
+    ledgers = LedgerDir(tmp_path / "ledger")
+    written = write_ledger(tmp_path / "delivery.sqlite", ledgers, receipts, ledger_id, "n-x")
+    assert written.records == 50
+    data = ledgers.ledger_path("n-x").read_bytes()
+    assert len(data) == written.size and hashlib.md5(data).hexdigest() == written.md5
+    lines = zstandard.ZstdDecompressor().decompressobj().decompress(data).splitlines()
+    assert [json.loads(x)["object_id"] for x in lines] == ids
+    assert ledgers.ids_path("n-x").stat().st_size == 24 * 50
+    archived = ArchivedIds(ledgers)
+    assert archived.find(ids[0]) is None  # not verified: not archived
+    ledgers.write_manifest(
+        Manifest("n-x", "x", 50, written.size, written.md5, written.blake3, "i", "r", "u", 1.0)
+    )
+    for line, oid in enumerate(ids, start=1):
+        where = archived.find(oid)
+        assert where is not None and where.line == line
+        assert where.released_at == get_row(conn.cursor(), oid).released_at  # type: ignore[union-attr]
+    assert archived.find("0" * 32) is None and archived.find("zz") is None
+    batches = list(id_batches(ledgers, "n-x", lambda tail: tail, size=20))
+    assert [len(b) for b in batches] == [20, 20, 10] and [i for b in batches for i in b] == ids
+
+
+def test_status_of_an_archived_object(tmp_path: Path) -> None:
+    """An object only a verified ledger knows answers where its record is."""
+    _db(tmp_path)
+    ledgers = LedgerDir(tmp_path / "ledger")
+    ledgers.directory.mkdir()
+    ledgers.ids_path("n-x").write_bytes(id_record("a" * 32, 5.0) + id_record("b" * 32, 6.0))
+    ledgers.write_manifest(Manifest("n-x", "x", 2, 1, "m", "b", "item", "n-x.jsonl.zst", "u", 7.0))
+    reader = ObjectReader(tmp_path, ObjectIds(), "https://i", ArchivedIds(ledgers))
+    doc = reader.lookup("b" * 32)
+    assert doc is not None
+    assert doc["hq"] == {"released_at": 6.0}
+    assert doc["archived"]["line"] == 2 and doc["archived"]["file"] == "n-x.jsonl.zst"
+    assert reader.lookup("c" * 32) is None
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+BASE: dict[str, Any] = {
+    "issuer": "https://canner.example",
+    "min_free_bytes": 10,
+    "projects": {"example": {}},
+}
+
+
+def test_hq_and_ledger_config(tmp_path: Path) -> None:
+    """[hq] tokens and [ledger] parse with defaults; bad values name their key."""
+    config = parse_config(
+        {**BASE, "hq": {"tokens": "t"}, "ledger": {"credentials": "k", "node": "n1"}}, tmp_path
+    )
+    assert config.hq is not None and config.hq.tokens == tmp_path / "t"
+    ledger = config.ledger
+    assert ledger is not None and ledger.period == "day" and ledger.delay == 7 * DAY
+    assert ledger.identifier == "canner-ledger-{node}-{period}"
+    validate_ledger(ledger)
+    bad = [
+        ({"hq": {"tokens": "t", "x": 1}}, "hq.x"),
+        ({"ledger": {"credentials": "k"}}, "ledger.node"),
+        ({"ledger": {"credentials": "k", "node": "n", "period": "week"}}, "ledger.period"),
+        ({"ledger": {"credentials": "k", "node": "n", "sink": "directory"}}, "ledger.sink"),
+        ({"ledger": {"node": "n"}}, "ledger.credentials"),
+        ({"ledger": {"credentials": "k", "node": "n", "delay": "1d"}}, "ledger.delay"),
+    ]
+    for extra, key in bad:
+        with pytest.raises(ConfigError) as e:
+            parse_config({**BASE, **extra}, tmp_path)
+        assert e.value.key == key
+    for identifier in ("canner-ledger-{node}", "-{period}", "ledger-{node}-{period}-{object_id}"):
+        parsed = parse_config(
+            {**BASE, "ledger": {"credentials": "k", "node": "n", "identifier": identifier}},
+            tmp_path,
+        )
+        assert parsed.ledger is not None
+        with pytest.raises(ConfigError) as e:
+            validate_ledger(parsed.ledger)
+        assert e.value.key == "ledger.identifier"
+
+
+def test_receiver_refuses_an_unusable_tokens_file(tmp_path: Path) -> None:
+    """A missing or malformed [hq] tokens file is a config error naming hq.tokens."""
+    from canner.service import _hq_tokens
+
+    config = parse_config({**BASE, "hq": {"tokens": "tokens"}}, tmp_path)
+    for content in (None, "hq md5:abc\n"):
+        if content is not None:
+            (tmp_path / "tokens").write_text(content)
+        with pytest.raises(ConfigError) as e:
+            _hq_tokens(config)
+        assert e.value.key == "hq.tokens"
+    (tmp_path / "tokens").write_text(f"hq {rel.token_digest('t')}\n")
+    tokens = _hq_tokens(config)
+    assert tokens is not None and tokens.authenticate("t") == "hq"
