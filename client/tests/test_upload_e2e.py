@@ -21,12 +21,12 @@ from upload_support import cli_command, make_file, run_cli
 from canner_client import (
     Client,
     DeadlineExceeded,
-    EndpointMissing,
     FileChanged,
     ProgressEvent,
     Receipt,
     RetryPolicy,
     Timeouts,
+    UnknownObject,
     UploadRefused,
 )
 
@@ -175,13 +175,21 @@ def test_deadline_ends_retrying_a_full_receiver(
     assert "gave up" in result.stderr and "429" in result.stderr
 
 
-def test_status_needs_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
+def test_status_reads_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
+    """``Client.status`` gives the receiver's three independent facts for an uploaded object,
+    and UnknownObject for an id the node never issued."""
     path = make_file(tmp_path / "f.bin", 10)
     client = make_client(receiver.base_url, tmp_path)
     receipt = client.upload(path, "example")
     assert client.receipt(receipt.object_id) == receipt
-    with pytest.raises(EndpointMissing, match="/api/v1/objects"):
-        client.status(receipt.object_id)
+    status = client.status(receipt.object_id)
+    assert status.receipt == receipt
+    assert status.project == "example"
+    assert status.delivery["state"] == "pending" and status.delivery["verified"] is False
+    assert status.payload["present"] is True
+    assert status.hq["released_at"] is None and status.archived is None
+    with pytest.raises(UnknownObject):
+        client.status("f" * 32)
 
 
 # -- the network misbehaves ----------------------------------------------------------------------
