@@ -21,12 +21,12 @@ from upload_support import cli_command, make_file, run_cli
 from canner_client import (
     Client,
     DeadlineExceeded,
-    EndpointMissing,
     FileChanged,
     ProgressEvent,
     Receipt,
     RetryPolicy,
     Timeouts,
+    UnknownObject,
     UploadRefused,
 )
 
@@ -175,13 +175,20 @@ def test_deadline_ends_retrying_a_full_receiver(
     assert "gave up" in result.stderr and "429" in result.stderr
 
 
-def test_status_needs_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
+def test_status_reads_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
+    """The client's status() reads the receiver's GET /api/v1/objects/{id}: the receipt, the
+    project and the three parts; an unknown id is UnknownObject."""
     path = make_file(tmp_path / "f.bin", 10)
     client = make_client(receiver.base_url, tmp_path)
     receipt = client.upload(path, "example")
     assert client.receipt(receipt.object_id) == receipt
-    with pytest.raises(EndpointMissing, match="/api/v1/objects"):
-        client.status(receipt.object_id)
+    status = client.status(receipt.object_id)
+    assert status.receipt == receipt and status.project == "example"
+    assert status.delivery["state"] == "pending" and status.delivery["verified"] is False
+    assert status.payload == {"present": True, "purged_at": None}
+    assert status.hq == {"released_at": None} and status.archived is None
+    with pytest.raises(UnknownObject):
+        client.status("0" * 32)
 
 
 # -- the network misbehaves ----------------------------------------------------------------------
