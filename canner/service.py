@@ -77,6 +77,7 @@ Observer = Callable[[Mapping[str, Any]], None]
 IO_THREADS = 16
 HASH_THREADS = 2
 RELEASE_THREADS = 32
+LEDGER_THREADS = 32
 
 
 @define(eq=False)
@@ -501,7 +502,7 @@ def deliver_service(
     hashing.setServiceParent(top)
     ids = config.object_ids
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
-    ledger = _ledger_service(config, index, receipts, io, reactor)
+    ledger = _ledger_service(config, index, receipts, io, reactor, top)
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
@@ -636,7 +637,12 @@ def _not_archived(archived: ArchivedIds, object_ids: list[str]) -> list[str]:
 
 
 def _ledger_service(
-    config: Config, index: DeliveryIndex, receipts: ReceiptStore, io: BlockingRunner, reactor: Any
+    config: Config,
+    index: DeliveryIndex,
+    receipts: ReceiptStore,
+    io: BlockingRunner,
+    reactor: Any,
+    top: MultiService,
 ) -> LedgerService | None:
     """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking)."""
     ledger = config.ledger
@@ -655,7 +661,8 @@ def _ledger_service(
         ledger.metadata_url,
         io,
     )
-    return LedgerService(
+    unlink = ThreadPoolRunner(reactor, "canner-ledger", LEDGER_THREADS)
+    service = LedgerService(
         ledger,
         config.object_ids,
         index,
@@ -666,7 +673,10 @@ def _ledger_service(
         sink,
         io,
         reactor,
+        unlink=unlink,
     )
+    unlink.setServiceParent(top)  # before the ledger joins top: it stops after the ledger
+    return service
 
 
 def _index_answers(cur: Any) -> None:

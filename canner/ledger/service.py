@@ -46,7 +46,7 @@ ASSIGN_INTERVAL = 60.0
 VERIFY_MIN, VERIFY_MAX = 2.0, 600.0
 WRITE_RETRY = 600.0
 DELETE_RETRY = 60.0
-DELETE_THREADS = 16
+DELETE_THREADS = 32
 DELETE_BATCH = 4000
 
 
@@ -113,6 +113,8 @@ class LedgerService(Service):
     _sink: IASink
     _run: BlockingRunner
     _clock: IReactorTime
+    # Unlinks wait on the disk, not the CPU: a pool of their own keeps many in flight.
+    _unlink: BlockingRunner | None = None
     # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
     guard: DeferredLock = field(factory=DeferredLock)
     _adopted: bool = False
@@ -353,11 +355,10 @@ class LedgerService(Service):
         while (batch := await self._run(next, batches, None)) is not None:
             # Unlinks wait on the disk: several threads at once keep it busy.
             step = -(-len(batch) // DELETE_THREADS)
+            unlink = self._unlink or self._run
             await DeferredList(
                 [
-                    self._run(
-                        remove_local_state, self._receipts, self._uploads, batch[i : i + step]
-                    )
+                    unlink(remove_local_state, self._receipts, self._uploads, batch[i : i + step])
                     for i in range(0, len(batch), step)
                 ],
                 fireOnOneErrback=True,

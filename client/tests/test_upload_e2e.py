@@ -176,20 +176,19 @@ def test_deadline_ends_retrying_a_full_receiver(
 
 
 def test_status_reads_the_objects_endpoint(receiver: Receiver, tmp_path: Path) -> None:
-    """``Client.status`` gives the receiver's three independent facts for an uploaded object,
-    and UnknownObject for an id the node never issued."""
+    """The client's status() reads the receiver's GET /api/v1/objects/{id}: the receipt, the
+    project and the three parts; an unknown id is UnknownObject."""
     path = make_file(tmp_path / "f.bin", 10)
     client = make_client(receiver.base_url, tmp_path)
     receipt = client.upload(path, "example")
     assert client.receipt(receipt.object_id) == receipt
     status = client.status(receipt.object_id)
-    assert status.receipt == receipt
-    assert status.project == "example"
+    assert status.receipt == receipt and status.project == "example"
     assert status.delivery["state"] == "pending" and status.delivery["verified"] is False
-    assert status.payload["present"] is True
-    assert status.hq["released_at"] is None and status.archived is None
+    assert status.payload == {"present": True, "purged_at": None}
+    assert status.hq == {"released_at": None} and status.archived is None
     with pytest.raises(UnknownObject):
-        client.status("f" * 32)
+        client.status("0" * 32)
 
 
 # -- the network misbehaves ----------------------------------------------------------------------

@@ -317,3 +317,23 @@ def test_receiver_refuses_an_unusable_tokens_file(tmp_path: Path) -> None:
     (tmp_path / "tokens").write_text(f"hq {rel.token_digest('t')}\n")
     tokens = _hq_tokens(config)
     assert tokens is not None and tokens.authenticate("t") == "hq"
+
+
+def test_schema_v4_applies_on_top_of_a_v3_that_adds_its_own_tables(tmp_path: Path) -> None:
+    """v4 only adds (columns, tables, indexes): it applies to a database that another v3
+    (megawarc packaging, on another branch) already changed."""
+    from canner.delivery.index import _migrations, _statements
+
+    steps = dict(_migrations())
+    conn = sqlite3.connect(tmp_path / "d.sqlite", isolation_level=None)
+    for number in (1, 2):
+        for statement in _statements(steps[number]):
+            conn.execute(statement)
+    conn.execute("ALTER TABLE objects ADD COLUMN package_id TEXT")
+    conn.execute("CREATE TABLE packages (package_id TEXT PRIMARY KEY, state TEXT)")
+    for statement in _statements(steps[4]):
+        conn.execute(statement)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(objects)")}
+    assert {"package_id", "released_at", "ledger_id"} <= columns
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"packages", "ledgers", "ledger_flush"} <= tables
