@@ -340,24 +340,10 @@ def plan_package_file(
     problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
     if problem is not None:
         raise PlanError(problem)
-    size_hint = max(size, item_bytes or 0)
-    headers = [
-        ("content-md5", content_md5),
-        ("x-archive-auto-make-bucket", "1"),
-        ("x-archive-size-hint", str(size_hint)),
-        ("x-archive-filemeta-canner-package", package),
-        *meta_headers,
-    ]
-    return ItemPlan(
-        project=project,
-        object_id=package,
-        identifier=identifier,
-        remote_name=remote_name,
-        size=size,
-        content_md5=content_md5,
-        size_hint=size_hint,
-        headers=tuple(headers),
-    )
+    return _item_plan(
+        project, ("package", package), identifier, remote_name, size, content_md5,
+        max(size, item_bytes or 0), meta_headers,
+    )  # fmt: skip
 
 
 def plan_upload(
@@ -399,17 +385,35 @@ def plan_upload(
     problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
     if problem is not None:
         raise PlanError(problem)
-    size_hint = size
+    return _item_plan(
+        project, ("object-id", object_id), identifier, remote_name, size, content_md5, size,
+        meta_headers,
+    )  # fmt: skip
+
+
+def _item_plan(
+    project: str,
+    key: tuple[str, str],
+    identifier: str,
+    remote_name: str,
+    size: int,
+    content_md5: str,
+    size_hint: int,
+    meta_headers: list[tuple[str, str]],
+) -> ItemPlan:
+    """The plan and its PUT headers; ``key`` is the file-level metadata that names what the
+    file holds (``("object-id", id)`` or ``("package", id)``)."""
+    name, value = key
     headers = [
         ("content-md5", content_md5),
         ("x-archive-auto-make-bucket", "1"),
         ("x-archive-size-hint", str(size_hint)),
-        ("x-archive-filemeta-canner-object-id", object_id),
+        (f"x-archive-filemeta-canner-{name}", value),
         *meta_headers,
     ]
     return ItemPlan(
         project=project,
-        object_id=object_id,
+        object_id=value,
         identifier=identifier,
         remote_name=remote_name,
         size=size,
