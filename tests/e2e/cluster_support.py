@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 from deliver_support import ACCESS, SECRET, Deliver, DeliveryReceiver, FakeIA, free_port, wait_for
-from e2e_support import REPO
+from e2e_support import REPO, end_process
 
 SHIPPED_CFG = REPO / "conf" / "haproxy" / "canner.cfg"
 SHIPPED_MAP = REPO / "conf" / "haproxy" / "canner-nodes.map"
@@ -213,13 +213,7 @@ class HAProxy:
         )
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_process(self.proc, signal.SIGTERM, 10)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

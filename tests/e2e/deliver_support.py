@@ -146,13 +146,7 @@ class FakeIA:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_process(self.proc, signal.SIGTERM, 10)
         self.session.close()
 
     def log_tail(self, lines: int = 40) -> str:
