@@ -45,6 +45,7 @@ _COLUMNS = (
     "verified_at",
     "purged_at",
     "released_at",
+    "batch_id",
 )
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM objects WHERE object_id = ?"
 
@@ -145,7 +146,8 @@ class ObjectReader:
                 data = receipts.read_bytes(oid)
                 row = dict(zip(_COLUMNS, found, strict=True))
                 receipt = json.loads(data) if data is not None else None
-                package = object_package(cur, oid)
+                # Only a megawarc member has a batch: the package lookup is for those alone.
+                package = object_package(cur, oid) if row["batch_id"] is not None else None
                 results.append(
                     describe(row, receipt, self.issuer, (uploads / oid).exists(), package)
                 )
