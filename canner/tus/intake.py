@@ -186,12 +186,7 @@ class UploadIntake:
                     quiet=quiet,
                 )
                 holder.end()
-                let_go = holder.released()
-                let_go.addTimeout(TAKEOVER_WAIT, self._clock)
-                try:
-                    await let_go
-                except defer.TimeoutError:
-                    raise _locked() from None
+                await self._released(holder, TAKEOVER_WAIT, _locked())
                 continue
             if not wait_for_live:
                 return
@@ -443,15 +438,23 @@ class UploadIntake:
         writer = self._writers.get(upload_id)
         if writer is None or not writer.completes:
             return
+        await self._released(
+            writer,
+            ACCEPTANCE_WAIT,
+            protocol.storage_trouble(
+                "the upload's last bytes are still being written; retry to get the receipt",
+                ACCEPTANCE_RETRY_AFTER,
+            ),
+        )
+
+    async def _released(self, writer: BodyStream, timeout: float, refusal: TusError) -> None:
+        """Wait until ``writer`` lets go of its upload's lock; ``refusal`` after ``timeout``."""
         let_go = writer.released()
-        let_go.addTimeout(ACCEPTANCE_WAIT, self._clock)
+        let_go.addTimeout(timeout, self._clock)
         try:
             await let_go
         except defer.TimeoutError:
-            raise protocol.storage_trouble(
-                "the upload's last bytes are still being written; retry to get the receipt",
-                ACCEPTANCE_RETRY_AFTER,
-            ) from None
+            raise refusal from None
 
     def receipt(self, object_id: str) -> Deferred[bytes | None]:
         """The committed receipt of ``object_id`` (None when there is none), waiting for a
