@@ -9,11 +9,11 @@
    (keep-alive, closed loop).  Prints queries/s, latency, and the receiver's CPU use (its reactor
    is one thread: queries/s per CPU-second is the one-core figure).
 2. **Releases**: ``POST /api/v1/releases`` with batches of 1,000 ids of the same receiver
-   (each answered only once its side files and index rows are durable); prints ids/s.
+   (each answered only once its journal segment and index rows are durable); prints ids/s.
 3. **Archiving**: a second data directory with ``--archive`` released, purged records (receipt,
-   origin, delivery and release files each, as in production), a real ``twistd canner-deliver``
-   with ``[ledger] delay = "0s"`` uploading to ``tests/fake_ia.py``, and ``canner ledger flush``;
-   prints the time of each step and the deliver process's peak RSS.
+   origin and delivery files each, their releases in journal segments, as in production), a real
+   ``twistd canner-deliver`` with ``[ledger] delay = "0s"`` uploading to ``tests/fake_ia.py``,
+   and ``canner ledger flush``; prints the time of each step and the deliver process's peak RSS.
 
 Everything runs on loopback in a temporary directory under ``--work`` (removed at the end).
 The machine is shared: numbers are noisy, run it twice.
@@ -42,7 +42,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 from canner.delivery.index import upgrade_schema  # noqa: E402
-from canner.releases import release_json  # noqa: E402
+from canner.journal import Journal  # noqa: E402
+from canner.releases import release_record  # noqa: E402
 
 VENV = ROOT / ".venv" / "bin"
 TOKEN = "bench-token"
@@ -111,7 +112,8 @@ def fill_index(db: Path, count: int, released: bool) -> None:
 
 
 def write_files(receipts: Path, ids: list[str], everything: bool) -> None:
-    """The receipt of each id; with ``everything`` its origin, delivery and release files too."""
+    """The receipt of each id; with ``everything`` its origin and delivery files and a journal
+    segment of releases for every 1,000 ids (as HQ's batches make them)."""
     for oid in ids:
         (receipts / f"{oid}.json").write_bytes(receipt_bytes(oid))
         if everything:
@@ -123,7 +125,12 @@ def write_files(receipts: Path, ids: list[str], everything: bool) -> None:
                 b'"content_md5":"%s","delivered_at":1,"verified_at":2,"purge_after":3,'
                 b'"purged_at":4}' % (oid.encode(), oid.encode(), oid.encode())
             )
-            (receipts / f"{oid}.release.json").write_bytes(release_json(oid, T0 + 50, "bench"))
+    if everything:
+        journal = Journal(receipts.parent / "journal")
+        for start in range(0, len(ids), 1000):
+            journal.append(
+                [release_record(oid, T0 + 50, "bench") for oid in ids[start : start + 1000]]
+            )
 
 
 def config_text(work: Path, data_dir: Path, port: int, extra: str = "") -> Path:
@@ -286,7 +293,10 @@ def archive(work: Path, count: int) -> dict[str, Any]:
         ids = [object_id(i) for i in range(start, min(count, start + step))]
         write_files(data / "receipts", ids, everything=True)
     subprocess.run(["sync"], check=True)
-    print(f"prepared {count} archivable records (4 files each) in {time.monotonic() - t:.1f}s")
+    took = time.monotonic() - t
+    print(
+        f"prepared {count} archivable records (3 files each, and journal segments) in {took:.1f}s"
+    )
     fake_dir = work / "fake"
     fake_dir.mkdir()
     (work / "keys").write_text("bench-access\nbench-secret\n")

@@ -58,6 +58,7 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
 from canner.fs import DataDirLock, Locked
+from canner.journal import Journal, JournalLookup
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
 from canner.ledger.service import validate_ledger
@@ -616,7 +617,6 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
         receipt_ids.append(f"receipt:{oid}")
     oids = [rel.object_id_of(r) for r in receipt_ids]
     now = io.now()
-    receipts = ReceiptStore(data_dir / "receipts")
     candidates = _write(data_dir, rel.release_candidates, oids)
     archived_ids = ArchivedIds(LedgerDir(data_dir / "ledger"))
     archived = {}
@@ -627,10 +627,10 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
     answers, to_publish = rel.classify(
         receipt_ids, candidates, archived, config.object_ids.is_valid
     )
-    published = rel.publish_releases(receipts, to_publish, now, "operator")
-    if published:
-        rel.sync_releases(receipts)
-        _write(data_dir, rel.record_releases, list(published.items()))
+    published: dict[str, float] = {}
+    if to_publish:
+        journal = Journal(data_dir / "journal")
+        published = _write(data_dir, rel.record_releases, journal, to_publish, now, "operator")
     results = rel.finish_answers(receipt_ids, answers, published, now)
     for result in results:
         io.out.write(json.dumps(result.as_dict(), separators=(",", ":")) + "\n")
@@ -827,6 +827,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     receipts = _CountedReceipts(receipts_dir, progress=scan)
     uploads = UploadStore(data_dir / "uploads")
     archived = ArchivedIds(LedgerDir(data_dir / "ledger"))
+    journal = JournalLookup(Journal(data_dir / "journal"))
     conn = sqlite3.connect(path, isolation_level=None)
     added = found_total = 0
     problems: list[str] = []
@@ -838,7 +839,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
             have = sql.known_among(conn.cursor(), batch)
             # Records a verified ledger owns stay archived: never indexed again.
             fresh = [o for o in batch if o not in have and not archived.contains(o)]
-            found = read_accepted(receipts, uploads, fresh)
+            found = read_accepted(receipts, uploads, journal, fresh)
             problems += found.problems
             if not found.objects:
                 continue
@@ -856,6 +857,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         restored = _restore_packages(conn, PackageStore(config.packages_path), io.now())
     finally:
         conn.close()
+        journal.close()
     if restored:
         io.out.write(f"rebuild-index: {restored} packages restored from {config.packages_path}\n")
     for problem in problems:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from attrs import define, field
 from klein import Klein
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
@@ -24,15 +24,12 @@ from canner import releases as rel
 from canner.blocking import BlockingRunner
 from canner.delivery.index import DeliveryIndex
 from canner.ids import ObjectIds
+from canner.journal import Journal
 from canner.ledger.files import ArchivedIds
 from canner.objects import MAX_QUERY, IndexUnavailable, ObjectReader
-from canner.receipts import ReceiptStore
 
 log = Logger()
 
-# Side files are written and synced in this many parallel chunks: concurrent fdatasyncs share
-# journal commits, so a batch costs a few commit rounds instead of one per file.
-RELEASE_CHUNKS = 32
 # Status lookups waiting together are answered by one thread call (at most this many at once).
 LOOKUP_BATCH = 256
 
@@ -100,10 +97,10 @@ class Lookups:
 
 @define(eq=False)
 class Releases:
-    """Records releases: side files first (durable), then the index (blocking parts in threads)."""
+    """Records releases: in the index and the facts journal, in one index transaction."""
 
     _index: DeliveryIndex | None
-    _receipts: ReceiptStore
+    _journal: Journal
     _archived: ArchivedIds
     _ids: ObjectIds
     _run: BlockingRunner
@@ -122,20 +119,9 @@ class Releases:
         answers, to_publish = rel.classify(receipt_ids, candidates, archived, self._ids.is_valid)
         published: dict[str, float] = {}
         if to_publish:
-            size = -(-len(to_publish) // RELEASE_CHUNKS)
-            chunks = [to_publish[i : i + size] for i in range(0, len(to_publish), size)]
-            results = await DeferredList(
-                [
-                    self._run(rel.publish_releases, self._receipts, chunk, now, client)
-                    for chunk in chunks
-                ],
-                fireOnOneErrback=True,
-                consumeErrors=True,
+            published = await self._index.run(
+                rel.record_releases, self._journal, to_publish, now, client
             )
-            for _, part in results:
-                published.update(part)
-            await self._run(rel.sync_releases, self._receipts)
-            await self._index.run(rel.record_releases, list(published.items()))
         return rel.finish_answers(receipt_ids, answers, published, now)
 
     def _archived_times(self, object_ids: list[str]) -> dict[str, float]:

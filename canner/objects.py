@@ -26,7 +26,6 @@ from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
 from canner.receipts import ReceiptStore
-from canner.releases import read_release
 
 MAX_QUERY = 1000
 
@@ -174,7 +173,9 @@ class ObjectReader:
             "delivered_at": None,
             "verified_at": None,
             "purged_at": None,
-            "released_at": read_release(receipts, object_id),
+            # Only an indexed, verified object can be released: one the index lacks is either
+            # new, or waiting for the rescan that brings its release back from the journal.
+            "released_at": None,
         }
         present = (self.data_dir / "uploads" / object_id).exists()
         return describe(row, json.loads(receipt.to_json()), self.issuer, present)

@@ -1,10 +1,11 @@
 """HQ release: HQ no longer references a receipt, and canner records ``released_at`` durably.
 
 A release is a fact of its own, beside delivery and the local payload: it never changes the
-delivery state.  Its durable copy is ``receipts/{id}.release.json`` (so a rebuilt index keeps it);
-``objects.released_at`` in ``delivery.sqlite`` mirrors it.  The side file is published once and
-never replaced, so a repeated release answers the first ``released_at``, whoever asks and however
-often.  Only a delivered object whose remote copy was verified may be released.
+delivery state.  ``objects.released_at`` in ``delivery.sqlite`` holds it, set once by a guarded
+update, so a repeated release answers the first ``released_at``, whoever asks and however often;
+its durable copy, which a rebuilt index reads back, is one record in the facts journal
+(:mod:`canner.journal`): a batch of releases is one journal segment.  Only a delivered object
+whose remote copy was verified may be released.
 
 HQ clients authenticate with a bearer token; :class:`TokenFile` holds only SHA-256 digests of the
 tokens (``name sha256:<hex>`` per line) and is re-read when it changes, so removing a client's line
@@ -20,14 +21,13 @@ import json
 import os
 import re
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from attrs import define, field, frozen
 
-from canner import fs
-from canner.receipts import ReceiptStore
+from canner.journal import Journal
 
 MAX_BATCH = 1000
 RELEASED = "released"
@@ -149,72 +149,26 @@ def object_id_of(receipt_id: str) -> str:
     return receipt_id.removeprefix("receipt:") if receipt_id.startswith("receipt:") else ""
 
 
-# -- the side file ---------------------------------------------------------------------------
+# -- the journal record ------------------------------------------------------------------------
+
+RELEASE = "release"
 
 
-def release_name(object_id: str) -> str:
-    return f"{object_id}.release.json"
+def release_record(object_id: str, released_at: float, client: str) -> dict[str, Any]:
+    """What the journal (:mod:`canner.journal`) holds for one release."""
+    return {"kind": RELEASE, "object_id": object_id, "released_at": released_at, "client": client}
 
 
-def release_json(object_id: str, released_at: float, client: str) -> bytes:
-    doc = {"object_id": object_id, "released_at": released_at, "client": client}
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
-
-
-def read_release(receipts: ReceiptStore, object_id: str) -> float | None:
-    """``released_at`` from the side file, or None when there is none."""
-    try:
-        raw = json.loads((receipts.directory / release_name(object_id)).read_bytes())
-    except FileNotFoundError:
+def released_at_of(record: dict[str, Any] | None) -> float | None:
+    """``released_at`` of a journal record (None for no record); ``ValueError`` if malformed."""
+    if record is None:
         return None
-    value = raw["released_at"]
+    value = record.get("released_at")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{release_name(object_id)}: released_at is not a number")
+        raise ValueError(
+            f"release record of {record.get('object_id')}: released_at is not a number"
+        )
     return float(value)
-
-
-def publish_releases(
-    receipts: ReceiptStore, object_ids: Sequence[str], now: float, client: str
-) -> dict[str, float]:
-    """Publish a side file for each id (never replacing one); return each id's ``released_at``:
-    ``now``, or the first release's time when a side file already existed.
-
-    Every file is written (and its writeback started) first and synced after, so one batch
-    costs about one journal commit rather than one per file.  The caller fsyncs ``receipts/``
-    (:func:`sync_releases`) before relying on the names.
-    """
-    directory = receipts.directory
-    staged: list[tuple[str, Path, int]] = []
-    try:
-        for oid in object_ids:
-            temp = directory / f"{fs.TEMP_PREFIX}{release_name(oid)}-{os.urandom(6).hex()}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            staged.append((oid, temp, fd))
-            data = release_json(oid, now, client)
-            os.write(fd, data)
-            # Start every file's writeback first: its blocks join the running journal
-            # transaction, so the first fdatasync below commits them all and the rest are cheap.
-            fs.write_behind(fd, 0, len(data), 0)
-        for _, _, fd in staged:
-            os.fdatasync(fd)
-        result: dict[str, float] = {}
-        for oid, temp, _ in staged:
-            try:
-                os.link(temp, directory / release_name(oid))
-                result[oid] = now
-            except FileExistsError:
-                first = read_release(receipts, oid)
-                assert first is not None
-                result[oid] = first
-        return result
-    finally:
-        for _, temp, fd in staged:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-
-
-def sync_releases(receipts: ReceiptStore) -> None:
-    fs.fsync_dir(receipts.directory)
 
 
 # -- the index -------------------------------------------------------------------------------
@@ -243,15 +197,42 @@ def release_candidates(cur: sqlite3.Cursor, object_ids: Sequence[str]) -> dict[s
     return {oid: Candidate(oid, bool(ok), rel) for oid, ok, rel in cur.fetchall()}
 
 
-def record_releases(cur: sqlite3.Cursor, released: Iterable[tuple[str, float]]) -> int:
-    """Set ``released_at`` where it is not set yet (guarded); returns how many rows changed."""
-    before = cur.connection.total_changes
-    cur.executemany(
-        "UPDATE objects SET released_at = ? WHERE object_id = ? AND released_at IS NULL"
-        " AND state = 'delivered' AND verified_at IS NOT NULL",
-        [(at, oid) for oid, at in released],
+def record_releases(
+    cur: sqlite3.Cursor, journal: Journal, object_ids: Sequence[str], now: float, client: str
+) -> dict[str, float]:
+    """Release ``object_ids`` (delivered and verified, as :func:`classify` found them) in the
+    caller's index transaction; returns each id's ``released_at``: ``now`` where this call set
+    it, the earlier value where a release got there first.
+
+    The guarded update takes the index's write lock; the journal segment of the rows it changed
+    is written and fsynced before the transaction commits, so an answer is only ever given for
+    a time that is durable twice (see :mod:`canner.journal` for why a crash in between is
+    harmless).  An id that is no longer releasable is left out.
+    """
+    ids = list(dict.fromkeys(object_ids))
+    if not ids:
+        return {}
+    marks = ", ".join("?" for _ in ids)
+    cur.execute(
+        "UPDATE objects SET released_at = ? WHERE released_at IS NULL"
+        f" AND state = 'delivered' AND verified_at IS NOT NULL AND object_id IN ({marks})"
+        " RETURNING object_id",
+        [now, *ids],
     )
-    return cur.connection.total_changes - before
+    changed = [oid for (oid,) in cur.fetchall()]
+    if changed:
+        journal.append([release_record(oid, now, client) for oid in changed])
+    result = dict.fromkeys(changed, now)
+    rest = [oid for oid in ids if oid not in result]
+    if rest:
+        marks = ", ".join("?" for _ in rest)
+        cur.execute(
+            "SELECT object_id, released_at FROM objects"
+            f" WHERE released_at IS NOT NULL AND object_id IN ({marks})",
+            rest,
+        )
+        result.update(cur.fetchall())
+    return result
 
 
 def classify(
@@ -303,7 +284,10 @@ def finish_answers(
             done.append(answer)
             continue
         oid = object_id_of(rid)
-        at = published[oid]
+        at = published.get(oid)
+        if at is None:  # no longer releasable since it was classified
+            done.append(ReleaseResult(rid, NOT_DELIVERED))
+            continue
         fresh = at == now and oid not in seen
         seen.add(oid)
         done.append(ReleaseResult(rid, RELEASED if fresh else ALREADY_RELEASED, at))

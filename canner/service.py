@@ -36,6 +36,7 @@ from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
 from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
+from canner.journal import Journal, JournalLookup
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.service import LedgerService, validate_ledger
 from canner.manhole import OperatorHelpers, manhole_service
@@ -76,7 +77,6 @@ Observer = Callable[[Mapping[str, Any]], None]
 
 IO_THREADS = 16
 HASH_THREADS = 2
-RELEASE_THREADS = 32
 LEDGER_THREADS = 32
 
 
@@ -319,15 +319,13 @@ def receiver_service(
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
-    # Release side files are synced from many threads at once (they wait on the disk, not on
-    # the CPU), so concurrent fdatasyncs share journal commits.
     tokens = _hq_tokens(config)
-    release_io = ThreadPoolRunner(reactor, "canner-release", RELEASE_THREADS)
-    release_io.setServiceParent(top)
     hq = HQRoutes(
         Lookups(reader, run),
         reader,
-        Releases(index, receipts, archived, config.object_ids, release_io, reactor),
+        Releases(
+            index, Journal(config.data_dir / "journal"), archived, config.object_ids, run, reactor
+        ),
         tokens,
         run,
     )
@@ -506,19 +504,23 @@ def deliver_service(
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
+        journal = JournalLookup(Journal(config.data_dir / "journal"))
         added = 0
         # One bounded batch at a time: the directory walk advances in a thread, the index says
         # which ids it lacks, and only those are read.
-        while (batch := await io(next, batches, None)) is not None:
-            known = await index.run(sql.known_among, batch)
-            missing = [oid for oid in batch if oid not in known]
-            if missing:
-                # Records a verified ledger owns are never indexed again.
-                missing = await io(_not_archived, archived, missing)
-            if missing:
-                found = await io(read_accepted, receipts, uploads, missing)
-                if found.objects:
-                    added += await index.insert(found.objects)
+        try:
+            while (batch := await io(next, batches, None)) is not None:
+                known = await index.run(sql.known_among, batch)
+                missing = [oid for oid in batch if oid not in known]
+                if missing:
+                    # Records a verified ledger owns are never indexed again.
+                    missing = await io(_not_archived, archived, missing)
+                if missing:
+                    found = await io(read_accepted, receipts, uploads, journal, missing)
+                    if found.objects:
+                        added += await index.insert(found.objects)
+        finally:
+            await io(journal.close)
         if added:
             log.info("rescan added {count} receipts to the delivery index", count=added)
 
@@ -669,6 +671,7 @@ def _ledger_service(
         config.data_dir / "delivery.sqlite",
         LedgerDir(config.data_dir / "ledger"),
         receipts,
+        Journal(config.data_dir / "journal"),
         config.data_dir / "uploads",
         sink,
         io,

@@ -41,7 +41,7 @@ class AcceptedObject:
     accepted_at: int
     # Set when the payload was purged after a verified delivery (rebuilding a lost index).
     delivery: DeliveryRecord | None = None
-    # Set when HQ released the receipt (its receipts/{id}.release.json side file).
+    # Set when HQ released the receipt (its record in the facts journal, canner/journal.py).
     released_at: float | None = None
 
     @classmethod

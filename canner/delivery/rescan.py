@@ -4,22 +4,25 @@
 directory lazily, a batch of ids at a time, so a rescan of millions of receipts never holds them
 all; the caller asks the index which ids of a batch it lacks (``known_among``) and
 :func:`read_accepted` reads those: each receipt with its origin record (or, for a receipt whose
-origin record was never written, the upload's info sidecar) and, for an object whose payload was
-purged after delivery, its delivery record.  A damaged file is reported by path and its object
-skipped (retried at the next rescan), never fatal.  Blocking; run in a thread.
+origin record was never written, the upload's info sidecar), for an object whose payload was
+purged after delivery its delivery record, and its release from the facts journal.  A damaged
+file is reported by path and its object skipped (retried at the next rescan), never fatal.
+Blocking; run in a thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 from attrs import define, field
 from twisted.logger import Logger
 
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
+from canner.journal import JournalLookup
 from canner.receipts import Origin, ReceiptStore
-from canner.releases import read_release, release_name
+from canner.releases import RELEASE, released_at_of
 from canner.tus.store import CorruptInfo, UploadStore
 
 log = Logger()
@@ -65,11 +68,14 @@ def _origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Ori
     return origin
 
 
-def read_accepted(receipts: ReceiptStore, uploads: UploadStore, object_ids: list[str]) -> Found:
-    """Read the receipts of ``object_ids`` with their side files, for insertion in the index."""
+def read_accepted(
+    receipts: ReceiptStore, uploads: UploadStore, journal: JournalLookup, object_ids: list[str]
+) -> Found:
+    """Read the receipts of ``object_ids`` with their side files and journal records, for
+    insertion in the index."""
     found = Found()
     for object_id in object_ids:
-        step = receipts.receipt_path(object_id)
+        step: Path | str = receipts.receipt_path(object_id)
         try:
             receipt = receipts.read(object_id)
             if receipt is None:
@@ -78,8 +84,8 @@ def read_accepted(receipts: ReceiptStore, uploads: UploadStore, object_ids: list
             origin = _origin(receipts, uploads, object_id)
             step = receipts.delivery_path(object_id)
             delivery = receipts.read_delivery(object_id)
-            step = receipts.directory / release_name(object_id)
-            released_at = read_release(receipts, object_id)
+            step = "the journal"
+            released_at = released_at_of(journal.get(object_id, RELEASE))
         except (OSError, ValueError, KeyError, TypeError) as e:
             problem = f"{step}: {e}"
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)

@@ -30,8 +30,16 @@ from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.queue import retry_delay
 from canner.ids import ObjectIds
+from canner.journal import Journal
 from canner.ledger import store
-from canner.ledger.files import SUFFIX, LedgerDir, Manifest, expand, template_placeholders
+from canner.ledger.files import (
+    SUFFIX,
+    ArchivedIds,
+    LedgerDir,
+    Manifest,
+    expand,
+    template_placeholders,
+)
 from canner.ledger.steps import LedgerError, id_batches, remove_local_state, write_ledger
 from canner.receipts import ReceiptStore
 from canner.sinks.internet_archive import IASink
@@ -109,6 +117,7 @@ class LedgerService(Service):
     _db: Path
     _ledgers: LedgerDir
     _receipts: ReceiptStore
+    _journal: Journal
     _uploads: Path
     _sink: IASink
     _run: BlockingRunner
@@ -367,6 +376,9 @@ class LedgerService(Service):
             await self._run(fs.fsync_dir, self._receipts.directory)
             # Files first, rows after: a rebuilt index skips these ids (the manifest says so).
             deleted += await self._index.run(store.delete_records, row.ledger_id, batch)
+        # Journal segments whose every record is archived go too (before the ledger is done: a
+        # crash in between repeats this step).
+        spent = await self._run(self._journal.remove_spent, ArchivedIds(self._ledgers).contains)
         manifest = await self._run(self._read_manifest, row.name)
         await self._run(
             self._ledgers.write_manifest, evolve(manifest, done_at=self._clock.seconds())
@@ -382,6 +394,7 @@ class LedgerService(Service):
             ledger=row.name,
             count=row.records,
             rows=deleted,
+            segments=spent,
         )
 
     def _read_manifest(self, name: str) -> Manifest:

@@ -26,7 +26,6 @@ from canner.delivery.index import BUSY_TIMEOUT_MS
 from canner.ledger import store
 from canner.ledger.files import LedgerDir, id_key, id_record, record_line
 from canner.receipts import ReceiptStore
-from canner.releases import release_name
 
 PAGE = 2000
 ZSTD_LEVEL = 3
@@ -119,10 +118,9 @@ def write_ledger(
 
 
 def side_files(receipts: ReceiptStore, object_id: str) -> list[Path]:
-    """Every file ``receipts/`` holds for an object: the side files, then the receipt."""
-    d = receipts.directory
+    """Every file ``receipts/`` holds for an object: the side files, then the receipt (its
+    release is in the journal, which :meth:`~canner.journal.Journal.remove_spent` prunes)."""
     return [
-        d / release_name(object_id),
         receipts.delivery_path(object_id),
         receipts.origin_path(object_id),
         receipts.receipt_path(object_id),

@@ -92,8 +92,15 @@ def wait_purged(env: Env, ids: list[str], timeout: float = 60.0) -> None:
     wait_for(done, timeout, f"{ids} purged", 0.3, env.describe)
 
 
-def release_file(env: Env, object_id: str) -> Path:
-    return env.data_dir / "receipts" / f"{object_id}.release.json"
+def release_records(env: Env, object_id: str) -> list[dict[str, Any]]:
+    """The object's release records in the facts journal (``journal/*.jsonl``), in order."""
+    found = []
+    for segment in sorted((env.data_dir / "journal").glob("*.jsonl")):
+        for line in segment.read_bytes().splitlines():
+            record = json.loads(line)
+            if record["object_id"] == object_id and record["kind"] == "release":
+                found.append(record)
+    return found
 
 
 def canner(env: Env, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

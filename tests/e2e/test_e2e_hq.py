@@ -2,7 +2,7 @@
 
 A real receiver and canner-deliver deliver to the fake IA; HQ's requests go over HTTP with a
 bearer token whose SHA-256 is in the ``[hq] tokens`` file.  Every check is what HQ or an operator
-sees: the JSON answers, the side files next to the receipts and ``canner deliveries``.
+sees: the JSON answers, the facts journal (``journal/``) and ``canner deliveries``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hq_support import (
     canner,
     hq_tables,
     release,
-    release_file,
+    release_records,
     status,
     tokens_line,
     wait_verified,
@@ -79,13 +79,13 @@ def test_status_query_shows_three_independent_facts(hq_env: Env) -> None:
 def test_release_before_verification_is_refused_then_succeeds(hq_env: Env) -> None:
     """A release before the remote copy is verified answers not_delivered and changes nothing;
     once verified it answers released, and a repeat answers already_released with the same
-    released_at; the side file and the index agree."""
+    released_at; the journal and the index agree."""
     env = hq_env
     oid = env.upload(b"release me later\n" * 50)
     r = release(env, [f"receipt:{oid}"])
     assert r.status_code == 200, r.text
     assert r.json()["results"] == [{"id": f"receipt:{oid}", "status": "not_delivered"}]
-    assert not release_file(env, oid).exists()
+    assert release_records(env, oid) == []
     wait_verified(env, [oid])
     first = release(env, [f"receipt:{oid}", "receipt:" + "0" * 32, f"receipt:{oid}", "x"])
     assert first.status_code == 200
@@ -103,8 +103,9 @@ def test_release_before_verification_is_refused_then_succeeds(hq_env: Env) -> No
     assert again == [
         {"id": f"receipt:{oid}", "status": "already_released", "released_at": released_at}
     ]
-    side = json.loads(release_file(env, oid).read_bytes())
-    assert side["released_at"] == released_at and side["client"] == "hq"
+    # One journal record, from the first release only.
+    [record] = release_records(env, oid)
+    assert record["released_at"] == released_at and record["client"] == "hq"
     assert env.row(oid)["released_at"] == released_at
     assert status(env, oid).json()["hq"] == {"released_at": released_at}
     # The delivery part is untouched by the release.
@@ -113,7 +114,7 @@ def test_release_before_verification_is_refused_then_succeeds(hq_env: Env) -> No
 
 def test_bad_tokens_are_401_and_change_nothing(hq_env: Env) -> None:
     """Wrong token, missing token, and the token of a client removed from the tokens file: 401
-    with a JSON error, no side file, no released_at; the failures are logged with the client
+    with a JSON error, no journal record, no released_at; the failures are logged with the client
     address."""
     env = hq_env
     oid = env.upload(b"never released\n" * 40)
@@ -135,7 +136,7 @@ def test_bad_tokens_are_401_and_change_nothing(hq_env: Env) -> None:
     tokens.write_text(tokens_line("hq", TOKEN))
     r = release(env, [f"receipt:{oid}"], token=OTHER_TOKEN)
     assert r.status_code == 401
-    assert not release_file(env, oid).exists()
+    assert release_records(env, oid) == []
     assert env.row(oid)["released_at"] is None
     log = env.receiver.log_text()
     assert "release refused from 127.0.0.1" in log
@@ -153,7 +154,7 @@ def test_bad_tokens_are_401_and_change_nothing(hq_env: Env) -> None:
 
 def test_operator_release_and_rebuilt_index_keeps_released_at(hq_env: Env) -> None:
     """``canner release`` releases like HQ; after the index is deleted, rebuild-index brings
-    released_at back from the side files."""
+    released_at back from the facts journal."""
     env = hq_env
     a = env.upload(b"operator release a\n" * 30)
     b = env.upload(b"operator release b\n" * 30)

@@ -22,6 +22,7 @@ from hq_support import (
     ledgers,
     local_lines,
     release,
+    release_records,
     remote_lines,
     status,
     wait_purged,
@@ -45,6 +46,7 @@ def archivable(env: Env, count: int, tag: str) -> dict[str, bytes]:
     receipts = {oid: env.receiver.request("GET", f"/api/v1/receipts/{oid}").content for oid in ids}
     answers = release(env, [f"receipt:{oid}" for oid in ids]).json()["results"]
     assert [a["status"] for a in answers] == ["released"] * count
+    assert all(len(release_records(env, oid)) == 1 for oid in ids)
     return receipts
 
 
@@ -60,9 +62,9 @@ def test_flush_archives_released_records_in_a_verified_ledger(
     env_factory: Callable[..., Env],
 ) -> None:
     """canner ledger flush writes, uploads and verifies one ledger; its lines (sorted by object
-    id) carry each receipt byte for byte; then the receipts, side files and rows are gone, the
-    status query says where the record is, a repeated release answers the same released_at, and
-    a rebuilt index does not bring the objects back."""
+    id) carry each receipt byte for byte; then the receipts, side files, rows and journal records
+    are gone, the status query says where the record is, a repeated release answers the same
+    released_at, and a rebuilt index does not bring the objects back."""
     env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
     receipts = archivable(env, 3, "ledger")
     kept = env.upload(b"not released\n" * 10)
@@ -92,6 +94,7 @@ def test_flush_archives_released_records_in_a_verified_ledger(
     rows = env.rows()
     for n, oid in enumerate(ordered, start=1):
         assert receipt_files(env, oid) == []
+        assert release_records(env, oid) == []
         assert oid not in rows
         doc = status(env, oid).json()
         assert doc["archived"]["ledger"] == ledger["name"]

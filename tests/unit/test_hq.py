@@ -24,6 +24,7 @@ from canner.delivery.index import (
     upgrade_schema,
 )
 from canner.ids import ObjectIds
+from canner.journal import Journal, JournalLookup
 from canner.ledger import store
 from canner.ledger.files import (
     ArchivedIds,
@@ -109,7 +110,7 @@ def test_release_answers_cover_every_case() -> None:
         ("already_released", 9.0),
         ("unknown", None),
     ]
-    # A side file from an earlier (crashed) release wins: the same time as the first time.
+    # An earlier release (another process's, committed first) wins: the first time stands.
     assert rel.finish_answers(ids[:1], answers[:1], {a: 7.0}, 9.0)[0].status == "already_released"
 
 
@@ -120,22 +121,6 @@ def test_release_request_bodies() -> None:
     for bad in (b"", b"{", b"[]", b"[1]", b'{"x": []}', json.dumps(["a"] * 1001).encode()):
         with pytest.raises(ValueError):
             rel.parse_release_request(bad)
-
-
-def test_side_files_are_published_once(tmp_path: Path) -> None:
-    """A second release keeps the first time; the files hold the client's name."""
-    receipts = ReceiptStore(tmp_path)
-    assert rel.publish_releases(receipts, ["a" * 32], 10.0, "hq") == {"a" * 32: 10.0}
-    assert rel.publish_releases(receipts, ["a" * 32, "b" * 32], 20.0, "hq2") == {
-        "a" * 32: 10.0,
-        "b" * 32: 20.0,
-    }
-    assert rel.read_release(receipts, "a" * 32) == 10.0
-    assert json.loads((tmp_path / f"{'a' * 32}.release.json").read_bytes())["client"] == "hq"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"{'a' * 32}.release.json",
-        f"{'b' * 32}.release.json",
-    ]
 
 
 # -- periods and records ---------------------------------------------------------------------------
@@ -188,6 +173,80 @@ def _released(conn: sqlite3.Connection, oid: str, released: float, purged: float
         " delivered_at = ?, verified_at = ?, purged_at = ?, released_at = ? WHERE object_id = ?",
         (T0, T0, purged, released, oid),
     )
+
+
+# -- the release journal -----------------------------------------------------------------------
+
+
+def _verified(conn: sqlite3.Connection, oid: str) -> None:
+    _released(conn, oid, None, None)  # type: ignore[arg-type]
+
+
+def _release(conn: sqlite3.Connection, journal: Journal, ids: list[str], now: float) -> Any:
+    cur = conn.cursor()
+    cur.execute("BEGIN IMMEDIATE")
+    result = rel.record_releases(cur, journal, ids, now, "hq")
+    cur.execute("COMMIT")
+    return result
+
+
+def test_a_release_batch_is_one_journal_segment_and_the_first_time_stands(tmp_path: Path) -> None:
+    """A batch writes one segment holding only the rows it changed; a repeat answers the first
+    released_at and writes nothing; an unverified id is left out."""
+    conn = _db(tmp_path)
+    journal = Journal(tmp_path / "journal")
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    _verified(conn, a)
+    _verified(conn, b)
+    insert_objects(conn.cursor(), [_accepted(c)], T0)  # pending: not releasable
+    assert _release(conn, journal, [a], 10.0) == {a: 10.0}
+    assert _release(conn, journal, [a, b, c], 20.0) == {a: 10.0, b: 20.0}
+    assert journal.segments() == ["000000000001.jsonl", "000000000002.jsonl"]
+    assert [r["object_id"] for r in journal.read("000000000002.jsonl")] == [b]
+    assert list(journal.read("000000000001.jsonl")) == [
+        {"kind": "release", "object_id": a, "released_at": 10.0, "client": "hq"}
+    ]
+    assert _release(conn, journal, [a, b], 30.0) == {a: 10.0, b: 20.0}
+    assert len(journal.segments()) == 2
+    assert get_row(conn.cursor(), c).released_at is None  # type: ignore[union-attr]
+
+
+def test_a_record_left_by_a_crash_is_superseded_by_the_release_that_committed(
+    tmp_path: Path,
+) -> None:
+    """A segment written before a crash (its transaction never committed) precedes the one of
+    the release that did: a rebuild reads the committed time."""
+    conn = _db(tmp_path)
+    journal = Journal(tmp_path / "journal")
+    a = "a" * 32
+    _verified(conn, a)
+    journal.append([rel.release_record(a, 5.0, "hq")])  # the crashed attempt's record
+    assert _release(conn, journal, [a], 9.0) == {a: 9.0}
+    lookup = JournalLookup(journal)
+    try:
+        assert rel.released_at_of(lookup.get(a, rel.RELEASE)) == 9.0
+        assert lookup.get("b" * 32, rel.RELEASE) is None
+    finally:
+        lookup.close()
+
+
+def test_spent_segments_go_and_a_damaged_one_is_named(tmp_path: Path) -> None:
+    """remove_spent deletes only segments whose every object is spent; a line that does not
+    parse is an error naming the segment and line."""
+    journal = Journal(tmp_path / "journal")
+    assert journal.segments() == [] and journal.remove_spent(lambda oid: True) == 0
+    first = journal.append([rel.release_record("a", 1.0, "hq"), rel.release_record("b", 1.0, "hq")])
+    second = journal.append([rel.release_record("c", 2.0, "hq")])
+    assert journal.remove_spent(lambda oid: oid in {"a", "c"}) == 1
+    assert journal.segments() == [first]
+    # A new segment always sorts after every one still on disk.
+    assert second == "000000000002.jsonl"
+    assert journal.append([rel.release_record("d", 3.0, "hq")]) > first
+    (journal.directory / first).write_bytes(b'{"kind":"release","object_id":"a"}\n{"kind"\n')
+    with pytest.raises(ValueError, match=f"{first}: line 2"):
+        list(journal.read(first))
+    with pytest.raises(ValueError, match="line 2"):
+        JournalLookup(journal).get("a", rel.RELEASE)
 
 
 def test_records_are_assigned_once_per_closed_period(tmp_path: Path) -> None:

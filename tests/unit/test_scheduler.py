@@ -352,6 +352,7 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     from canner.checksum import Checksum
     from canner.delivery.rescan import read_accepted
     from canner.ids import ObjectIds
+    from canner.journal import Journal, JournalLookup
     from canner.receipts import Origin, Receipt
 
     h = Harness(tmp_path)
@@ -369,7 +370,9 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
     rebuilt = SyncIndex(tmp_path / "rebuilt.sqlite")
-    found = read_accepted(h.receipts, h.uploads, list(h.receipts.object_ids()))
+    journal = JournalLookup(Journal(tmp_path / "journal"))
+    found = read_accepted(h.receipts, h.uploads, journal, list(h.receipts.object_ids()))
+    journal.close()
     assert ObjectIds().is_valid(oid) and found.problems == []
     rebuilt.run(sql.insert_objects, found.objects, h.clock.seconds())
     again = rebuilt.run(sql.get_row, oid).result

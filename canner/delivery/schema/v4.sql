@@ -1,7 +1,7 @@
 -- delivery.sqlite, version 4: HQ release and the ledger (issue 10).  Only adds; it applies on
 -- top of version 2 or 3 alike.
 -- released_at: HQ no longer references the receipt (a fact of its own, beside delivery and the
--- local payload; its durable copy is receipts/{id}.release.json).  ledger_id: the ledger this
+-- local payload; its durable copy is in the facts journal, journal/).  ledger_id: the ledger this
 -- object's record was assigned to (set once, in the transaction that creates the ledger).
 ALTER TABLE objects ADD COLUMN released_at REAL;
 ALTER TABLE objects ADD COLUMN ledger_id INTEGER;
