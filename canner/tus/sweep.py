@@ -72,7 +72,11 @@ def sweep_stale(
                 report.removed.append(upload_id)
         finally:
             locked.close()
-    for directory in (uploads.directory, receipts.directory):
+    # journal/ sits beside receipts/ in the data directory (release segments' temp files).
+    journal = receipts.directory.parent / "journal"
+    for directory in (uploads.directory, receipts.directory, journal):
+        if not directory.exists():
+            continue
         for temp in list(fs.orphaned_temps(directory, now)):
             temp.unlink(missing_ok=True)
             report.temps_removed += 1

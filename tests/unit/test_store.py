@@ -100,13 +100,24 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
     _age(uploads, fresh, now - 60)
     temp = fs.write_temp(uploads.directory, "x", b"", sync=False)
     os.utime(temp, (now - 7200, now - 7200))
+    # A journal segment's temp file left by a crash goes too; a fresh one and a segment stay.
+    journal = receipts.directory.parent / "journal"
+    journal.mkdir()
+    stale_segment = fs.write_temp(journal, "000000000001.jsonl", b"{}", sync=False)
+    os.utime(stale_segment, (now - 7200, now - 7200))
+    fresh_segment = fs.write_temp(journal, "000000000002.jsonl", b"{}", sync=False)
+    os.utime(fresh_segment, (now - 60, now - 60))
+    (journal / "000000000001.jsonl").write_bytes(b"{}\n")
 
     report = sweep_stale(uploads, receipts, IDS, now, retention=1800)
     lock.close()
 
     assert sorted(report.removed) == sorted([idle, orphan])
     assert report.skipped_corrupt == [corrupt]
-    assert report.temps_removed == 1
+    assert report.temps_removed == 2
+    assert sorted(p.name for p in journal.iterdir()) == sorted(
+        ["000000000001.jsonl", fresh_segment.name]
+    )
     remaining = {p.name for p in uploads.directory.iterdir()}
     assert idle not in remaining and f"{idle}.info" not in remaining and orphan not in remaining
     for oid in (fresh, accepted, busy):
