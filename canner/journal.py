@@ -6,14 +6,19 @@ later to delete (10,000 a second) as the whole rest of its record, and the ledge
 the journal no longer needs one segment at a time.
 
 Segments are named by a sequence number (``000000000042.jsonl``), one higher than the highest
-on disk.  A writer takes the number while it holds ``delivery.sqlite``'s write lock, so numbers
-follow commit order across processes; a fact is written before the transaction that records it
-in the index commits, so a crash in between leaves a record nobody was told about, always
-before the one that was.  Readers therefore take, per object and kind, the **last** record in
-segment order.
+on disk, and readers take, per object and kind, the **last** record in segment and line order.
+That is the true one because each kind has one ordered writer: a release segment takes its
+number while its writer holds ``delivery.sqlite``'s write lock (so numbers follow commit order
+across processes), and is written before that transaction commits, so a crash in between leaves
+a record nobody was told about, always before the one that was; delivery records come from the
+one canner-deliver that holds ``deliver.lock``, appended in order, and a purge that a crash cut
+short writes its record again.
 
 Every line is ``{"kind": ..., "object_id": ..., ...}``; what a kind holds is its writer's
-business (:mod:`canner.releases`).  Blocking; run it in a thread.
+business (:mod:`canner.releases`, :mod:`canner.delivery.purge`).  Releases come in batches and
+write a segment each (:meth:`Journal.append`); delivery records come one purge at a time and
+are appended to canner-deliver's open segment (:class:`JournalLog`).  Blocking; run it in a
+thread.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import json
 import os
 import re
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +57,7 @@ class Journal:
         """Write ``records`` as the next segment, durably (file and directory entry fsynced);
         returns its name.  The caller holds the index's write lock (see the module docstring)."""
         self.directory.mkdir(exist_ok=True)
-        data = b"".join(
-            json.dumps(r, separators=(",", ":"), sort_keys=True).encode("utf-8") + b"\n"
-            for r in records
-        )
+        data = _lines(records)
         existing = self.segments()
         sequence = int(existing[-1][:12]) + 1 if existing else 1
         while True:
@@ -70,6 +73,10 @@ class Journal:
         ``ValueError`` naming the segment and line."""
         with open(self.directory / name, "rb") as f:
             for number, line in enumerate(f, start=1):
+                if not line.endswith(b"\n"):
+                    # The tail of an append that a crash cut short (or one still being
+                    # written): its writer was never told it was durable.
+                    return
                 try:
                     record = json.loads(line)
                     if not isinstance(record, dict) or not isinstance(record.get("object_id"), str):
@@ -78,17 +85,103 @@ class Journal:
                     raise ValueError(f"{self.directory / name}: line {number}: {e}") from None
                 yield record
 
-    def remove_spent(self, spent: Callable[[str], bool]) -> int:
+    def remove_spent(self, spent: Callable[[str], bool], keep: Container[str] = ()) -> int:
         """Delete every segment all of whose objects are ``spent`` (their records archived in a
-        verified ledger); returns how many went."""
+        verified ledger), except those in ``keep`` (a log's open segment); returns how many
+        went."""
         removed = 0
         for name in self.segments():
-            if all(spent(r["object_id"]) for r in self.read(name)):
+            if name not in keep and all(spent(r["object_id"]) for r in self.read(name)):
                 (self.directory / name).unlink(missing_ok=True)
                 removed += 1
         if removed:
             fs.fsync_dir(self.directory)
         return removed
+
+
+def _lines(records: Sequence[Mapping[str, Any]]) -> bytes:
+    return b"".join(
+        json.dumps(r, separators=(",", ":"), sort_keys=True).encode("utf-8") + b"\n"
+        for r in records
+    )
+
+
+class JournalLog:
+    """One process's open segment, appended to: a record costs one ``fdatasync``, no file.
+
+    For facts written one at a time by a single writer (canner-deliver's delivery records,
+    under its ``deliver.lock``).  A new segment is opened at the first append after a start, after
+    :data:`ROTATE_AFTER` records, and after a failed write or sync (whose file's state is then
+    unknown: it is never appended to again).  A crash mid-append leaves a torn last line, which
+    readers skip.  Thread-safe; blocking.
+    """
+
+    ROTATE_AFTER = 10_000
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._name: str | None = None
+        self._count = 0
+
+    @property
+    def open_segment(self) -> str | None:
+        return self._name
+
+    def append(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` durably (written and fdatasynced before this returns)."""
+        data = _lines(records)
+        with self._lock:
+            if self._fd is None or self._count >= self.ROTATE_AFTER:
+                self._open()
+            assert self._fd is not None
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view) :]
+                os.fdatasync(self._fd)
+            except OSError:
+                self._close()
+                raise
+            self._count += len(records)
+
+    def _open(self) -> None:
+        self._close()
+        directory = self.journal.directory
+        directory.mkdir(exist_ok=True)
+        existing = self.journal.segments()
+        sequence = int(existing[-1][:12]) + 1 if existing else 1
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        while True:
+            name = f"{sequence:012d}.jsonl"
+            try:
+                fd = os.open(directory / name, flags, 0o644)
+                break
+            except FileExistsError:
+                sequence += 1
+        try:
+            fs.fsync_dir(directory)  # the name is durable before any record relies on it
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd, self._name, self._count = fd, name, 0
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._name = None, None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def remove_spent(self, spent: Callable[[str], bool]) -> int:
+        """:meth:`Journal.remove_spent`, never of the open segment, and with appends held off
+        meanwhile (a segment opened during the pass could otherwise look empty, hence spent)."""
+        with self._lock:
+            keep = () if self._name is None else (self._name,)
+            return self.journal.remove_spent(spent, keep)
 
 
 class JournalLookup:

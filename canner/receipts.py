@@ -4,9 +4,10 @@ The value half is pure: :class:`Receipt` is SavewebHQ's six-field ``ArtifactRece
 :meth:`Receipt.to_json` its exact wire form.  :class:`ReceiptStore` owns ``receipts/``:
 ``{id}.json`` is the receipt (its existence is the acceptance commit point) and ``{id}.meta.json``
 records the project and filename, so the delivery index can be rebuilt from this directory alone.
-Once a delivered payload is purged, ``{id}.delivery.json`` records where it went, so a lost index
-is rebuilt with that object delivered.  All store methods block; call them through a blocking
-runner.
+Before a delivered payload is purged, a delivery record (where it went) joins the facts journal
+(:mod:`canner.journal`), so a lost index is rebuilt with that object delivered; data directories
+of version 0.1 hold it in ``{id}.delivery.json``, which is still read.  All store methods
+block; call them through a blocking runner.
 """
 
 from __future__ import annotations
@@ -127,6 +128,23 @@ _DELIVERY_FIELDS = (
 def parse_delivery(data: bytes) -> DeliveryRecord:
     raw: Any = json.loads(data)
     return DeliveryRecord(*(raw[k] for k in _DELIVERY_FIELDS))
+
+
+DELIVERY = "delivery"
+
+
+def delivery_journal_record(object_id: str, record: DeliveryRecord) -> dict[str, Any]:
+    """The facts journal's copy of a delivery record (:mod:`canner.journal`)."""
+    return {
+        "kind": DELIVERY,
+        "object_id": object_id,
+        **{k: getattr(record, k) for k in _DELIVERY_FIELDS},
+    }
+
+
+def delivery_of(record: dict[str, Any] | None) -> DeliveryRecord | None:
+    """The delivery record a journal record holds (None for none); ``KeyError`` if malformed."""
+    return None if record is None else DeliveryRecord(*(record[k] for k in _DELIVERY_FIELDS))
 
 
 def parse_origin(data: bytes) -> Origin:

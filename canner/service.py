@@ -36,7 +36,7 @@ from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
 from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
-from canner.journal import Journal, JournalLookup
+from canner.journal import Journal, JournalLog, JournalLookup
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.service import LedgerService, validate_ledger
 from canner.manhole import OperatorHelpers, manhole_service
@@ -493,6 +493,7 @@ def deliver_service(
 
     def stopped() -> None:
         pool.close()
+        delivery_log.close()
         lock.release()
 
     top = _DeliverRoot(stopped)
@@ -500,7 +501,9 @@ def deliver_service(
     hashing.setServiceParent(top)
     ids = config.object_ids
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
-    ledger = _ledger_service(config, index, receipts, io, reactor, top)
+    # canner-deliver's delivery records; its ledger prunes the journal around the open segment.
+    delivery_log = JournalLog(Journal(config.data_dir / "journal"))
+    ledger = _ledger_service(config, index, receipts, delivery_log, io, reactor, top)
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
@@ -542,7 +545,7 @@ def deliver_service(
     scheduler = DeliveryService(
         index,
         uploads,
-        receipts,
+        delivery_log,
         object_sinks,
         retention,
         io,
@@ -642,6 +645,7 @@ def _ledger_service(
     config: Config,
     index: DeliveryIndex,
     receipts: ReceiptStore,
+    journal: JournalLog,
     io: BlockingRunner,
     reactor: Any,
     top: MultiService,
@@ -671,7 +675,7 @@ def _ledger_service(
         config.data_dir / "delivery.sqlite",
         LedgerDir(config.data_dir / "ledger"),
         receipts,
-        Journal(config.data_dir / "journal"),
+        journal,
         config.data_dir / "uploads",
         sink,
         io,

@@ -3,14 +3,15 @@
 A delivered object's payload may go once IA's metadata shows the remote file with the right size
 and MD5 (``verified_at``) and its project's retention has passed since delivery.  Deleting is
 idempotent: a file already gone counts as deleted.  The receipt always stays, and a delivery record
-joins it first, so a rebuilt index knows the purged object was delivered.
+is appended to the facts journal first, so a rebuilt index knows the purged object was delivered.
 """
 
 from __future__ import annotations
 
 from canner import fs
 from canner.delivery.index import QueueRow
-from canner.receipts import DeliveryRecord, ReceiptStore
+from canner.journal import JournalLog
+from canner.receipts import DeliveryRecord, delivery_journal_record
 from canner.tus.store import UploadStore
 
 
@@ -41,11 +42,11 @@ def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
     )
 
 
-def delete_payload(uploads: UploadStore, receipts: ReceiptStore, row: QueueRow, now: float) -> None:
-    """Record the delivery next to the receipt (durably), then delete the artifact, its tus info
+def delete_payload(uploads: UploadStore, journal: JournalLog, row: QueueRow, now: float) -> None:
+    """Record the delivery in the facts journal (durably), then delete the artifact, its tus info
     sidecar and any tus temp files; missing is done."""
     object_id = row.object_id
-    receipts.record_delivery(object_id, delivery_record(row, now))
+    journal.append([delivery_journal_record(object_id, delivery_record(row, now))])
     uploads.remove(object_id)
     prefix = f"{fs.TEMP_PREFIX}{object_id}"
     for entry in uploads.directory.iterdir():

@@ -5,7 +5,8 @@ directory lazily, a batch of ids at a time, so a rescan of millions of receipts 
 all; the caller asks the index which ids of a batch it lacks (``known_among``) and
 :func:`read_accepted` reads those: each receipt with its origin record (or, for a receipt whose
 origin record was never written, the upload's info sidecar), for an object whose payload was
-purged after delivery its delivery record, and its release from the facts journal.  A damaged
+purged after delivery its delivery record and, for a released one, its release: both from the
+facts journal (or a delivery side file in a data directory of version 0.1).  A damaged
 file is reported by path and its object skipped (retried at the next rescan), never fatal.
 Blocking; run in a thread.
 """
@@ -21,7 +22,7 @@ from twisted.logger import Logger
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
 from canner.journal import JournalLookup
-from canner.receipts import Origin, ReceiptStore
+from canner.receipts import DELIVERY, Origin, ReceiptStore, delivery_of
 from canner.releases import RELEASE, released_at_of
 from canner.tus.store import CorruptInfo, UploadStore
 
@@ -82,8 +83,11 @@ def read_accepted(
                 continue  # vanished since it was listed
             step = receipts.origin_path(object_id)
             origin = _origin(receipts, uploads, object_id)
-            step = receipts.delivery_path(object_id)
-            delivery = receipts.read_delivery(object_id)
+            step = "the journal"
+            delivery = delivery_of(journal.get(object_id, DELIVERY))
+            if delivery is None:  # a data directory of version 0.1: a side file
+                step = receipts.delivery_path(object_id)
+                delivery = receipts.read_delivery(object_id)
             step = "the journal"
             released_at = released_at_of(journal.get(object_id, RELEASE))
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -45,7 +45,7 @@ from canner.delivery.queue import (
     retry_delay,
     unlisted,
 )
-from canner.receipts import ReceiptStore
+from canner.journal import JournalLog
 from canner.sinks.base import DeliveryFailed, RemoteCheck, Sink
 from canner.tus.store import UploadStore
 
@@ -68,7 +68,7 @@ class DeliveryService(Service):
 
     _index: Index
     _uploads: UploadStore
-    _receipts: ReceiptStore
+    _journal: JournalLog
     _sinks: Mapping[str, Sink]
     _retention: Mapping[str, float]
     _run: BlockingRunner
@@ -353,7 +353,7 @@ class DeliveryService(Service):
             return
         if purge_is_due(row, now):
             try:
-                await self._run(delete_payload, self._uploads, self._receipts, row, now)
+                await self._run(delete_payload, self._uploads, self._journal, row, now)
             except OSError as e:
                 log.error(
                     "purging {object_id} failed, retrying in a minute: {error}",

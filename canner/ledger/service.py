@@ -30,7 +30,7 @@ from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.queue import retry_delay
 from canner.ids import ObjectIds
-from canner.journal import Journal
+from canner.journal import JournalLog
 from canner.ledger import store
 from canner.ledger.files import (
     SUFFIX,
@@ -117,7 +117,7 @@ class LedgerService(Service):
     _db: Path
     _ledgers: LedgerDir
     _receipts: ReceiptStore
-    _journal: Journal
+    _journal: JournalLog
     _uploads: Path
     _sink: IASink
     _run: BlockingRunner

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from canner.delivery.index import (
     upgrade_schema,
 )
 from canner.ids import ObjectIds
-from canner.journal import Journal, JournalLookup
+from canner.journal import Journal, JournalLog, JournalLookup
 from canner.ledger import store
 from canner.ledger.files import (
     ArchivedIds,
@@ -396,3 +397,57 @@ def test_schema_v4_applies_on_top_of_a_v3_that_adds_its_own_tables(tmp_path: Pat
     assert {"package_id", "released_at", "ledger_id"} <= columns
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"packages", "ledgers", "ledger_flush"} <= tables
+
+
+def test_the_delivery_log_appends_to_one_open_segment_and_survives_a_torn_tail(
+    tmp_path: Path,
+) -> None:
+    """Appends share the open segment (no file per record); a crash's torn last line is skipped
+    by readers; a restarted writer opens a new segment; pruning never takes the open one."""
+    journal = Journal(tmp_path / "journal")
+    log = JournalLog(journal)
+    log.append([{"kind": "delivery", "object_id": "a", "purged_at": 1.0}])
+    log.append([{"kind": "delivery", "object_id": "b", "purged_at": 2.0}])
+    [first] = journal.segments()
+    assert log.open_segment == first
+    with open(journal.directory / first, "ab") as f:  # a crash in the middle of an append
+        f.write(b'{"kind":"delivery","object_id":"c"')
+    assert [r["object_id"] for r in journal.read(first)] == ["a", "b"]
+    log.close()
+    again = JournalLog(journal)  # the next start
+    again.append([{"kind": "delivery", "object_id": "a", "purged_at": 3.0}])
+    assert journal.segments() == [first, again.open_segment]
+    lookup = JournalLookup(journal)
+    assert lookup.get("a", "delivery") == {"kind": "delivery", "object_id": "a", "purged_at": 3.0}
+    assert lookup.get("c", "delivery") is None
+    lookup.close()
+    assert again.remove_spent(lambda oid: True) == 1
+    assert journal.segments() == [again.open_segment]
+    again.close()
+
+
+def test_the_delivery_log_rotates_and_never_appends_after_a_failed_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ROTATE_AFTER records a new segment opens; a failed fdatasync abandons the segment
+    (its state is unknown) and the next append goes to a new one."""
+    journal = Journal(tmp_path / "journal")
+    log = JournalLog(journal)
+    monkeypatch.setattr(JournalLog, "ROTATE_AFTER", 2)
+    for name in "abc":
+        log.append([{"kind": "delivery", "object_id": name}])
+    assert len(journal.segments()) == 2
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        log.append([{"kind": "delivery", "object_id": "d"}])
+    assert log.open_segment is None
+    monkeypatch.setattr(os, "fdatasync", real)
+    log.append([{"kind": "delivery", "object_id": "e"}])
+    assert len(journal.segments()) == 3
+    assert [r["object_id"] for r in journal.read(journal.segments()[-1])] == ["e"]
+    log.close()

@@ -29,7 +29,8 @@ from canner.delivery.queue import (
     unlisted,
 )
 from canner.delivery.scheduler import DeliveryService
-from canner.receipts import ReceiptStore
+from canner.journal import Journal, JournalLog, JournalLookup
+from canner.receipts import DELIVERY, ReceiptStore, delivery_of
 from canner.sinks.base import RemoteCheck
 from canner.tus.store import UploadStore
 from tests.fakes import FakeSink, SyncIndex
@@ -93,6 +94,7 @@ class Harness:
         (tmp_path / "receipts").mkdir()
         self.uploads = UploadStore(tmp_path / "uploads")
         self.receipts = ReceiptStore(tmp_path / "receipts")
+        self.journal = Journal(tmp_path / "journal")
         self.index = SyncIndex(tmp_path / "delivery.sqlite")
         self.clock = Clock()
         self.clock.advance(1_000_000)
@@ -100,7 +102,7 @@ class Harness:
         self.service = DeliveryService(
             self.index,
             self.uploads,
-            self.receipts,
+            JournalLog(self.journal),
             {"example": self.sink},
             {"example": RETENTION},
             run_inline,
@@ -231,7 +233,9 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
     assert not harness.uploads.info_path(oid).exists()
     row = harness.row(oid)
     assert row.state == "delivered" and row.purged_at == harness.clock.seconds()
-    record = harness.receipts.read_delivery(oid)
+    lookup = JournalLookup(harness.journal)
+    record = delivery_of(lookup.get(oid, DELIVERY))
+    lookup.close()
     assert record is not None
     assert (record.identifier, record.purged_at) == (f"item-{oid}", row.purged_at)
 
@@ -352,7 +356,6 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     from canner.checksum import Checksum
     from canner.delivery.rescan import read_accepted
     from canner.ids import ObjectIds
-    from canner.journal import Journal, JournalLookup
     from canner.receipts import Origin, Receipt
 
     h = Harness(tmp_path)
