@@ -10,10 +10,11 @@
    is one thread: queries/s per CPU-second is the one-core figure).
 2. **Releases**: ``POST /api/v1/releases`` with batches of 1,000 ids of the same receiver
    (each answered only once its journal segment and index rows are durable); prints ids/s.
-3. **Archiving**: a second data directory with ``--archive`` released, purged records (receipt,
-   origin and delivery files each, their releases in journal segments, as in production), a real
-   ``twistd canner-deliver`` with ``[ledger] delay = "0s"`` uploading to ``tests/fake_ia.py``,
-   and ``canner ledger flush``; prints the time of each step and the deliver process's peak RSS.
+3. **Archiving**: a second data directory with ``--archive`` released, purged records (receipt
+   and origin files each, their delivery records and releases in the facts journal, as in
+   production), a real ``twistd canner-deliver`` with ``[ledger] delay = "0s"`` uploading to
+   ``tests/fake_ia.py``, and ``canner ledger flush``; prints the time of each step and the
+   deliver process's peak RSS.
 
 Everything runs on loopback in a temporary directory under ``--work`` (removed at the end).
 The machine is shared: numbers are noisy, run it twice.
@@ -42,7 +43,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 from canner.delivery.index import upgrade_schema  # noqa: E402
-from canner.journal import Journal  # noqa: E402
+from canner.journal import Journal, JournalLog  # noqa: E402
+from canner.receipts import DeliveryRecord, delivery_journal_record  # noqa: E402
 from canner.releases import release_record  # noqa: E402
 
 VENV = ROOT / ".venv" / "bin"
@@ -111,26 +113,30 @@ def fill_index(db: Path, count: int, released: bool) -> None:
     conn.close()
 
 
-def write_files(receipts: Path, ids: list[str], everything: bool) -> None:
-    """The receipt of each id; with ``everything`` its origin and delivery files and a journal
-    segment of releases for every 1,000 ids (as HQ's batches make them)."""
+def write_files(data_dir: Path, ids: list[str], everything: bool) -> None:
+    """The receipt of each id; with ``everything`` its origin file too, and, as production makes
+    them, its delivery record appended to a journal log and its release in a journal segment of
+    1,000 ids (HQ's batch)."""
+    receipts = data_dir / "receipts"
     for oid in ids:
         (receipts / f"{oid}.json").write_bytes(receipt_bytes(oid))
         if everything:
             (receipts / f"{oid}.meta.json").write_bytes(
                 b'{"object_id":"%s","project":"bench","filename":"f.warc"}' % oid.encode()
             )
-            (receipts / f"{oid}.delivery.json").write_bytes(
-                b'{"object_id":"%s","identifier":"bench-%s","remote_name":"f.warc",'
-                b'"content_md5":"%s","delivered_at":1,"verified_at":2,"purge_after":3,'
-                b'"purged_at":4}' % (oid.encode(), oid.encode(), oid.encode())
-            )
-    if everything:
-        journal = Journal(receipts.parent / "journal")
-        for start in range(0, len(ids), 1000):
-            journal.append(
-                [release_record(oid, T0 + 50, "bench") for oid in ids[start : start + 1000]]
-            )
+    if not everything:
+        return
+    journal = Journal(data_dir / "journal")
+    log = JournalLog(journal)
+    for start in range(0, len(ids), 1000):
+        batch = ids[start : start + 1000]
+        log.append([delivery_journal_record(oid, delivery(oid)) for oid in batch])
+        journal.append([release_record(oid, T0 + 50, "bench") for oid in batch])
+    log.close()
+
+
+def delivery(oid: str) -> DeliveryRecord:
+    return DeliveryRecord(f"bench-{oid}", "f.warc", oid, T0 + 10, T0 + 20, T0 + 30, T0 + 40)
 
 
 def config_text(work: Path, data_dir: Path, port: int, extra: str = "") -> Path:
@@ -219,7 +225,7 @@ def status_and_release(
     t = time.monotonic()
     fill_index(data / "delivery.sqlite", rows, released=False)
     sample = [object_id(i) for i in range(0, rows, max(1, rows // 20_000))]
-    write_files(data / "receipts", sample, everything=False)
+    write_files(data, sample, everything=False)
     print(f"prepared {rows} rows, {len(sample)} receipts in {time.monotonic() - t:.1f}s")
     port = free_port()
     proc = spawn(
@@ -291,12 +297,10 @@ def archive(work: Path, count: int) -> dict[str, Any]:
     step = 100_000
     for start in range(0, count, step):
         ids = [object_id(i) for i in range(start, min(count, start + step))]
-        write_files(data / "receipts", ids, everything=True)
+        write_files(data, ids, everything=True)
     subprocess.run(["sync"], check=True)
     took = time.monotonic() - t
-    print(
-        f"prepared {count} archivable records (3 files each, and journal segments) in {took:.1f}s"
-    )
+    print(f"prepared {count} archivable records (2 files each, and the journal) in {took:.1f}s")
     fake_dir = work / "fake"
     fake_dir.mkdir()
     (work / "keys").write_text("bench-access\nbench-secret\n")
