@@ -11,9 +11,11 @@ point leaves either nothing or a complete file, and rewriting gives the same byt
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,6 +30,7 @@ from canner.ledger.files import LedgerDir, id_key, id_record, record_line
 from canner.receipts import ReceiptStore
 
 PAGE = 2000
+READERS = 8
 ZSTD_LEVEL = 3
 
 
@@ -86,15 +89,26 @@ def write_ledger(
             out = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
             records, after, last_key = 0, "", b""
-            with compressor.stream_writer(out, closefd=False) as z:  # type: ignore[arg-type]
+            with (
+                compressor.stream_writer(out, closefd=False) as z,  # type: ignore[arg-type]
+                ThreadPoolExecutor(READERS, thread_name_prefix="ledger-read") as readers,
+            ):
                 while page := store.records_page(conn.cursor(), ledger_id, after, PAGE):
-                    for rec in page:
+                    # A page's receipts are read by several threads: each read waits on a
+                    # lookup in a directory of millions of names, and they overlap.
+                    oids = [r["object_id"] for r in page]
+                    parts = [
+                        oids[i : i + PAGE // READERS] for i in range(0, len(oids), PAGE // READERS)
+                    ]
+                    read = itertools.chain.from_iterable(
+                        readers.map(_read_receipts, itertools.repeat(receipts), parts)
+                    )
+                    for rec, receipt in zip(page, read, strict=True):
                         oid = rec["object_id"]
                         key = id_key(oid)
                         if key <= last_key:
                             raise LedgerError(f"{oid}: ids not in order (mixed node prefixes?)")
                         last_key = key
-                        receipt = receipts.read_bytes(oid)
                         if receipt is None:
                             raise LedgerError(f"{oid}: its receipt is missing")
                         facts = dict(rec)
@@ -115,6 +129,10 @@ def write_ledger(
         conn.close()
         for temp in temps:
             temp.unlink(missing_ok=True)
+
+
+def _read_receipts(receipts: ReceiptStore, object_ids: list[str]) -> list[bytes | None]:
+    return [receipts.read_bytes(oid) for oid in object_ids]
 
 
 def side_files(receipts: ReceiptStore, object_id: str) -> list[Path]:
