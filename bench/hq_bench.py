@@ -77,7 +77,8 @@ def receipt_bytes(oid: str) -> bytes:
 
 
 def fill_index(db: Path, count: int, released: bool) -> None:
-    """``count`` delivered, verified, purged rows (released too when ``released``)."""
+    """``count`` delivered, verified, purged rows (released too when ``released``), each with
+    its delivery attempt in the history."""
     import sqlite3
 
     upgrade_schema(db)
@@ -108,6 +109,12 @@ def fill_index(db: Path, count: int, released: bool) -> None:
                 )
                 for oid in map(object_id, range(start, min(count, start + step)))
             ],
+        )
+        # Each delivered object has its attempt in the history, which archiving deletes too.
+        conn.executemany(
+            "INSERT INTO attempts (object_id, attempt, started_at, ended_at, outcome)"
+            " VALUES (?, 1, ?, ?, 'delivered')",
+            [(object_id(i), T0 + 5, T0 + 10) for i in range(start, min(count, start + step))],
         )
         conn.execute("COMMIT")
     conn.close()
