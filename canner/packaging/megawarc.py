@@ -33,7 +33,7 @@ import threading
 import zlib as _zlib
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from io import FileIO
 from pathlib import Path
 from typing import IO, Any
@@ -64,6 +64,8 @@ CHUNK = 1 << 20
 LANE_DEPTH = 4
 # Members whose check may still be running while the next ones are read.
 MAX_PENDING = 64
+# Chunks read ahead of the verification pass's MD5 thread at most.
+VERIFY_DEPTH = 4
 # Start writeback of a container every this many bytes (see canner.fs.write_behind).
 WRITE_BEHIND = 16 << 20
 TAR_BLOCK = 512
@@ -750,26 +752,40 @@ def verify_package(
 def _verify_file(
     path: Path, spans: list[tuple[int, int, str, str]], stop: threading.Event, chunk: int
 ) -> str:
+    # The file's MD5 (a single stream, the slowest part) runs on a thread of its own while this
+    # one reads the next chunks and hashes the members' spans: both release the GIL.
     md5 = hashlib.md5(usedforsecurity=False)
-    pending = list(spans)
+    pending = deque(spans)
     current: tuple[int, int, str, str, Any] | None = None
     pos = 0
-    with open(path, "rb") as f:
+    queued: deque[tuple[Future[None], bytearray]] = deque()
+    free: list[bytearray] = []
+    with (
+        ThreadPoolExecutor(1, "canner-verify-md5") as hasher,
+        open(path, "rb", buffering=0) as f,
+    ):
         while True:
             if stop.is_set():
                 raise BuildStopped()
-            data = f.read(chunk)
-            if not data:
+            if free:
+                buffer = free.pop()
+            elif len(queued) < VERIFY_DEPTH:
+                buffer = bytearray(chunk)
+            else:
+                done, buffer = queued.popleft()
+                done.result()
+            n = f.readinto(buffer)
+            if not n:
                 break
-            md5.update(data)
-            end = pos + len(data)
-            view = memoryview(data)
+            view = memoryview(buffer)[:n]
+            queued.append((hasher.submit(md5.update, view), buffer))
+            end = pos + n
             cursor = pos
             while cursor < end:
                 if current is None:
                     if not pending or pending[0][0] >= end:
                         break
-                    offset, size, checksum, oid = pending.pop(0)
+                    offset, size, checksum, oid = pending.popleft()
                     if offset < cursor:
                         raise VerifyFailed(f"{path.name}: overlapping members at {offset}")
                     current = (offset, size, checksum, oid, blake3.blake3())
@@ -785,6 +801,8 @@ def _verify_file(
                         raise VerifyFailed(f"{oid} in {path.name} does not match its receipt")
                     current = None
             pos = end
+        for done, _ in queued:
+            done.result()
     if current is not None or pending:
         raise VerifyFailed(f"{path.name} ends before all of its members")
     return md5.hexdigest()
