@@ -331,8 +331,9 @@ class _Lanes:
     """Threads ("lanes") that hash and test members while the builder's thread reads and
     writes them: the inflate, by far the slowest part, and BLAKE3 run on every core.
 
-    A member is checked on one lane (round robin), chunk by chunk in order; different members
-    are checked side by side.  Chunks are read into a bounded pool of buffers (at most
+    A member is checked on one lane, chunk by chunk in order: the first lane free takes the
+    next member, so no lane waits while members are queued; different members are checked
+    side by side.  Chunks are read into a bounded pool of buffers (at most
     ``lanes x LANE_DEPTH``: memory), and a buffer is reused once its lane is done with it."""
 
     def __init__(self, count: int, chunk: int) -> None:
@@ -340,15 +341,11 @@ class _Lanes:
         self._cap = max(2, count * LANE_DEPTH)
         self._made = 0
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._jobs: list[queue.SimpleQueue[_MemberCheck | None]] = [
-            queue.SimpleQueue() for _ in range(count)
-        ]
-        self._next = 0
+        self._jobs: queue.SimpleQueue[_MemberCheck | None] = queue.SimpleQueue()
         self._open: _MemberCheck | None = None
         self.cancelled = False
         self._threads = [
-            threading.Thread(target=self._run, args=(jobs,), name=f"canner-check-{i}")
-            for i, jobs in enumerate(self._jobs)
+            threading.Thread(target=self._run, name=f"canner-check-{i}") for i in range(count)
         ]
         for thread in self._threads:
             thread.start()
@@ -370,8 +367,7 @@ class _Lanes:
     def begin(self, test: GzipTest | ZstdTest | None) -> _MemberCheck:
         check = _MemberCheck(test)
         self._open = check
-        self._jobs[self._next].put(check)
-        self._next = (self._next + 1) % len(self._jobs)
+        self._jobs.put(check)
         return check
 
     def end(self, check: _MemberCheck) -> None:
@@ -383,13 +379,13 @@ class _Lanes:
         self.cancelled = True
         if self._open is not None:
             self.end(self._open)
-        for jobs in self._jobs:
-            jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
         for thread in self._threads:
             thread.join()
 
-    def _run(self, jobs: queue.SimpleQueue[_MemberCheck | None]) -> None:
-        while (check := jobs.get()) is not None:
+    def _run(self) -> None:
+        while (check := self._jobs.get()) is not None:
             check.run(self)
 
 
