@@ -62,8 +62,10 @@ INDEX = ".megawarc.json.gz"
 CHUNK = 1 << 20
 # Chunks queued for the lanes' checks at most, per lane (memory: lanes x depth x chunk).
 LANE_DEPTH = 4
-# Members whose check may still be running while the next ones are read.
+# Members whose check may still be running while the next ones are read, and the memory
+# their checks may hold outside the buffer pool (zstd dictionaries) before the builder waits.
 MAX_PENDING = 64
+MAX_HELD = 64 << 20
 # Chunks read ahead of the verification pass's MD5 thread at most.
 VERIFY_DEPTH = 4
 # Start writeback of a container every this many bytes (see canner.fs.write_behind).
@@ -397,6 +399,8 @@ class _Pending:
     outcome: Future[_Outcome]
     target: _Container
     start: int
+    # Memory its check holds outside the buffer pool (a zstd member's dictionary).
+    held: int
 
 
 @define
@@ -417,6 +421,7 @@ class _Builder:
     lanes: _Lanes | None = None
     # Members whose check is not yet looked at, in member order (bounded: MAX_PENDING).
     pending: deque[_Pending] = field(factory=deque)
+    held: int = 0
     failed: set[str] = field(factory=set)
 
     def container(self, suffix: str, preamble: bytes = b"") -> _Container:
@@ -496,23 +501,29 @@ class _Builder:
         assert self.lanes is not None
         check = self.lanes.begin(test)
         start = target.tell()
-        size = 0
+        size = held = 0
         try:
             for data, buffer in chunks:
                 check.put(data, buffer)  # the lane reads the buffer while it is written
                 target.write(data)
                 size += len(data)
+                if buffer is None:  # read ahead for a dictionary, which the test loads too
+                    held += 2 * len(data)
         finally:
             self.lanes.end(check)
-        self._look_at_checks(MAX_PENDING - 1)
-        self.pending.append(_Pending(member, check.outcome, target, start))
+        self.pending.append(_Pending(member, check.outcome, target, start, held))
+        self.held += held
+        self._look_at_checks(MAX_PENDING)
         return size
 
     def _look_at_checks(self, keep: int) -> None:
         """Look at the finished checks, oldest first, waiting while more than ``keep`` are
         left: a member that does not match its receipt stops the package."""
-        while self.pending and (len(self.pending) > keep or self.pending[0].outcome.done()):
+        while self.pending and (
+            len(self.pending) > keep or self.held > MAX_HELD or self.pending[0].outcome.done()
+        ):
             p = self.pending.popleft()
+            self.held -= p.held
             outcome = p.outcome.result()
             if outcome.size != p.member.size_bytes or outcome.checksum != p.member.checksum:
                 p.target.rollback(p.start)
