@@ -344,7 +344,6 @@ class _Lanes:
         self._made = 0
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue[_MemberCheck | None] = queue.SimpleQueue()
-        self._open: _MemberCheck | None = None
         self.cancelled = False
         self._threads = [
             threading.Thread(target=self._run, name=f"canner-check-{i}") for i in range(count)
@@ -368,19 +367,12 @@ class _Lanes:
 
     def begin(self, test: GzipTest | ZstdTest | None) -> _MemberCheck:
         check = _MemberCheck(test)
-        self._open = check
         self._jobs.put(check)
         return check
-
-    def end(self, check: _MemberCheck) -> None:
-        check.end()
-        self._open = None
 
     def close(self) -> None:
         """Stop the lanes: checks not yet done are dropped (their outcomes never read)."""
         self.cancelled = True
-        if self._open is not None:
-            self.end(self._open)
         for _ in self._threads:
             self._jobs.put(None)
         for thread in self._threads:
@@ -510,7 +502,7 @@ class _Builder:
                 if buffer is None:  # read ahead for a dictionary, which the test loads too
                     held += 2 * len(data)
         finally:
-            self.lanes.end(check)
+            check.end()
         self.pending.append(_Pending(member, check.outcome, target, start, held))
         self.held += held
         self._look_at_checks(MAX_PENDING)
