@@ -100,7 +100,21 @@ def child_build(src: str, work: str, count: int) -> None:
     started, cpu = time.perf_counter(), time.process_time()
     build_package(members, lambda oid: Path(src) / oid, Path(work), "bench", threading.Event())
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-    print(elapsed, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(elapsed, cpu, peak_rss_kib())
+
+
+def peak_rss_kib() -> int:
+    """This process's own peak RSS.  Not ru_maxrss: Linux carries that over an exec from the
+    forking parent (this bench, holding the members' templates), so it would report the
+    parent's size; VmHWM belongs to this process's memory alone."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def children_cpu() -> float:
