@@ -14,10 +14,10 @@ not hash to its receipt raises :class:`MemberMismatch` and nothing of it is kept
 hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
 size (and the decompressors' windows), whatever the member count and sizes: chunks are read
 into a pool of at most :data:`LANE_DEPTH` buffers per lane, at most :data:`MAX_PENDING` members'
-checks are in flight, and gzip output is taken a chunk at a time.  One
-zstd call's output is not capped by the library; input goes in :data:`ZSTD_SLICE` slices, which
-bounds it for real WARCs (a crafted member of nothing but RLE blocks could still inflate one
-slice to a few hundred MiB).
+checks (and :data:`MAX_HELD` bytes of zstd dictionaries) are in flight, and gzip output is
+taken a chunk at a time.  One zstd call's output is not capped by the library; input goes in
+:data:`ZSTD_SLICE` slices, which bounds it for real WARCs (a crafted member of nothing but RLE
+blocks could still inflate one slice to a few hundred MiB).
 """
 
 from __future__ import annotations
@@ -322,10 +322,13 @@ class _MemberCheck:
                     error = e
             if buffer is not None:
                 lanes.give_back(buffer)
-        if error is not None:
-            self.outcome.set_exception(error)
+        try:
+            if error is not None:
+                raise error
+            tested = self._test.finish() if self._test is not None else True
+        except Exception as e:  # a lane never dies: the builder would wait on it forever
+            self.outcome.set_exception(e)
             return
-        tested = self._test.finish() if self._test is not None else True
         self.outcome.set_result(_Outcome(f"blake3:{self._digest.hexdigest()}", self._size, tested))
 
 
