@@ -12,11 +12,12 @@ not hash to its receipt raises :class:`MemberMismatch` and nothing of it is kept
 
 :func:`verify_package` re-reads the sealed files once: every member's bytes at its offsets must
 hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
-size (and the decompressors' windows), whatever the member count and sizes: chunks waiting for
-a test are capped (:data:`LANE_DEPTH` per lane) and gzip output is taken a chunk at a time.  One
-zstd call's output is not capped by the library; input goes in :data:`ZSTD_SLICE` slices, which
-bounds it for real WARCs (a crafted member of nothing but RLE blocks could still inflate one
-slice to a few hundred MiB).
+size (and the decompressors' windows), whatever the member count and sizes: chunks are read
+into a pool of at most :data:`LANE_DEPTH` buffers per lane, at most :data:`MAX_PENDING` members'
+checks (and :data:`MAX_HELD` bytes of zstd dictionaries) are in flight, and gzip output is
+taken a chunk at a time.  One zstd call's output is not capped by the library; input goes in
+:data:`ZSTD_SLICE` slices, which bounds it for real WARCs (a crafted member of nothing but RLE
+blocks could still inflate one slice to a few hundred MiB).
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import gzip
 import hashlib
 import json
 import os
+import queue
 import tarfile
 import threading
 import zlib as _zlib
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from io import FileIO
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,8 +60,14 @@ WARC_GZ = ".megawarc.warc.gz"
 TAR = ".megawarc.tar"
 INDEX = ".megawarc.json.gz"
 CHUNK = 1 << 20
-# Chunks of one member queued for its test at most (memory: lanes x depth x chunk).
+# Chunks queued for the lanes' checks at most, per lane (memory: lanes x depth x chunk).
 LANE_DEPTH = 4
+# Members whose check may still be running while the next ones are read, and the memory
+# their checks may hold outside the buffer pool (zstd dictionaries) before the builder waits.
+MAX_PENDING = 64
+MAX_HELD = 64 << 20
+# Chunks read ahead of the verification pass's MD5 thread at most.
+VERIFY_DEPTH = 4
 # Start writeback of a container every this many bytes (see canner.fs.write_behind).
 WRITE_BEHIND = 16 << 20
 TAR_BLOCK = 512
@@ -69,6 +78,8 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_DICTIONARY = 32 << 20
 # Input slice per zstd call: bounds the output one call can produce.
 ZSTD_SLICE = 64 << 10
+# Input slice per inflate call: bounds what the inflater copies at each gzip member's end.
+INFLATE_SLICE = 32 << 10
 WARC_MAGIC = b"WARC/"
 
 
@@ -141,7 +152,16 @@ class GzipTest:
         self._in_member = False
         self.ok = True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
+        # The inflater gets INFLATE_SLICE bytes at a time: at the end of every gzip member it
+        # copies the input it did not use (``unused_data``), and a WARC has one gzip member
+        # per record, so whole chunks would be copied over and over (most of the test's time).
+        view = memoryview(data)
+        while view and self.ok:
+            self._feed(view[:INFLATE_SLICE])
+            view = view[INFLATE_SLICE:]
+
+    def _feed(self, data: bytes | memoryview) -> None:
         # Output comes CHUNK bytes at a time: when a call fills it, the inflater may hold more
         # even though it took all the input, so it is asked again until it returns less.
         more = True
@@ -182,7 +202,7 @@ class ZstdTest:
         self._in_frame = False
         self.ok = True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view and self.ok:
             piece, view = view[:ZSTD_SLICE], view[ZSTD_SLICE:]
@@ -241,7 +261,7 @@ class _Container:
     def tell(self) -> int:
         return self.file.tell()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:  # unbuffered: a write may be short
             view = view[self.file.write(view) or 0 :]
@@ -256,6 +276,128 @@ class _Container:
         self.flushed = min(self.flushed, offset)
 
 
+@frozen
+class _Outcome:
+    """What a lane found for one member: its BLAKE3 (``blake3:<hex>``), size and test result."""
+
+    checksum: str
+    size: int
+    tested: bool
+
+
+Chunk = tuple[bytes | memoryview, bytearray | None]
+
+
+class _MemberCheck:
+    """One member's BLAKE3 and test, run on one lane over its chunks, in order; ``outcome``
+    is set once the member's last chunk (:meth:`end`) is checked."""
+
+    def __init__(self, test: GzipTest | ZstdTest | None) -> None:
+        self._test = test
+        self._digest = blake3.blake3()
+        self._size = 0
+        self._chunks: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.outcome: Future[_Outcome] = Future()
+
+    def put(self, data: bytes | memoryview, buffer: bytearray | None) -> None:
+        self._chunks.put((data, buffer))
+
+    def end(self) -> None:
+        self._chunks.put(None)
+
+    def run(self, lanes: _Lanes) -> None:
+        """On a lane: check every chunk, give each pooled buffer back, set ``outcome``."""
+        error: Exception | None = None
+        while (item := self._chunks.get()) is not None:
+            data, buffer = item
+            if error is None and not lanes.cancelled:
+                try:
+                    # blake3 and the inflater release the GIL: lanes and the builder's
+                    # thread run at once.
+                    self._digest.update(data)
+                    self._size += len(data)
+                    if self._test is not None:
+                        self._test.feed(data)
+                except Exception as e:  # reaches the builder through outcome
+                    error = e
+            if buffer is not None:
+                lanes.give_back(buffer)
+        try:
+            if error is not None:
+                raise error
+            tested = self._test.finish() if self._test is not None else True
+        except Exception as e:  # a lane never dies: the builder would wait on it forever
+            self.outcome.set_exception(e)
+            return
+        self.outcome.set_result(_Outcome(f"blake3:{self._digest.hexdigest()}", self._size, tested))
+
+
+class _Lanes:
+    """Threads ("lanes") that hash and test members while the builder's thread reads and
+    writes them: the inflate, by far the slowest part, and BLAKE3 run on every core.
+
+    A member is checked on one lane, chunk by chunk in order: the first lane free takes the
+    next member, so no lane waits while members are queued; different members are checked
+    side by side.  Chunks are read into a bounded pool of buffers (at most
+    ``lanes x LANE_DEPTH``: memory), and a buffer is reused once its lane is done with it."""
+
+    def __init__(self, count: int, chunk: int) -> None:
+        self._chunk = chunk
+        self._cap = max(2, count * LANE_DEPTH)
+        self._made = 0
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_MemberCheck | None] = queue.SimpleQueue()
+        self.cancelled = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"canner-check-{i}") for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def buffer(self) -> bytearray:
+        """A buffer no lane is reading (waits for one when the pool is used up)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._made < self._cap:
+            self._made += 1
+            return bytearray(self._chunk)
+        return self._free.get()
+
+    def give_back(self, buffer: bytearray) -> None:
+        self._free.put(buffer)
+
+    def begin(self, test: GzipTest | ZstdTest | None) -> _MemberCheck:
+        check = _MemberCheck(test)
+        self._jobs.put(check)
+        return check
+
+    def close(self) -> None:
+        """Stop the lanes: checks not yet done are dropped (their outcomes never read)."""
+        self.cancelled = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _run(self) -> None:
+        while (check := self._jobs.get()) is not None:
+            check.run(self)
+
+
+@frozen
+class _Pending:
+    """A member read and appended whose check has not been looked at yet."""
+
+    member: Member
+    outcome: Future[_Outcome]
+    target: _Container
+    start: int
+    # Memory its check holds outside the buffer pool (a zstd member's dictionary).
+    held: int
+
+
 @define
 class _Builder:
     work: Path
@@ -267,15 +409,15 @@ class _Builder:
     src_pos: int = 0
     # Members whose test failed in an earlier pass: straight to the tar.
     force_tar: frozenset[str] = frozenset()
-    # Members are tested on "lanes" (one thread each) while the builder's thread hashes and
-    # writes them and goes on to the next member: the inflate, the slowest of the three, runs
-    # on every core.  A member's chunks go to one lane in order; different members' tests run
-    # side by side.  Each member is appended to its container before its test ends; should
-    # one fail, the package is built again with it in the tar (:class:`_TestsFailed`).
-    lanes: list[ThreadPoolExecutor] = field(factory=list)
-    tests: list[tuple[Member, Future[bool]]] = field(factory=list)
-    # Chunks handed to the lanes and not yet tested, oldest first (bounded: memory).
-    queued: deque[Future[None]] = field(factory=deque)
+    # Each member is appended to its container while a lane checks it (:class:`_Lanes`);
+    # the builder goes on to the next members meanwhile.  A BLAKE3 that differs from the
+    # receipt stops the package (:class:`MemberMismatch`) as soon as it is seen; a failed test
+    # builds the package again with the member in the tar (:class:`_TestsFailed`).
+    lanes: _Lanes | None = None
+    # Members whose check is not yet looked at, in member order (bounded: MAX_PENDING).
+    pending: deque[_Pending] = field(factory=deque)
+    held: int = 0
+    failed: set[str] = field(factory=set)
 
     def container(self, suffix: str, preamble: bytes = b"") -> _Container:
         if suffix not in self.containers:
@@ -286,32 +428,37 @@ class _Builder:
         return self.containers[suffix]
 
     def close(self) -> None:
-        for lane in self.lanes:
-            lane.shutdown(wait=True, cancel_futures=True)
+        if self.lanes is not None:
+            self.lanes.close()
         for c in self.containers.values():
             c.file.close()
 
-    def read_chunks(self, f: IO[bytes], first: bytes) -> Iterator[bytes]:
+    def read_chunks(self, f: FileIO, first: bytes) -> Iterator[Chunk]:
+        """The member's bytes: ``first`` (read already), then views of pooled buffers, each
+        with its buffer (None for ``first``), which is the lanes' until its chunk is checked."""
+        assert self.lanes is not None
         if first:
-            yield first
+            yield first, None
         while True:
             if self.stop.is_set():
                 raise BuildStopped()
-            data = f.read(self.chunk)
-            if not data:
+            buffer = self.lanes.buffer()
+            n = f.readinto(buffer)
+            if not n:
+                self.lanes.give_back(buffer)
                 return
-            yield data
+            yield memoryview(buffer)[:n], buffer
 
     def add(self, member: Member, path: Path) -> dict[str, Any]:
         """Pack one member; return its index line."""
         name = member_name(member)
         header, fields = tar_header(name, member.size_bytes, member.accepted_at)
         try:
-            f = open(path, "rb")
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
             raise MemberMismatch(member, "missing") from None
         with f:
-            first = f.read(self.chunk)
+            first = b""
             target: _Container | None = None
             test: GzipTest | ZstdTest | None = None
             suffix = TAR
@@ -329,76 +476,96 @@ class _Builder:
                         target = self.container(suffix, first[: 8 + length])
             if test is not None and member.object_id in self.force_tar:
                 test, target = None, None
+            chunks = self.read_chunks(f, first)
             if test is not None:
                 target = target or self.container(suffix)
-                line = self._append_tested(member, f, first, target, test, header, fields)
+                line = self._append_tested(member, chunks, target, test, header, fields)
             else:
-                line = self._append_tar(member, self.read_chunks(f, first), header, fields)
+                line = self._append_tar(member, chunks, header, fields)
         self.src_pos += len(header) + member.size_bytes + _padding(member.size_bytes)
         return line
+
+    def _append(
+        self,
+        member: Member,
+        chunks: Iterator[Chunk],
+        target: _Container,
+        test: GzipTest | ZstdTest | None,
+    ) -> int:
+        """Append the member's bytes to ``target`` while its lane checks them; their size."""
+        assert self.lanes is not None
+        check = self.lanes.begin(test)
+        start = target.tell()
+        size = held = 0
+        try:
+            for data, buffer in chunks:
+                check.put(data, buffer)  # the lane reads the buffer while it is written
+                target.write(data)
+                size += len(data)
+                if buffer is None:  # read ahead for a dictionary, which the test loads too
+                    held += 2 * len(data)
+        finally:
+            check.end()
+        self.pending.append(_Pending(member, check.outcome, target, start, held))
+        self.held += held
+        self._look_at_checks(MAX_PENDING)
+        return size
+
+    def _look_at_checks(self, keep: int) -> None:
+        """Look at the finished checks, oldest first, waiting while more than ``keep`` are
+        left: a member that does not match its receipt stops the package."""
+        while self.pending and (
+            len(self.pending) > keep or self.held > MAX_HELD or self.pending[0].outcome.done()
+        ):
+            p = self.pending.popleft()
+            self.held -= p.held
+            outcome = p.outcome.result()
+            if outcome.size != p.member.size_bytes or outcome.checksum != p.member.checksum:
+                p.target.rollback(p.start)
+                raise MemberMismatch(p.member, f"{outcome.checksum} ({outcome.size} bytes)")
+            if not outcome.tested:
+                self.failed.add(p.member.object_id)
 
     def _append_tested(
         self,
         member: Member,
-        f: IO[bytes],
-        first: bytes,
+        chunks: Iterator[Chunk],
         target: _Container,
         test: GzipTest | ZstdTest,
         header: bytes,
         fields: dict[str, Any],
     ) -> dict[str, Any]:
-        lane = self.lanes[len(self.tests) % len(self.lanes)]
         start = target.tell()
-        digest = blake3.blake3()
-        size = 0
-        limit = LANE_DEPTH * len(self.lanes)
-        for data in self.read_chunks(f, first):
-            # At most LANE_DEPTH chunks per lane wait for a test, whatever the member sizes.
-            while len(self.queued) >= limit:
-                self.queued.popleft().result()
-            self.queued.append(lane.submit(test.feed, data))
-            digest.update(data)
-            size += len(data)
-            target.write(data)
-        self._check(member, digest, size, target, start)
-        self.tests.append((member, lane.submit(test.finish)))
+        size = self._append(member, chunks, target, test)
         target.members += 1
         suffix = _suffix_of(self, target)
         self.placements.append(Placement(member.object_id, suffix, start))
         container = "warc" if suffix == WARC_GZ else "zst"
         return self._line(member, container, start, size, header, fields, suffix, start)
 
-    def failed_tests(self) -> set[str]:
-        """Wait for every member's test; the ids of those that failed."""
-        return {m.object_id for m, outcome in self.tests if not outcome.result()}
+    def checks_done(self) -> set[str]:
+        """Wait for every member's check; the ids of those whose test failed.  Raises
+        :class:`MemberMismatch` for the first member that does not match its receipt."""
+        self._look_at_checks(0)
+        return self.failed
 
     def _append_tar(
-        self, member: Member, chunks: Iterator[bytes], header: bytes, fields: dict[str, Any]
+        self,
+        member: Member,
+        chunks: Iterator[Chunk],
+        header: bytes,
+        fields: dict[str, Any],
     ) -> dict[str, Any]:
         tar = self.container(TAR)
         start = tar.tell()
         tar.write(header)
-        digest = blake3.blake3()
-        size = 0
-        for data in chunks:
-            digest.update(data)
-            size += len(data)
-            tar.write(data)
-        self._check(member, digest, size, tar, start)
+        size = self._append(member, chunks, tar, None)
         tar.write(b"\0" * _padding(size))
         tar.members += 1
         data_offset = start + len(header)
         self.placements.append(Placement(member.object_id, TAR, data_offset))
         entry_size = len(header) + size + _padding(size)
         return self._line(member, "tar", start, entry_size, header, fields, TAR, data_offset)
-
-    def _check(
-        self, member: Member, digest: Any, size: int, target: _Container, start: int
-    ) -> None:
-        actual = f"blake3:{digest.hexdigest()}"
-        if size != member.size_bytes or actual != member.checksum:
-            target.rollback(start)
-            raise MemberMismatch(member, f"{actual} ({size} bytes)")
 
     def _line(
         self,
@@ -500,7 +667,7 @@ def _build(
     force_tar: frozenset[str],
 ) -> BuiltPackage:
     builder = _Builder(work, basename, stop, chunk, force_tar=force_tar)
-    builder.lanes = [ThreadPoolExecutor(1, f"canner-test-{i}") for i in range(lanes)]
+    builder.lanes = _Lanes(lanes, chunk)
     index_path = work / (basename + INDEX)
     try:
         with (
@@ -511,7 +678,7 @@ def _build(
                 line = builder.add(member, source(member.object_id))
                 index.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
             raw.flush()
-        failed = builder.failed_tests()
+        failed = builder.checks_done()
         if failed:
             raise _TestsFailed(failed)
         tar = builder.containers.get(TAR)
@@ -587,26 +754,40 @@ def verify_package(
 def _verify_file(
     path: Path, spans: list[tuple[int, int, str, str]], stop: threading.Event, chunk: int
 ) -> str:
+    # The file's MD5 (a single stream, the slowest part) runs on a thread of its own while this
+    # one reads the next chunks and hashes the members' spans: both release the GIL.
     md5 = hashlib.md5(usedforsecurity=False)
-    pending = list(spans)
+    pending = deque(spans)
     current: tuple[int, int, str, str, Any] | None = None
     pos = 0
-    with open(path, "rb") as f:
+    queued: deque[tuple[Future[None], bytearray]] = deque()
+    free: list[bytearray] = []
+    with (
+        ThreadPoolExecutor(1, "canner-verify-md5") as hasher,
+        open(path, "rb", buffering=0) as f,
+    ):
         while True:
             if stop.is_set():
                 raise BuildStopped()
-            data = f.read(chunk)
-            if not data:
+            if free:
+                buffer = free.pop()
+            elif len(queued) < VERIFY_DEPTH:
+                buffer = bytearray(chunk)
+            else:
+                done, buffer = queued.popleft()
+                done.result()
+            n = f.readinto(buffer)
+            if not n:
                 break
-            md5.update(data)
-            end = pos + len(data)
-            view = memoryview(data)
+            view = memoryview(buffer)[:n]
+            queued.append((hasher.submit(md5.update, view), buffer))
+            end = pos + n
             cursor = pos
             while cursor < end:
                 if current is None:
                     if not pending or pending[0][0] >= end:
                         break
-                    offset, size, checksum, oid = pending.pop(0)
+                    offset, size, checksum, oid = pending.popleft()
                     if offset < cursor:
                         raise VerifyFailed(f"{path.name}: overlapping members at {offset}")
                     current = (offset, size, checksum, oid, blake3.blake3())
@@ -622,6 +803,8 @@ def _verify_file(
                         raise VerifyFailed(f"{oid} in {path.name} does not match its receipt")
                     current = None
             pos = end
+        for done, _ in queued:
+            done.result()
     if current is not None or pending:
         raise VerifyFailed(f"{path.name} ends before all of its members")
     return md5.hexdigest()

@@ -244,3 +244,56 @@ def test_gzip_test_reads_highly_compressed_members_to_the_end(chunk: int) -> Non
         for i in range(0, len(blob), chunk):
             test.feed(blob[i : i + chunk])
         assert test.finish() is ok
+
+
+def check_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("canner-check-")]
+
+
+def test_a_mismatch_behind_members_in_flight_is_the_one_reported(tmp_path: Path) -> None:
+    """Members are checked on other threads while the next ones are read: the member that
+    does not match is still the one named, and no checking thread outlives the build."""
+    named = [(f"m{i}.warc.gz", warc_bytes(i, records=3)) for i in range(40)]
+    members, src = members_from(tmp_path, named)
+    (src / members[3].object_id).write_bytes(warc_bytes(1000, records=3))
+    with pytest.raises(MemberMismatch) as caught:
+        build(tmp_path, members, src, chunk=4096)
+    assert caught.value.member == members[3]
+    assert check_threads() == []
+
+
+def test_a_stop_request_while_members_are_in_flight_leaves_no_thread(tmp_path: Path) -> None:
+    """Stopping halfway through (members queued for their checks, one half read) ends the
+    build with BuildStopped and its checking threads."""
+    named = [(f"m{i}.warc.gz", warc_bytes(i, records=3)) for i in range(40)]
+    members, src = members_from(tmp_path, named)
+    stop = threading.Event()
+
+    def source(oid: str) -> Path:
+        if oid == members[20].object_id:
+            stop.set()
+        return src / oid
+
+    work = tmp_path / "w"
+    work.mkdir()
+    with pytest.raises(BuildStopped):
+        build_package(members, source, work, BASE, stop, 4096)
+    assert check_threads() == []
+
+
+def test_many_empty_and_tiny_members_are_packed(tmp_path: Path) -> None:
+    """Members that need no buffer at all (empty) or one small chunk, far more of them than
+    checks may be in flight, all land in the package and restore."""
+    named = [(f"e{i}.bin", b"" if i % 2 else b"x" * i) for i in range(300)]
+    named += [(f"w{i}.warc.gz", warc_bytes(i, records=1)) for i in range(100)]
+    members, src = members_from(tmp_path, named)
+    work = build(tmp_path, members, src, chunk=512)
+    containers = [line["target"]["container"] for line in read_index(work / (BASE + INDEX))]
+    assert containers == ["tar"] * 300 + ["warc"] * 100
+    out = io.BytesIO()
+    restore(work, BASE, out)
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
+        for entry, (_, data) in zip(tar.getmembers(), named, strict=True):
+            extracted = tar.extractfile(entry)
+            assert extracted is not None and extracted.read() == data
+    assert check_threads() == []
