@@ -361,21 +361,32 @@ class LedgerService(Service):
     async def _delete(self, row: store.LedgerRow, now: float) -> None:
         batches = id_batches(self._ledgers, row.name, self._full_id, DELETE_BATCH)
         deleted = 0
-        while (batch := await self._run(next, batches, None)) is not None:
-            # Unlinks wait on the disk: several threads at once keep it busy.
-            step = -(-len(batch) // DELETE_THREADS)
-            unlink = self._unlink or self._run
-            await DeferredList(
-                [
-                    unlink(remove_local_state, self._receipts, self._uploads, batch[i : i + step])
-                    for i in range(0, len(batch), step)
-                ],
-                fireOnOneErrback=True,
-                consumeErrors=True,
-            )
-            await self._run(fs.fsync_dir, self._receipts.directory)
-            # Files first, rows after: a rebuilt index skips these ids (the manifest says so).
-            deleted += await self._index.run(store.delete_records, row.ledger_id, batch)
+        # A batch's rows are deleted while the next batch's files are: files first, rows
+        # after, for every batch (a rebuilt index skips these ids: the manifest says so).
+        rows: Deferred[int] | None = None
+        try:
+            while (batch := await self._run(next, batches, None)) is not None:
+                # Unlinks wait on the disk: several threads at once keep it busy.
+                step = -(-len(batch) // DELETE_THREADS)
+                unlink = self._unlink or self._run
+                await DeferredList(
+                    [
+                        unlink(
+                            remove_local_state, self._receipts, self._uploads, batch[i : i + step]
+                        )
+                        for i in range(0, len(batch), step)
+                    ],
+                    fireOnOneErrback=True,
+                    consumeErrors=True,
+                )
+                await self._run(fs.fsync_dir, self._receipts.directory)
+                if rows is not None:
+                    previous, rows = rows, None
+                    deleted += await previous
+                rows = self._index.run(store.delete_records, row.ledger_id, batch)
+        finally:
+            if rows is not None:
+                deleted += await rows
         # Journal segments whose every record is archived go too (before the ledger is done: a
         # crash in between repeats this step).
         spent = await self._run(self._journal.remove_spent, ArchivedIds(self._ledgers).contains)

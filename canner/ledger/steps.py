@@ -135,24 +135,28 @@ def _read_receipts(receipts: ReceiptStore, object_ids: list[str]) -> list[bytes 
     return [receipts.read_bytes(oid) for oid in object_ids]
 
 
-def side_files(receipts: ReceiptStore, object_id: str) -> list[Path]:
-    """Every file ``receipts/`` holds for an object: the side files, then the receipt (its
-    release is in the journal, which :meth:`~canner.journal.Journal.remove_spent` prunes)."""
-    return [
-        receipts.delivery_path(object_id),
-        receipts.origin_path(object_id),
-        receipts.receipt_path(object_id),
-    ]
-
-
 def remove_local_state(receipts: ReceiptStore, uploads: Path, object_ids: list[str]) -> None:
     """Delete the receipt files (and any leftover upload files) of archived objects; missing is
-    done.  Only a caller whose ledger is verified (its manifest written) may call this."""
+    done.  Only a caller whose ledger is verified (its manifest written) may call this.
+
+    The receipt goes last, so a crash in between leaves it to be deleted again (the manifest
+    keeps a rebuilt index from taking it back).  An object's release and delivery records are
+    in the journal, which :meth:`~canner.journal.JournalLog.remove_spent` prunes.
+    """
     for oid in object_ids:
-        for path in side_files(receipts, oid):
-            path.unlink(missing_ok=True)
-        for leftover in (uploads / oid, uploads / f"{oid}.info"):
-            leftover.unlink(missing_ok=True)
+        # Files only some objects have (a delivery record of a 0.1 data directory, a packed
+        # member's package record, upload leftovers) are looked up first: an unlink holds the
+        # directory's lock even when it finds nothing, and every unlink here waits for it.
+        for maybe in (
+            receipts.delivery_path(oid),
+            receipts.package_path(oid),
+            uploads / oid,
+            uploads / f"{oid}.info",
+        ):
+            if os.path.lexists(maybe):
+                maybe.unlink(missing_ok=True)
+        receipts.origin_path(oid).unlink(missing_ok=True)
+        receipts.receipt_path(oid).unlink(missing_ok=True)
     fs.fsync_dir(receipts.directory)
 
 
