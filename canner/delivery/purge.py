@@ -43,13 +43,10 @@ def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
 
 
 def delete_payload(uploads: UploadStore, journal: JournalLog, row: QueueRow, now: float) -> None:
-    """Record the delivery in the facts journal (durably), then delete the artifact, its tus info
-    sidecar and any tus temp files; missing is done."""
+    """Record the delivery in the facts journal (durably), then delete the artifact and its tus
+    info sidecar; missing is done.  (A tus temp file a crash left is the receiver's sweep's: no
+    purge lists ``uploads/``, which holds every upload of the backlog.)"""
     object_id = row.object_id
     journal.append([delivery_journal_record(object_id, delivery_record(row, now))])
     uploads.remove(object_id)
-    prefix = f"{fs.TEMP_PREFIX}{object_id}"
-    for entry in uploads.directory.iterdir():
-        if entry.name.startswith(prefix):
-            entry.unlink(missing_ok=True)
     fs.fsync_dir(uploads.directory)
