@@ -9,7 +9,10 @@ after the link and before the ``204`` went out on the socket.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +82,33 @@ def traced(tmp_path: Path) -> Iterator[tuple[Receiver, Path]]:
         rcv.start(timeout=60)
         yield rcv, trace
     finally:
+        # A signal to strace only detaches it: the traced receiver itself must be stopped.
+        for pid in _traced_children(rcv):
+            _end(pid)
         rcv.close()
+
+
+def _traced_children(rcv: Receiver) -> list[int]:
+    """The processes strace started (the receiver), while strace runs."""
+    assert rcv.proc is not None
+    try:
+        text = Path(f"/proc/{rcv.proc.pid}/task/{rcv.proc.pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(pid) for pid in text.split()]
+
+
+def _end(pid: int) -> None:
+    """SIGTERM, then SIGKILL after 15 s (bounded)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_a_receipt_is_linked_only_after_everything_it_rests_on_is_durable(
@@ -92,6 +121,8 @@ def test_a_receipt_is_linked_only_after_everything_it_rests_on_is_durable(
     done = rcv.patch(oid, 0, data)
     assert done.status_code == 204
     rcv.verify_receipt(done.headers.get("Artifact-Receipt"), oid, data)
+    for pid in _traced_children(rcv):
+        _end(pid)  # strace ends with its tracee, its trace complete
     rcv.stop()
     calls = parse_strace(trace.read_text(errors="replace"))
 
