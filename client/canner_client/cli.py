@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -142,16 +141,10 @@ def _run(client: Client, args: argparse.Namespace, files: list[str], reporter: R
             sys.stdout.flush()
         return True
 
-    # Only the main thread may take Ctrl-C.  The kernel hands SIGINT to any thread that does not
-    # block it, and one taken by a worker (asleep in a retry's backoff) would leave the main
-    # thread waiting for uploads that never end; threads inherit the mask of their creator.
-    masked = _block_sigint()
+    reporter.start()
+    pool = ThreadPoolExecutor(max_workers=min(args.parallel, len(files)))
     try:
-        reporter.start()
-        pool = ThreadPoolExecutor(max_workers=min(args.parallel, len(files)))
-        results = pool.map(one, files)  # starts the workers now, with SIGINT blocked
-        masked = _unblock_sigint(masked)  # a Ctrl-C that came meanwhile is raised here
-        for ok in results:
+        for ok in pool.map(one, files):
             failures += not ok
     except KeyboardInterrupt:
         # Resume state is durable before any byte is sent: stop at once, not after the uploads.
@@ -159,29 +152,9 @@ def _run(client: Client, args: argparse.Namespace, files: list[str], reporter: R
         sys.stderr.write("canner-upload: interrupted; run the same command again to resume\n")
         sys.stderr.flush()
         os._exit(130)
-    finally:
-        _unblock_sigint(masked)
     pool.shutdown()
     reporter.stop()
     return 1 if failures else 0
-
-
-_Mask = set[int | signal.Signals] | None
-
-
-def _block_sigint() -> _Mask:
-    """Block SIGINT in this thread; the mask to restore (None where there are no masks)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-
-def _unblock_sigint(old: _Mask) -> _Mask:
-    """Restore the mask :func:`_block_sigint` returned (nothing for None); None, the mask
-    there is left to restore."""
-    if old is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return None
 
 
 # -- progress -------------------------------------------------------------------------------------
