@@ -481,6 +481,9 @@ def test_ctrl_c_stops_at_once(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a suite started in the background inherits SIGINT ignored, and
+        # so would the client, which then never sees the Ctrl-C this test sends.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         time.sleep(1.0)  # hashed, and retrying the creation
