@@ -97,14 +97,19 @@ def free_bytes(path: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write less than it was given)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def write_temp(directory: Path, stem: str, data: bytes, *, sync: bool) -> Path:
     """Write ``data`` to a fresh temp file in ``directory`` (fsynced when ``sync``); return it."""
     temp = directory / f"{TEMP_PREFIX}{stem}-{secrets.token_hex(6)}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         if sync:
             os.fsync(fd)
     except BaseException:

@@ -53,18 +53,21 @@ class Journal:
             return []
         return sorted(n for n in names if _SEGMENT.fullmatch(n))
 
-    def append(self, records: Sequence[Mapping[str, Any]]) -> str:
-        """Write ``records`` as the next segment, durably (file and directory entry fsynced);
-        returns its name.  The caller holds the index's write lock (see the module docstring)."""
+    def new_names(self) -> Iterator[str]:
+        """Names for the next segment, from one past the highest on disk upward: a writer takes
+        the first it can create (it never replaces a segment, whoever wrote it)."""
         self.directory.mkdir(exist_ok=True)
-        data = _lines(records)
         existing = self.segments()
         sequence = int(existing[-1][:12]) + 1 if existing else 1
         while True:
-            name = f"{sequence:012d}.jsonl"
-            if fs.publish_once(self.directory, name, data):
-                break
-            sequence += 1  # never replace a segment, whoever wrote it
+            yield f"{sequence:012d}.jsonl"
+            sequence += 1
+
+    def append(self, records: Sequence[Mapping[str, Any]]) -> str:
+        """Write ``records`` as the next segment, durably (file and directory entry fsynced);
+        returns its name.  The caller holds the index's write lock (see the module docstring)."""
+        data = _lines(records)
+        name = next(n for n in self.new_names() if fs.publish_once(self.directory, n, data))
         fs.fsync_dir(self.directory)
         return name
 
@@ -137,9 +140,7 @@ class JournalLog:
                 self._open()
             assert self._fd is not None
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view) :]
+                fs.write_all(self._fd, data)
                 os.fdatasync(self._fd)
             except OSError:
                 self._close()
@@ -149,17 +150,13 @@ class JournalLog:
     def _open(self) -> None:
         self._close()
         directory = self.journal.directory
-        directory.mkdir(exist_ok=True)
-        existing = self.journal.segments()
-        sequence = int(existing[-1][:12]) + 1 if existing else 1
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        while True:
-            name = f"{sequence:012d}.jsonl"
+        for name in self.journal.new_names():
             try:
                 fd = os.open(directory / name, flags, 0o644)
                 break
             except FileExistsError:
-                sequence += 1
+                continue
         try:
             fs.fsync_dir(directory)  # the name is durable before any record relies on it
         except OSError:

@@ -98,8 +98,8 @@ class Origin:
 
 @frozen
 class DeliveryRecord:
-    """Where and when an object was delivered and verified, kept next to its receipt once its
-    local payload is purged, so a rebuilt index still knows it was delivered."""
+    """Where and when an object was delivered and verified, recorded (in the facts journal)
+    before its local payload is purged, so a rebuilt index still knows it was delivered."""
 
     identifier: str
     remote_name: str
@@ -108,10 +108,6 @@ class DeliveryRecord:
     verified_at: float
     purge_after: float
     purged_at: float
-
-    def to_json(self, object_id: str) -> bytes:
-        doc = {"object_id": object_id, **{k: getattr(self, k) for k in _DELIVERY_FIELDS}}
-        return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 _DELIVERY_FIELDS = (
@@ -191,13 +187,8 @@ class ReceiptStore:
             fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
 
     def delivery_path(self, object_id: str) -> Path:
+        """A delivery record of a version 0.1 data directory (newer ones are in the journal)."""
         return self.directory / f"{object_id}.delivery.json"
-
-    def record_delivery(self, object_id: str, record: DeliveryRecord) -> None:
-        """Durably record a verified delivery (before its payload is purged); idempotent."""
-        if not self.delivery_path(object_id).exists():
-            fs.publish_once(self.directory, f"{object_id}.delivery.json", record.to_json(object_id))
-            fs.fsync_dir(self.directory)
 
     def read_delivery(self, object_id: str) -> DeliveryRecord | None:
         try:

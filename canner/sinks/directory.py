@@ -36,7 +36,7 @@ from canner.blocking import BlockingRunner
 from canner.checksum import Checksum, HashCancelled, blake3_file
 from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
-from canner.fs import fsync_dir
+from canner.fs import fsync_dir, write_all
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, plan_row
 from canner.sinks.plan import PlanError, validate_delivery
 
@@ -260,9 +260,7 @@ def _copy_through_buffer(
         n = os.readv(src, [buffer])
         if n == 0:
             return copied
-        view = buffer[:n]
-        while view:
-            view = view[os.write(dst, view) :]
+        write_all(dst, buffer[:n])
         copied += n
         progress.copied = copied
         if copied > size:

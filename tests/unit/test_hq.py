@@ -167,7 +167,9 @@ def _accepted(oid: str) -> AcceptedObject:
     return AcceptedObject(oid, "example", "f.warc", 10, "blake3:" + "ab" * 32, int(T0))
 
 
-def _released(conn: sqlite3.Connection, oid: str, released: float, purged: float) -> None:
+def _released(
+    conn: sqlite3.Connection, oid: str, released: float | None, purged: float | None
+) -> None:
     insert_objects(conn.cursor(), [_accepted(oid)], T0)
     conn.execute(
         "UPDATE objects SET state = 'delivered', remote_identifier = 'item', remote_name = 'f',"
@@ -180,7 +182,7 @@ def _released(conn: sqlite3.Connection, oid: str, released: float, purged: float
 
 
 def _verified(conn: sqlite3.Connection, oid: str) -> None:
-    _released(conn, oid, None, None)  # type: ignore[arg-type]
+    _released(conn, oid, None, None)
 
 
 def _release(conn: sqlite3.Connection, journal: Journal, ids: list[str], now: float) -> Any:
