@@ -519,3 +519,35 @@ def test_rows_left_delivering_without_an_attempt_are_released(harness: Harness) 
     harness.clock.advance(60)
     harness.tick()
     assert harness.row(oid).state == "delivering" and list(harness.sink.pending) == [oid]
+
+
+def test_a_version_0_1_delivery_side_file_still_rebuilds_a_purged_object(tmp_path: Path) -> None:
+    """Data directories of 0.1 hold a purged object's delivery record in
+    ``receipts/{id}.delivery.json`` instead of the journal: a rescan still reads it."""
+    from canner.checksum import Checksum
+    from canner.delivery.rescan import read_accepted
+    from canner.receipts import Origin, Receipt
+
+    receipts = ReceiptStore(tmp_path / "receipts")
+    receipts.directory.mkdir()
+    oid = "ab" * 16
+    receipts.record_origin(oid, Origin("example", "f.warc"))
+    receipts.commit(Receipt(oid, "https://i", Checksum("cd" * 32), 7, 1))
+    # Byte for byte what 0.1 wrote before a purge.
+    receipts.delivery_path(oid).write_bytes(
+        b'{"object_id":"%s","identifier":"item-%s","remote_name":"f.warc",'
+        b'"content_md5":"00112233445566778899aabbccddeeff","delivered_at":10.0,'
+        b'"verified_at":20.0,"purge_after":30.0,"purged_at":40.0}' % (oid.encode(), oid.encode())
+    )
+    journal = JournalLookup(Journal(tmp_path / "journal"))
+    found = read_accepted(receipts, UploadStore(tmp_path / "uploads"), journal, [oid])
+    journal.close()
+    assert found.problems == []
+    [accepted] = found.objects
+    assert accepted.delivery is not None
+    assert (accepted.delivery.identifier, accepted.delivery.purged_at) == (f"item-{oid}", 40.0)
+    rebuilt = SyncIndex(tmp_path / "rebuilt.sqlite")
+    rebuilt.run(sql.insert_objects, found.objects, 50.0)
+    row = rebuilt.run(sql.get_row, oid).result
+    assert row.state == "delivered" and row.purged_at == 40.0
+    rebuilt.close()
