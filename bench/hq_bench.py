@@ -44,7 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 from canner.delivery.index import upgrade_schema  # noqa: E402
 from canner.journal import Journal, JournalLog  # noqa: E402
-from canner.receipts import DeliveryRecord, delivery_journal_record  # noqa: E402
+from canner.receipts import (  # noqa: E402
+    DeliveryRecord,
+    Origin,
+    delivery_journal_record,
+    origin_journal_record,
+)
 from canner.releases import release_record  # noqa: E402
 
 VENV = ROOT / ".venv" / "bin"
@@ -121,23 +126,30 @@ def fill_index(db: Path, count: int, released: bool) -> None:
 
 
 def write_files(data_dir: Path, ids: list[str], everything: bool) -> None:
-    """The receipt of each id; with ``everything`` its origin file too, and, as production makes
-    them, its delivery record appended to a journal log and its release in a journal segment of
-    1,000 ids (HQ's batch)."""
+    """The receipt of each id; with ``everything``, what a purged and released object has
+    besides, as production makes it: its origin and delivery records appended to a journal log
+    (the purge moved its origin file there) and its release in a journal segment of 1,000 ids
+    (HQ's batch)."""
     receipts = data_dir / "receipts"
     for oid in ids:
         (receipts / f"{oid}.json").write_bytes(receipt_bytes(oid))
-        if everything:
-            (receipts / f"{oid}.meta.json").write_bytes(
-                b'{"object_id":"%s","project":"bench","filename":"f.warc"}' % oid.encode()
-            )
     if not everything:
         return
     journal = Journal(data_dir / "journal")
     log = JournalLog(journal)
+    origin = Origin("bench", "f.warc")
     for start in range(0, len(ids), 1000):
         batch = ids[start : start + 1000]
-        log.append([delivery_journal_record(oid, delivery(oid)) for oid in batch])
+        log.append(
+            [
+                record
+                for oid in batch
+                for record in (
+                    origin_journal_record(oid, origin),
+                    delivery_journal_record(oid, delivery(oid)),
+                )
+            ]
+        )
         journal.append([release_record(oid, T0 + 50, "bench") for oid in batch])
     log.close()
 

@@ -25,7 +25,7 @@ from canner.delivery.index import BUSY_TIMEOUT_MS
 from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
-from canner.receipts import ReceiptStore
+from canner.receipts import Origin, ReceiptStore
 
 MAX_QUERY = 1000
 
@@ -154,6 +154,18 @@ class ObjectReader:
             self._local.conn = None
             raise IndexUnavailable(str(e)) from None
         return results
+
+    def origin(self, object_id: str) -> Origin | None:
+        """Project and filename of an indexed object (the tus HEAD of a purged upload needs
+        them); None when the index lacks the object or cannot be read."""
+        try:
+            cur = self._cursor()
+            cur.execute("SELECT project, filename FROM objects WHERE object_id = ?", (object_id,))
+            found = cur.fetchone()
+        except (sqlite3.Error, IndexUnavailable):
+            self._local.conn = None
+            return None
+        return None if found is None else Origin(*found)
 
     def _not_indexed(self, receipts: ReceiptStore, object_id: str) -> dict[str, Any] | None:
         """An accepted object the index does not hold yet (its insert is best effort and the

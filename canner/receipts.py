@@ -4,10 +4,11 @@ The value half is pure: :class:`Receipt` is SavewebHQ's six-field ``ArtifactRece
 :meth:`Receipt.to_json` its exact wire form.  :class:`ReceiptStore` owns ``receipts/``:
 ``{id}.json`` is the receipt (its existence is the acceptance commit point) and ``{id}.meta.json``
 records the project and filename, so the delivery index can be rebuilt from this directory alone.
-Before a delivered payload is purged, a delivery record (where it went) joins the facts journal
-(:mod:`canner.journal`), so a lost index is rebuilt with that object delivered; data directories
-of version 0.1 hold it in ``{id}.delivery.json``, which is still read.  All store methods
-block; call them through a blocking runner.
+Before a delivered payload is purged, its origin and a delivery record (where it went) join the
+facts journal (:mod:`canner.journal`) and ``{id}.meta.json`` goes, so a lost index is rebuilt
+with that object delivered, and an archived object leaves one file behind for the ledger to
+delete; data directories of version 0.1 hold the delivery record in ``{id}.delivery.json``,
+which is still read.  All store methods block; call them through a blocking runner.
 """
 
 from __future__ import annotations
@@ -143,8 +144,25 @@ def delivery_of(record: dict[str, Any] | None) -> DeliveryRecord | None:
     return None if record is None else DeliveryRecord(*(record[k] for k in _DELIVERY_FIELDS))
 
 
+ORIGIN = "origin"
+
+
+def origin_journal_record(object_id: str, origin: Origin) -> dict[str, Any]:
+    """The facts journal's copy of an origin record, written before the payload is purged."""
+    return {"kind": ORIGIN, "object_id": object_id, "project": origin.project,
+            "filename": origin.filename}  # fmt: skip
+
+
+def origin_of(record: dict[str, Any] | None) -> Origin | None:
+    """The origin a journal record holds (None for none); ``ValueError`` if malformed."""
+    return None if record is None else _origin(record)
+
+
 def parse_origin(data: bytes) -> Origin:
-    raw: Any = json.loads(data)
+    return _origin(json.loads(data))
+
+
+def _origin(raw: Any) -> Origin:
     project, filename = raw["project"], raw.get("filename")
     if not isinstance(project, str) or not (filename is None or isinstance(filename, str)):
         raise ValueError("origin record needs a string project and an optional filename")

@@ -301,10 +301,6 @@ def receiver_service(
         observe=metrics.observe_acceptance,
     )
     floor = FloorWatch(config.min_free_bytes)
-    intake = UploadIntake(
-        config, uploads, receipts, acceptance, run, reactor, free_space_seen=floor.observe
-    )
-    tus = TusRoutes(intake, config.max_upload_bytes)
     status = StatusSource(
         run,
         partial(take_survey, config.data_dir, config.object_ids, history=True),
@@ -319,6 +315,17 @@ def receiver_service(
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
+    intake = UploadIntake(
+        config,
+        uploads,
+        receipts,
+        acceptance,
+        run,
+        reactor,
+        free_space_seen=floor.observe,
+        purged_origin=reader.origin,
+    )
+    tus = TusRoutes(intake, config.max_upload_bytes)
     tokens = _hq_tokens(config)
     hq = HQRoutes(
         Lookups(reader, run),
@@ -545,6 +552,7 @@ def deliver_service(
     scheduler = DeliveryService(
         index,
         uploads,
+        receipts,
         delivery_log,
         object_sinks,
         retention,

@@ -2,8 +2,10 @@
 
 A delivered object's payload may go once IA's metadata shows the remote file with the right size
 and MD5 (``verified_at``) and its project's retention has passed since delivery.  Deleting is
-idempotent: a file already gone counts as deleted.  The receipt always stays, and a delivery record
-is appended to the facts journal first, so a rebuilt index knows the purged object was delivered.
+idempotent: a file already gone counts as deleted.  The receipt always stays; the object's origin
+and a delivery record are appended to the facts journal first, so a rebuilt index knows the purged
+object and that it was delivered, and the origin's file in ``receipts/`` goes with the payload (an
+archived object then leaves only its receipt for the ledger to delete).
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 from canner import fs
 from canner.delivery.index import QueueRow
 from canner.journal import JournalLog
-from canner.receipts import DeliveryRecord, delivery_journal_record
+from canner.receipts import (
+    DeliveryRecord,
+    Origin,
+    ReceiptStore,
+    delivery_journal_record,
+    origin_journal_record,
+)
 from canner.tus.store import UploadStore
 
 
@@ -42,11 +50,22 @@ def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
     )
 
 
-def delete_payload(uploads: UploadStore, journal: JournalLog, row: QueueRow, now: float) -> None:
-    """Record the delivery in the facts journal (durably), then delete the artifact and its tus
-    info sidecar; missing is done.  (A tus temp file a crash left is the receiver's sweep's: no
-    purge lists ``uploads/``, which holds every upload of the backlog.)"""
+def delete_payload(
+    uploads: UploadStore, receipts: ReceiptStore, journal: JournalLog, row: QueueRow, now: float
+) -> None:
+    """Record the origin and the delivery in the facts journal (durably), then delete the
+    artifact and its tus info sidecar, then the origin's file; missing is done.  (A tus temp
+    file a crash left is the receiver's sweep's: no purge lists ``uploads/``, which holds every
+    upload of the backlog.)"""
     object_id = row.object_id
-    journal.append([delivery_journal_record(object_id, delivery_record(row, now))])
+    journal.append(
+        [
+            origin_journal_record(object_id, Origin(row.project, row.filename)),
+            delivery_journal_record(object_id, delivery_record(row, now)),
+        ]
+    )
     uploads.remove(object_id)
     fs.fsync_dir(uploads.directory)
+    # No fsync of receipts/ for this: a power cut that brings the file back brings back a
+    # copy of what the journal holds, and the ledger deletes whatever an archived object left.
+    receipts.origin_path(object_id).unlink(missing_ok=True)

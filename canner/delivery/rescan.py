@@ -3,10 +3,11 @@
 ``receipts/`` is the source of truth for what was accepted.  :func:`receipt_batches` walks the
 directory lazily, a batch of ids at a time, so a rescan of millions of receipts never holds them
 all; the caller asks the index which ids of a batch it lacks (``known_among``) and
-:func:`read_accepted` reads those: each receipt with its origin record (or, for a receipt whose
-origin record was never written, the upload's info sidecar), for an object whose payload was
-purged after delivery its delivery record and, for a released one, its release: both from the
-facts journal (or a delivery side file in a data directory of version 0.1).  A damaged
+:func:`read_accepted` reads those: each receipt with its origin record (its file in ``receipts/``;
+once the payload was purged, the facts journal; for a receipt whose origin record was never
+written, the upload's info sidecar), for an object whose payload was purged after delivery its
+delivery record and, for a released one, its release: both from the facts journal (or a
+delivery side file in a data directory of version 0.1).  A damaged
 file is reported by path and its object skipped (retried at the next rescan), never fatal.
 Blocking; run in a thread.
 """
@@ -22,7 +23,7 @@ from twisted.logger import Logger
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
 from canner.journal import JournalLookup
-from canner.receipts import DELIVERY, Origin, ReceiptStore, delivery_of
+from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
 from canner.releases import RELEASE, released_at_of
 from canner.tus.store import CorruptInfo, UploadStore
 
@@ -54,8 +55,10 @@ def receipt_batches(
         yield batch
 
 
-def _origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Origin | None:
-    origin = receipts.read_origin(object_id)
+def _origin(
+    receipts: ReceiptStore, uploads: UploadStore, journal: JournalLookup, object_id: str
+) -> Origin | None:
+    origin = receipts.read_origin(object_id) or origin_of(journal.get(object_id, ORIGIN))
     if origin is not None:
         return origin
     try:
@@ -82,7 +85,7 @@ def read_accepted(
             if receipt is None:
                 continue  # vanished since it was listed
             step = receipts.origin_path(object_id)
-            origin = _origin(receipts, uploads, object_id)
+            origin = _origin(receipts, uploads, journal, object_id)
             step = "the journal"
             delivery = delivery_of(journal.get(object_id, DELIVERY))
             if delivery is None:  # a data directory of version 0.1: a side file
@@ -97,7 +100,8 @@ def read_accepted(
             continue
         if origin is None:
             problem = (
-                f"{receipts.origin_path(object_id)}: missing, and no info sidecar names the project"
+                f"{receipts.origin_path(object_id)}: missing, the journal has no origin record"
+                " either, and no info sidecar names the project"
             )
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
             found.problems.append(problem)

@@ -46,6 +46,7 @@ from canner.delivery.queue import (
     unlisted,
 )
 from canner.journal import JournalLog
+from canner.receipts import ReceiptStore
 from canner.sinks.base import DeliveryFailed, RemoteCheck, Sink
 from canner.tus.store import UploadStore
 
@@ -68,6 +69,7 @@ class DeliveryService(Service):
 
     _index: Index
     _uploads: UploadStore
+    _receipts: ReceiptStore
     _journal: JournalLog
     _sinks: Mapping[str, Sink]
     _retention: Mapping[str, float]
@@ -353,7 +355,9 @@ class DeliveryService(Service):
             return
         if purge_is_due(row, now):
             try:
-                await self._run(delete_payload, self._uploads, self._journal, row, now)
+                await self._run(
+                    delete_payload, self._uploads, self._receipts, self._journal, row, now
+                )
             except OSError as e:
                 log.error(
                     "purging {object_id} failed, retrying in a minute: {error}",

@@ -144,10 +144,13 @@ def remove_local_state(receipts: ReceiptStore, uploads: Path, object_ids: list[s
     in the journal, which :meth:`~canner.journal.JournalLog.remove_spent` prunes.
     """
     for oid in object_ids:
-        # Files only some objects have (a delivery record of a 0.1 data directory, a packed
-        # member's package record, upload leftovers) are looked up first: an unlink holds the
-        # directory's lock even when it finds nothing, and every unlink here waits for it.
+        # Files only some objects have (an origin record that no purge moved to the journal:
+        # a packed member's, or one an older canner left; a delivery record of a 0.1 data
+        # directory, a packed member's package record, upload leftovers) are looked up first:
+        # an unlink holds the directory's lock even when it finds nothing, and every unlink
+        # here waits for it.
         for maybe in (
+            receipts.origin_path(oid),
             receipts.delivery_path(oid),
             receipts.package_path(oid),
             uploads / oid,
@@ -155,7 +158,6 @@ def remove_local_state(receipts: ReceiptStore, uploads: Path, object_ids: list[s
         ):
             if os.path.lexists(maybe):
                 maybe.unlink(missing_ok=True)
-        receipts.origin_path(oid).unlink(missing_ok=True)
         receipts.receipt_path(oid).unlink(missing_ok=True)
     fs.fsync_dir(receipts.directory)
 

@@ -26,7 +26,7 @@ from canner import drain, fs
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
-from canner.receipts import Receipt, ReceiptStore
+from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus import protocol
 from canner.tus.protocol import TusError
 from canner.tus.store import (
@@ -108,6 +108,9 @@ class UploadIntake:
     _clock: IReactorTime
     # Told the free bytes (None: unknown) each admission saw, from a worker thread.
     free_space_seen: Callable[[int | None], None] = lambda available: None
+    # The origin of an accepted upload whose payload was purged (its file in receipts/ went
+    # with it): the delivery index has it.  Called from a worker thread; None when unknown.
+    purged_origin: Callable[[str], Origin | None] = lambda upload_id: None
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 
@@ -345,7 +348,7 @@ class UploadIntake:
         receipt = self._receipts.read(upload_id)
         if receipt is None:
             return None
-        origin = self._receipts.read_origin(upload_id)
+        origin = self._receipts.read_origin(upload_id) or self.purged_origin(upload_id)
         metadata = {"checksum": str(receipt.checksum)}
         if origin is not None:
             metadata["project"] = origin.project

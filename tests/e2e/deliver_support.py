@@ -572,6 +572,17 @@ def data_files(data_dir: Path, object_id: str) -> dict[str, bool]:
     }
 
 
+def journal_records(data_dir: Path, object_id: str, kind: str) -> list[dict[str, Any]]:
+    """The object's records of ``kind`` in the facts journal (``journal/*.jsonl``), in order."""
+    found = []
+    for segment in sorted((data_dir / "journal").glob("*.jsonl")):
+        for line in segment.read_bytes().splitlines():
+            record = json.loads(line)
+            if record["object_id"] == object_id and record["kind"] == kind:
+                found.append(record)
+    return found
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -18,6 +18,7 @@ from deliver_support import (
     SECRET,
     Env,
     FakeIA,
+    journal_records,
     make_checks_due_now,
     venv_bin,
     wait_for,
@@ -93,14 +94,8 @@ def wait_purged(env: Env, ids: list[str], timeout: float = 60.0) -> None:
 
 
 def release_records(env: Env, object_id: str) -> list[dict[str, Any]]:
-    """The object's release records in the facts journal (``journal/*.jsonl``), in order."""
-    found = []
-    for segment in sorted((env.data_dir / "journal").glob("*.jsonl")):
-        for line in segment.read_bytes().splitlines():
-            record = json.loads(line)
-            if record["object_id"] == object_id and record["kind"] == "release":
-                found.append(record)
-    return found
+    """The object's release records in the facts journal, in order."""
+    return journal_records(env.data_dir, object_id, "release")
 
 
 def canner(env: Env, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -16,6 +16,7 @@ operator retry does it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -35,13 +36,14 @@ from deliver_support import (
     data_files,
     envs,
     file_md5,
+    journal_records,
     make_checks_due_now,
     make_due_now,
     md5_hex,
     remove_index,
     wait_for,
 )
-from e2e_support import blake3_hex
+from e2e_support import blake3_hex, parse_metadata
 
 pytestmark = pytest.mark.e2e
 env_factory_fixture = pytest.fixture(name="env_factory")(envs)
@@ -58,11 +60,19 @@ def expected_identifier(row: dict[str, Any]) -> str:
     return IDENTIFIER_TEMPLATE.format(date=date, object_id=row["object_id"])
 
 
-def receipt_files(env: Env, object_id: str) -> dict[str, bytes]:
+def receipt_files(env: Env, object_id: str) -> dict[str, Any]:
+    """The receipt's bytes, and the object's origin where canner keeps it: its file in
+    ``receipts/`` until the payload is purged, then the facts journal."""
     receipts = env.data_dir / "receipts"
+    origin_file = receipts / f"{object_id}.meta.json"
+    if origin_file.exists():
+        origin = json.loads(origin_file.read_bytes())
+    else:
+        records = journal_records(env.data_dir, object_id, "origin")
+        origin = records[-1] if records else None
     return {
-        name: (receipts / name).read_bytes()
-        for name in (f"{object_id}.json", f"{object_id}.meta.json")
+        "receipt": (receipts / f"{object_id}.json").read_bytes(),
+        "origin": origin and {k: origin[k] for k in ("object_id", "project", "filename")},
     }
 
 
@@ -178,7 +188,16 @@ def test_uploads_delivered_verified_then_purged(env_factory: Callable[..., Env])
         assert row["purge_after"] == pytest.approx(row["delivered_at"] + 2.0), row
         assert row["purged_at"] >= row["purge_after"], row
         assert data_files(env.data_dir, oid) == {"payload": False, "info": False, "receipt": True}
-        assert receipt_files(env, oid) == receipts[oid], "a receipt changed"
+        # The origin moved into the journal with the payload's purge: one file per object left.
+        assert not (env.data_dir / "receipts" / f"{oid}.meta.json").exists()
+        assert receipt_files(env, oid) == receipts[oid], "a receipt or its origin changed"
+        # tus HEAD still answers the upload's metadata, from the index now.
+        head = env.receiver.head(oid)
+        assert head.status_code == 200 and head.headers["Upload-Offset"] == str(len(data))
+        expected = {"checksum": blake3_hex(data), "project": PROJECT}
+        if receipts[oid]["origin"]["filename"]:
+            expected["filename"] = receipts[oid]["origin"]["filename"]
+        assert parse_metadata(head.headers["Upload-Metadata"]) == expected
     assert len(env.fake.objects()) == len(ids), env.fake.objects()
     leftovers = [p.name for p in (env.data_dir / "uploads").iterdir() if p.name.startswith(".")]
     assert not leftovers, f"tus temp state left behind: {leftovers}"

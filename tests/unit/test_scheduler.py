@@ -30,7 +30,7 @@ from canner.delivery.queue import (
 )
 from canner.delivery.scheduler import DeliveryService
 from canner.journal import Journal, JournalLog, JournalLookup
-from canner.receipts import DELIVERY, ReceiptStore, delivery_of
+from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
 from canner.sinks.base import RemoteCheck
 from canner.tus.store import UploadStore
 from tests.fakes import FakeSink, SyncIndex
@@ -102,6 +102,7 @@ class Harness:
         self.service = DeliveryService(
             self.index,
             self.uploads,
+            self.receipts,
             JournalLog(self.journal),
             {"example": self.sink},
             {"example": RETENTION},
@@ -208,8 +209,10 @@ def test_payload_that_no_longer_matches_its_receipt_is_never_sent(harness: Harne
 
 
 def test_delivery_then_verification_then_purge_after_retention(harness: Harness) -> None:
-    """Purge waits for both remote verification and the retention; the row stays delivered."""
+    """Purge waits for both remote verification and the retention; the row stays delivered.
+    The origin record moves into the journal with the purge: the receipt is the one file left."""
     [oid] = harness.accept(1)
+    harness.receipts.record_origin(oid, Origin("example", None))
     harness.tick()
     harness.sink.succeed(oid)
     row = harness.row(oid)
@@ -235,9 +238,12 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
     assert row.state == "delivered" and row.purged_at == harness.clock.seconds()
     lookup = JournalLookup(harness.journal)
     record = delivery_of(lookup.get(oid, DELIVERY))
+    origin = origin_of(lookup.get(oid, ORIGIN))
     lookup.close()
     assert record is not None
     assert (record.identifier, record.purged_at) == (f"item-{oid}", row.purged_at)
+    assert origin == Origin("example", None)
+    assert not harness.receipts.origin_path(oid).exists()
 
 
 def _deliver(h: Harness, oid: str) -> None:
@@ -356,7 +362,7 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     from canner.checksum import Checksum
     from canner.delivery.rescan import read_accepted
     from canner.ids import ObjectIds
-    from canner.receipts import Origin, Receipt
+    from canner.receipts import Receipt
 
     h = Harness(tmp_path)
     [oid] = h.accept(1)
@@ -381,6 +387,8 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     again = rebuilt.run(sql.get_row, oid).result
     assert again.state == "delivered" and again.purged_at is not None
     assert again.remote_identifier == f"item-{oid}"
+    # The origin came from the journal: the purge took its file.
+    assert again.project == "example" and not h.receipts.origin_path(oid).exists()
     assert rebuilt.run(sql.claim_due, h.clock.seconds() + 10**6, 10, ["example"]).result == []
     rebuilt.close()
 
