@@ -319,7 +319,7 @@ def archive(work: Path, count: int) -> dict[str, Any]:
         write_files(data, ids, everything=True)
     subprocess.run(["sync"], check=True)
     took = time.monotonic() - t
-    print(f"prepared {count} archivable records (2 files each, and the journal) in {took:.1f}s")
+    print(f"prepared {count} archivable records (a receipt each, and the journal) in {took:.1f}s")
     fake_dir = work / "fake"
     fake_dir.mkdir()
     (work / "keys").write_text("bench-access\nbench-secret\n")

@@ -40,7 +40,14 @@ from canner.ledger.files import (
     expand,
     template_placeholders,
 )
-from canner.ledger.steps import LedgerError, id_batches, remove_local_state, write_ledger
+from canner.ledger.steps import (
+    LedgerError,
+    id_batches,
+    leftovers,
+    remove_leftovers,
+    remove_receipts,
+    write_ledger,
+)
 from canner.receipts import ReceiptStore
 from canner.sinks.internet_archive import IASink
 from canner.sinks.metadata import metadata_headers, metadata_key_problem
@@ -359,6 +366,9 @@ class LedgerService(Service):
         return f"{base}/download/{row.identifier}/{row.remote_name}"
 
     async def _delete(self, row: store.LedgerRow, now: float) -> None:
+        archived = ArchivedIds(self._ledgers)
+        extra = await self._run(leftovers, self._receipts, self._uploads, archived.contains)
+        await self._run(remove_leftovers, self._receipts, self._uploads, extra)
         batches = id_batches(self._ledgers, row.name, self._full_id, DELETE_BATCH)
         deleted = 0
         # A batch's rows are deleted while the next batch's files are: files first, rows
@@ -371,9 +381,7 @@ class LedgerService(Service):
                 unlink = self._unlink or self._run
                 await DeferredList(
                     [
-                        unlink(
-                            remove_local_state, self._receipts, self._uploads, batch[i : i + step]
-                        )
+                        unlink(remove_receipts, self._receipts, batch[i : i + step])
                         for i in range(0, len(batch), step)
                     ],
                     fireOnOneErrback=True,
@@ -389,7 +397,7 @@ class LedgerService(Service):
                 deleted += await rows
         # Journal segments whose every record is archived go too (before the ledger is done: a
         # crash in between repeats this step).
-        spent = await self._run(self._journal.remove_spent, ArchivedIds(self._ledgers).contains)
+        spent = await self._run(self._journal.remove_spent, archived.contains)
         manifest = await self._run(self._read_manifest, row.name)
         await self._run(
             self._ledgers.write_manifest, evolve(manifest, done_at=self._clock.seconds())

@@ -135,31 +135,63 @@ def _read_receipts(receipts: ReceiptStore, object_ids: list[str]) -> list[bytes 
     return [receipts.read_bytes(oid) for oid in object_ids]
 
 
-def remove_local_state(receipts: ReceiptStore, uploads: Path, object_ids: list[str]) -> None:
-    """Delete the receipt files (and any leftover upload files) of archived objects; missing is
-    done.  Only a caller whose ledger is verified (its manifest written) may call this.
+# Files besides the receipt that an archived object may still have, by directory.
+_RECEIPT_SIDES = (".meta.json", ".delivery.json", ".package.json")
 
-    The receipt goes last, so a crash in between leaves it to be deleted again (the manifest
-    keeps a rebuilt index from taking it back).  An object's release and delivery records are
-    in the journal, which :meth:`~canner.journal.JournalLog.remove_spent` prunes.
+
+def leftovers(receipts: ReceiptStore, uploads: Path, archived: Callable[[str], bool]) -> list[Path]:
+    """The files of archived objects, other than their receipts, in ``receipts/`` and
+    ``uploads/``: an origin record no purge moved to the journal (a packed member's, or one an
+    older canner left), a delivery record of a 0.1 data directory, a packed member's package
+    record, upload leftovers.  Few objects have any.
+
+    One listing of each directory instead of a lookup per object and file: a lookup of a
+    missing name in a directory of millions costs about 10 µs and waits for the unlinks
+    running beside it, which made lookups most of the cost of deleting a ledger's state.  No
+    file of an archived object is created after its ledger is verified, so the listing stays
+    true while the deletion runs.
+    """
+    found = []
+    for directory, object_id in ((receipts.directory, _receipt_side), (uploads, _upload_file)):
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                oid = object_id(entry.name)
+                if oid is not None and archived(oid):
+                    found.append(Path(entry.path))
+    return found
+
+
+def _receipt_side(name: str) -> str | None:
+    for suffix in _RECEIPT_SIDES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def _upload_file(name: str) -> str | None:
+    if name.startswith(fs.TEMP_PREFIX):
+        return None  # the receiver's sweep owns tus temp files
+    return name.removesuffix(".info")
+
+
+def remove_leftovers(receipts: ReceiptStore, uploads: Path, paths: list[Path]) -> None:
+    """Delete :func:`leftovers` (missing is done), then make that durable."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+    fs.fsync_dir(receipts.directory)
+    fs.fsync_dir(uploads)
+
+
+def remove_receipts(receipts: ReceiptStore, object_ids: list[str]) -> None:
+    """Delete the receipt files of archived objects; missing is done.  Only a caller whose
+    ledger is verified (its manifest written), and whose :func:`leftovers` are gone, may call
+    this: the receipt goes last, so a crash in between leaves it to be deleted again (the
+    manifest keeps a rebuilt index from taking it back).  An object's release, delivery and
+    origin records are in the journal, which :meth:`~canner.journal.JournalLog.remove_spent`
+    prunes.  The caller fsyncs ``receipts/``.
     """
     for oid in object_ids:
-        # Files only some objects have (an origin record that no purge moved to the journal:
-        # a packed member's, or one an older canner left; a delivery record of a 0.1 data
-        # directory, a packed member's package record, upload leftovers) are looked up first:
-        # an unlink holds the directory's lock even when it finds nothing, and every unlink
-        # here waits for it.
-        for maybe in (
-            receipts.origin_path(oid),
-            receipts.delivery_path(oid),
-            receipts.package_path(oid),
-            uploads / oid,
-            uploads / f"{oid}.info",
-        ):
-            if os.path.lexists(maybe):
-                maybe.unlink(missing_ok=True)
         receipts.receipt_path(oid).unlink(missing_ok=True)
-    fs.fsync_dir(receipts.directory)
 
 
 def id_batches(

@@ -69,6 +69,14 @@ def test_flush_archives_released_records_in_a_verified_ledger(
     receipts = archivable(env, 3, "ledger")
     kept = env.upload(b"not released\n" * 10)
     released_at = {oid: env.row(oid)["released_at"] for oid in receipts}
+    # Files an older canner left beside a receipt go with it once it is archived, not before.
+    first = min(receipts)
+    wait_purged(env, [kept])
+    assert receipt_files(env, first) == [f"{first}.json"], "the purge left its origin file"
+    for oid in (first, kept):
+        origin = {"object_id": oid, "project": "example", "filename": None}
+        (env.data_dir / "receipts" / f"{oid}.meta.json").write_text(json.dumps(origin))
+    (env.data_dir / "receipts" / f"{first}.delivery.json").write_bytes(b"{}")
     out = flush(env)
     assert out.returncode == 0, out.stdout + out.stderr
     [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
@@ -100,7 +108,8 @@ def test_flush_archives_released_records_in_a_verified_ledger(
         assert doc["archived"]["ledger"] == ledger["name"]
         assert doc["archived"]["line"] == n
         assert doc["hq"] == {"released_at": released_at[oid]}
-    assert kept in rows and receipt_files(env, kept)
+    assert kept in rows
+    assert receipt_files(env, kept) == [f"{kept}.json", f"{kept}.meta.json"]
     again = release(env, [f"receipt:{ordered[0]}"]).json()["results"]
     assert again == [
         {
