@@ -43,15 +43,6 @@ log = Logger()
 INLINE_HASH_MAX = 4 << 20
 
 
-class _LastWriteFailed(Exception):
-    """Carries what writing an upload's last bytes raised out of a thread hop, past the
-    acceptance's own error handling: no acceptance step ran."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class ChecksumMismatch(Exception):
     """The stored bytes do not hash to the declared checksum: the upload is rejected for good."""
 
@@ -91,13 +82,8 @@ class Acceptance:
         """A Deferred for the acceptance of ``upload_id`` running now, if any (safe to cancel)."""
         return self._join(upload_id) if upload_id in self._waiters else None
 
-    def accept(self, upload: LockedUpload, last: list[bytes] | None = None) -> Deferred[Receipt]:
+    def accept(self, upload: LockedUpload) -> Deferred[Receipt]:
         """Run acceptance for a complete ``upload`` whose lock the caller hands over.
-
-        ``last``, when given, are the upload's last bytes, not written yet: they are written at
-        its offset first (for a small upload in the same thread hop as the whole acceptance) and
-        must make it complete.  A failed write fails with what ``UploadStore.append`` raised
-        (:class:`OutOfSpace`, :class:`StorageFault`), and no acceptance step runs.
 
         The lock is released when acceptance ends.  Fails with :class:`ChecksumMismatch` or
         :class:`AcceptanceFailed`.  Cancelling the returned Deferred does not stop acceptance.
@@ -121,7 +107,7 @@ class Acceptance:
                 else:
                     waiter.callback(result)  # type: ignore[arg-type]
 
-        Deferred.fromCoroutine(self._accept(upload, last)).addBoth(done)
+        Deferred.fromCoroutine(self._accept(upload)).addBoth(done)
         return joined
 
     def _join(self, upload_id: str) -> Deferred[Receipt]:
@@ -133,7 +119,7 @@ class Acceptance:
         """Ask running hashes to stop at their next read (process shutdown)."""
         self._stopping.set()
 
-    async def _accept(self, upload: LockedUpload, last: list[bytes] | None) -> Receipt:
+    async def _accept(self, upload: LockedUpload) -> Receipt:
         info = upload.info
         origin = Origin(info.project, info.filename)
         receipt: Receipt | None = None
@@ -142,17 +128,13 @@ class Acceptance:
             if info.size <= INLINE_HASH_MAX:
                 # Small: the whole sequence in one thread hop, in the same order.
                 existing, hash_seconds, receipt = await self._run(
-                    self._accept_inline, upload, origin, last
+                    self._accept_inline, upload, origin
                 )
             else:
-                if last is not None:
-                    await self._run(self._write_last, upload, last)
                 existing = await self._run(self.sync_upload, upload, origin)
                 if existing is None:
                     hash_seconds = await self._hash(self.verify_checksum, upload)
                     receipt = await self._run(self.commit_receipt, upload)
-        except _LastWriteFailed as e:
-            raise e.error from None
         except ChecksumMismatch as e:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
@@ -191,10 +173,8 @@ class Acceptance:
         return receipt
 
     def _accept_inline(
-        self, upload: LockedUpload, origin: Origin, last: list[bytes] | None
+        self, upload: LockedUpload, origin: Origin
     ) -> tuple[Receipt | None, float, Receipt | None]:
-        if last is not None:
-            self._write_last(upload, last)
         existing = self.sync_upload(upload, origin)
         if existing is not None:
             return existing, 0.0, None
@@ -202,14 +182,6 @@ class Acceptance:
         return None, hash_seconds, self.commit_receipt(upload)
 
     # The steps block; each runs on a worker thread.
-
-    def _write_last(self, upload: LockedUpload, last: list[bytes]) -> None:
-        """Write the upload's last bytes (step 1, the end of the body); what the write raised
-        leaves wrapped in :class:`_LastWriteFailed`."""
-        try:
-            self._uploads.append(upload, last)
-        except Exception as e:
-            raise _LastWriteFailed(e) from e
 
     def sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
         """Step 2: fsync data, sidecar and ``uploads/`` (a failure resets the upload:

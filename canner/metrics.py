@@ -375,14 +375,14 @@ class TimedAcceptance(Acceptance):
 
     _observe: Callable[[float], None] = field(kw_only=True)
 
-    def accept(self, upload: LockedUpload, last: list[bytes] | None = None) -> Deferred[Receipt]:
+    def accept(self, upload: LockedUpload) -> Deferred[Receipt]:
         start = self._clock.seconds()
 
         def timed(receipt: Receipt) -> Receipt:
             self._observe(self._clock.seconds() - start)
             return receipt
 
-        return super().accept(upload, last).addCallback(timed)
+        return super().accept(upload).addCallback(timed)
 
 
 # -- the survey gauges ----------------------------------------------------------------------

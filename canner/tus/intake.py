@@ -88,20 +88,6 @@ def _failure_status(failure: Failure) -> Failure:
     return failure
 
 
-def _write_failed(failure: Failure, upload: LockedUpload) -> Failure:
-    """A failed write of ``upload``'s bytes: storage trouble becomes a 503 the worker retries."""
-    oid = upload.info.upload_id
-    if failure.check(OutOfSpace):
-        log.warn("out of space while writing {object_id} at offset {offset}",
-                 object_id=oid, offset=upload.offset)  # fmt: skip
-        return Failure(protocol.storage_trouble(str(failure.value)))
-    if failure.check(StorageFault):
-        log.error("writing {object_id} failed: {error}", object_id=oid,
-                  error=str(failure.value))  # fmt: skip
-        return Failure(protocol.storage_trouble(str(failure.value)))
-    return failure
-
-
 def _check_final_patch(offset: int, length: int | None, size: int) -> None:
     """A PATCH to a complete upload may only repeat the final, empty request (409, 413)."""
     if offset != size:
@@ -152,7 +138,6 @@ class UploadIntake:
             self._finish,
             request,
             self._clock.seconds,
-            complete=self._complete,
         )
         try:
             admission = admit(request.requestHeaders, target, length)
@@ -375,20 +360,32 @@ class UploadIntake:
 
     def _append(self, upload: LockedUpload, chunks: list[bytes]) -> Deferred[int]:
         """Write chunks (in a thread); storage trouble becomes a 503 the worker retries."""
-        return self._run(self._uploads.append, upload, chunks).addErrback(_write_failed, upload)
+
+        def failed(failure: Failure) -> Failure:
+            oid = upload.info.upload_id
+            if failure.check(OutOfSpace):
+                log.warn("out of space while writing {object_id} at offset {offset}",
+                         object_id=oid, offset=upload.offset)  # fmt: skip
+                return Failure(protocol.storage_trouble(str(failure.value)))
+            if failure.check(StorageFault):
+                log.error("writing {object_id} failed: {error}", object_id=oid,
+                          error=str(failure.value))  # fmt: skip
+                return Failure(protocol.storage_trouble(str(failure.value)))
+            return failure
+
+        return self._run(self._uploads.append, upload, chunks).addErrback(failed)
 
     # -- after the body -------------------------------------------------------------------------
-
-    def _complete(self, upload: LockedUpload, last: list[bytes]) -> Deferred[Outcome]:
-        """Write the ``last`` chunks, which complete ``upload``, and accept it: one thread hop
-        for a small upload.  A failed write is answered as by :meth:`_append`."""
-        accepted = self._acceptance.accept(upload, last)
-        return self._outcome_of(upload, accepted.addErrback(_write_failed, upload))
 
     def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
         info, location = upload.info, upload.location
         if upload.offset == info.size:
-            return self._outcome_of(upload, self._acceptance.accept(upload))
+            return self._acceptance.accept(upload).addCallbacks(
+                lambda receipt: Outcome(
+                    info.upload_id, info.size, info.size, info.metadata, receipt, location
+                ),
+                _failure_status,
+            )
         offset = upload.offset
         if lost:
             log.info(
@@ -398,16 +395,6 @@ class UploadIntake:
             )
         return self._run(upload.close).addCallback(
             lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location)
-        )
-
-    def _outcome_of(self, upload: LockedUpload, accepted: Deferred[Receipt]) -> Deferred[Outcome]:
-        """What a request that completed ``upload`` answers once its acceptance ended."""
-        info, location = upload.info, upload.location
-        return accepted.addCallbacks(
-            lambda receipt: Outcome(
-                info.upload_id, info.size, info.size, info.metadata, receipt, location
-            ),
-            _failure_status,
         )
 
     # -- HEAD -----------------------------------------------------------------------------------

@@ -408,7 +408,6 @@ class Gate(Protocol):
 
 Write = Callable[[LockedUpload, list[bytes]], "Deferred[int]"]
 Finish = Callable[[LockedUpload, bool], "Deferred[Any]"]
-Complete = Callable[[LockedUpload, list[bytes]], "Deferred[Any]"]
 
 
 @define(eq=False)
@@ -424,12 +423,6 @@ class BodyStream:
     runs and its result is what :meth:`result` gives.  A body that would run past the upload's
     length is refused with 413 and the bytes it wrote are truncated away.
 
-    With ``complete``, the chunks that make the upload complete are not written on their own:
-    they wait for the end of the body (they are in memory already: at most
-    :data:`PENDING_HIGH_WATER` plus one socket read), then ``complete(upload, chunks)`` writes
-    them and finishes in one call (for a small upload, one thread hop), and its result is the
-    stream's.  Bytes past the upload's length still get 413 before anything is written.
-
     A refusal made at admission while the body is still arriving is answered through ``gate``
     at once, not after the whole body.  ``last_progress`` (``now()`` of
     the last byte received or written) tells a stalled writer from a live one;
@@ -442,7 +435,6 @@ class BodyStream:
     _finish: Finish
     _gate: Gate | None = None
     _now: Callable[[], float] = lambda: 0.0
-    _complete: Complete | None = None
     last_progress: float = 0.0
     _early: bool = False
     _let_go: bool = False
@@ -556,25 +548,11 @@ class BodyStream:
             if upload.offset + size > upload.info.size:
                 self._refuse_overrun(upload)
                 return
-            if self._complete is not None and upload.offset + size == upload.info.size:
-                self._complete_with(upload, chunks)
-                return
             self._writing = True
             self._resume()
             self._write(upload, chunks).addBoth(self._written)
         elif self._ended or self._lost:
             self._settle()
-
-    def _complete_with(self, upload: LockedUpload, chunks: list[bytes]) -> None:
-        """The chunks that complete the upload: hand them to ``complete`` once the body has
-        ended; until then they wait, and any further byte is an overrun (413)."""
-        self._resume()
-        if not (self._ended or self._lost):
-            self._pending, self._pending_bytes = chunks, sum(map(len, chunks))
-            return  # body_ended or connection_lost pumps again
-        assert self._complete is not None
-        self._settled = True
-        self._complete(upload, chunks).addBoth(self._finished)
 
     def _can_answer_now(self) -> bool:
         # Only refusals made at admission, before any byte of the body was written: after a

@@ -16,8 +16,7 @@ from twisted.internet.task import Clock
 from canner.acceptance import INLINE_HASH_MAX, Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import run_inline
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus import store as store_module
-from canner.tus.store import LockedUpload, OutOfSpace, StorageFault, UploadInfo, UploadStore
+from canner.tus.store import LockedUpload, UploadInfo, UploadStore
 from tests.fakes import succeeded
 
 OID = "0123456789abcdef0123456789abcdef"
@@ -162,53 +161,3 @@ def test_joiners_share_one_acceptance_and_may_cancel(tmp_path: Path) -> None:
     pending[0].callback(None)
     assert succeeded(first) == succeeded(joined)
     assert env.acceptance.in_flight(OID) is None
-
-
-def _empty_upload(env: Env, data: bytes, written: int) -> LockedUpload:
-    """An upload of ``data`` whose first ``written`` bytes are stored."""
-    digest = blake3.blake3(data).hexdigest()
-    info = UploadInfo(OID, len(data), {"project": "example", "checksum": f"blake3:{digest}"}, 1)
-    env.uploads.create(info)
-    upload = env.uploads.open_locked(info)
-    upload.write([data[:written]])
-    return upload
-
-
-@pytest.mark.parametrize("size", [7, INLINE_HASH_MAX + 1], ids=["inline", "hash-pool"])
-def test_last_bytes_are_written_then_accepted(tmp_path: Path, size: int) -> None:
-    """accept(upload, last) stores the last bytes at the offset, then commits the receipt."""
-    env = Env(tmp_path)
-    data = os.urandom(size)
-    upload = _empty_upload(env, data, 3)
-    receipt = succeeded(env.acceptance.accept(upload, [data[3:5], data[5:]]))
-    assert receipt.size_bytes == size
-    assert env.uploads.data_path(OID).read_bytes() == data
-    assert env.receipts.read(OID) == receipt
-    assert env.enqueued == [(receipt, Origin("example", None))]
-    assert upload.fd == -1, "the lock is released when acceptance ends"
-
-
-@pytest.mark.parametrize(
-    ("code", "raised", "kept"),
-    [(errno.ENOSPC, OutOfSpace, 3), (errno.EIO, StorageFault, 0)],
-    ids=["full", "broken"],
-)
-def test_a_failed_last_write_fails_as_the_write_and_accepts_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, raised: type, kept: int
-) -> None:
-    """The write's own error comes back (a full disk keeps the bytes before, a broken one
-    resets the upload), no acceptance step runs and the lock is released."""
-    env = Env(tmp_path)
-    data = b"hello world"
-    upload = _empty_upload(env, data, 3)
-
-    def failing(fd: int, buffers: Any, offset: int) -> int:
-        raise OSError(code, os.strerror(code))
-
-    monkeypatch.setattr(store_module.os, "pwritev", failing)
-    with pytest.raises(raised):
-        succeeded(env.acceptance.accept(upload, [data[3:]]))
-    assert upload.fd == -1 and env.acceptance.in_flight(OID) is None
-    assert env.uploads.offset(OID) == kept
-    assert env.receipts.read(OID) is None and env.receipts.read_origin(OID) is None
-    assert env.enqueued == []
