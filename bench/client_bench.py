@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
@@ -165,7 +166,8 @@ def bench_hashing(path: Path, size: int, repeat: int) -> dict[str, Any]:
 def curl_upload(receiver: Receiver, path: Path, size: int, checksum: str) -> tuple[float, int]:
     r = receiver.create(size, checksum, project="example", filename=path.name)
     assert r.status_code == 201, r.text
-    location = r.headers["Location"]
+    # Relative (./<id>) unless public_url is set: resolve it as a tus client does.
+    location = urljoin(receiver.files_url, r.headers["Location"])
     with tempfile.TemporaryFile("w+") as out:
         wall, rc, rss = run_measured(
             [

@@ -367,7 +367,7 @@ def time_ticks(path: Path, ticks: int, free_slots: int) -> list[float]:
         sql.claim_due(cur, now, free_slots, [PROJECT])
         cur.execute("COMMIT")
         cur.execute("BEGIN")
-        sql.follow_ups_due(cur, now, 32)
+        sql.follow_ups_due(cur, now, 32, [PROJECT])
         cur.execute("COMMIT")
         times.append((time.perf_counter() - start) * 1000)
     conn.close()

@@ -113,7 +113,7 @@ def main() -> None:
             t0 = time.monotonic()
             done = []
             for r, (_, path, _, _) in zip(rows, payloads, strict=True):
-                done.append(await sink.deliver(r, path))
+                done.append(await sink.deliver(r, path, lambda copied: None))
             results["copy_s"] = time.monotonic() - t0
             t0 = time.monotonic()
             for r, d in zip(rows, done, strict=True):
