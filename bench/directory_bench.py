@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -33,6 +33,7 @@ import blake3  # noqa: E402
 from twisted.internet import defer, task  # noqa: E402
 from twisted.internet.threads import deferToThread  # noqa: E402
 
+from canner.blocking import BlockingRunner  # noqa: E402
 from canner.config import DeliveryConfig  # noqa: E402
 from canner.delivery.index import QueueRow  # noqa: E402
 from canner.sinks.directory import DirectorySink  # noqa: E402
@@ -94,8 +95,7 @@ def main() -> None:
         results: dict[str, float] = {}
 
         async def run_sink(reactor: Any) -> None:
-            def in_thread(f: Any, *a: Any, **kw: Any) -> Any:
-                return deferToThread(f, *a, **kw)
+            in_thread = cast(BlockingRunner, deferToThread)
 
             config = DeliveryConfig(
                 sink="directory",

@@ -32,7 +32,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 
@@ -637,8 +637,23 @@ class Run:
         return cpu / float(r["runSeconds"])
 
 
+class LoadTarget(Protocol):
+    """What the load generator needs of a server: its tus endpoint and a name for the logs."""
+
+    @property
+    def base(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
 def run_load(
-    work: Path, server: Server, scenario: Scenario, specs: list[dict[str, Any]], args: Any, tag: str
+    work: Path,
+    server: LoadTarget,
+    scenario: Scenario,
+    specs: list[dict[str, Any]],
+    args: Any,
+    tag: str,
 ) -> dict[str, Any]:
     budget = args.max_seconds or (120 + scenario.total_bytes / (10 * MiB) + scenario.count * 0.05)
     config = {

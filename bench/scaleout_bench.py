@@ -143,6 +143,14 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
             proc.wait(10)
 
 
+@dataclass(frozen=True)
+class Front:
+    """HAProxy in front of the nodes, as the load generator sees it."""
+
+    base: str
+    name: str
+
+
 @dataclass
 class Result:
     nodes: int
@@ -214,7 +222,7 @@ def run_cluster(
         wait_ready(f"http://127.0.0.1:{port}/healthz", proxy, "haproxy")
         payloads = Payloads.create(root, args.pool)
         specs = payloads.specs(count, size)
-        front = SimpleNamespace(base=f"http://127.0.0.1:{port}/files/", name="canner")
+        front = Front(base=f"http://127.0.0.1:{port}/files/", name="canner")
         subprocess.run(["sync"], check=False)
         wait_idle(args.idle_wait, len(os.sched_getaffinity(0)))
         pids = [x.proc.pid for x in nodes]
