@@ -421,7 +421,9 @@ def show(config_path: Path, object_id: str, io: Io) -> int:
     except sqlite3.Error as e:
         raise CommandError(f"cannot read the delivery index: {e}") from None
     if not inventory.known(description):
-        raise CommandError(f"no object {oid} in {data_dir} (no receipt, upload or delivery row)")
+        raise CommandError(
+            f"no object {oid} in {data_dir} (no receipt, upload, delivery row or ledger record)"
+        )
     try:
         package = inventory.read_index(data_dir / inventory.INDEX_NAME, psql.object_package, oid)
     except FileNotFoundError:

@@ -36,6 +36,7 @@ from canner.drain import (
     retirement,
 )
 from canner.ids import ObjectIds
+from canner.ledger.files import Archived, ArchivedIds, LedgerDir
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
 from canner.tus.store import CorruptInfo, UploadStore
@@ -469,9 +470,15 @@ def local_record(data_dir: Path, object_id: str) -> LocalRecord:
 
 
 def describe_object(
-    local: LocalRecord, row: QueueRow | None, attempts: list[dict[str, Any]] | None = None
+    local: LocalRecord,
+    row: QueueRow | None,
+    attempts: list[dict[str, Any]] | None = None,
+    archived: Archived | None = None,
 ) -> dict[str, Any]:
-    """``canner show`` and the manhole's ``lookup()``: everything known about one object."""
+    """``canner show`` and the manhole's ``lookup()``: everything known about one object.
+
+    ``archived`` says which verified ledger holds the record of an object whose local state
+    went with archiving (``GET /api/v1/objects/{id}``'s ``archived``, with its ``released_at``)."""
     return {
         "object_id": local.object_id,
         "receipt": local.receipt,
@@ -480,6 +487,9 @@ def describe_object(
         "payload_present": local.payload_present,
         "delivery": row.as_dict() if row is not None else None,
         "attempts": attempts or [],
+        "archived": (
+            {**archived.as_dict(), "released_at": archived.released_at} if archived else None
+        ),
         "problems": list(local.problems),
     }
 
@@ -494,7 +504,8 @@ def lookup_object(data_dir: Path, object_id: str) -> dict[str, Any]:
             attempts = read_index(data_dir / INDEX_NAME, _attempts, object_id)
     except FileNotFoundError:
         row = None
-    return describe_object(local, row, attempts)
+    archived = ArchivedIds(LedgerDir(data_dir / "ledger")).find(object_id)
+    return describe_object(local, row, attempts, archived)
 
 
 def _attempts(cur: sqlite3.Cursor, object_id: str) -> list[dict[str, Any]]:
@@ -558,4 +569,4 @@ def resolve_id(data_dir: Path, ids: ObjectIds, text: str) -> str:
 
 def known(description: Mapping[str, Any]) -> bool:
     """True when anything at all is known about the described object."""
-    return any(description[k] is not None for k in ("receipt", "upload", "delivery"))
+    return any(description[k] is not None for k in ("receipt", "upload", "delivery", "archived"))

@@ -22,6 +22,7 @@ from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
 from canner.fs import DataDirLock
+from canner.ledger.files import LedgerDir, Manifest, id_record
 from canner.receipts import Origin, Receipt, ReceiptStore
 from tests.fakes import SyncIndex
 
@@ -199,6 +200,20 @@ def test_show_joins_receipt_payload_and_row(run: Run, indexed: SyncIndex) -> Non
     assert doc["origin"]["filename"] == "f2.warc"
     assert doc["payload_present"] is True
     assert doc["delivery"]["state"] == "retry_wait" and doc["delivery"]["attempts"] == 3
+
+
+def test_show_an_archived_object_names_its_ledger_line(run: Run, indexed: SyncIndex) -> None:
+    """Archiving deleted its receipt and row: the verified ledger still says where it is."""
+    ledgers = LedgerDir(run.data_dir / "ledger")
+    ledgers.directory.mkdir()
+    ledgers.ids_path("n-x").write_bytes(id_record(oid(7), 5.0) + id_record(oid(8), 6.0))
+    ledgers.write_manifest(Manifest("n-x", "x", 2, 1, "m", "b", "item", "n-x.jsonl.zst", "u", 7.0))
+    code, out, err = run("show", oid(8))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["receipt"] is None and doc["delivery"] is None
+    assert doc["archived"]["ledger"] == "n-x" and doc["archived"]["line"] == 2
+    assert doc["archived"]["released_at"] == 6.0 and doc["archived"]["identifier"] == "item"
 
 
 @pytest.mark.parametrize(
