@@ -108,6 +108,12 @@ def test_flush_archives_released_records_in_a_verified_ledger(
         assert doc["archived"]["ledger"] == ledger["name"]
         assert doc["archived"]["line"] == n
         assert doc["hq"] == {"released_at": released_at[oid]}
+    # The operator's view agrees (canner show reads the same archived-id index).
+    shown = canner(env, "show", ordered[0])
+    assert shown.returncode == 0, shown.stderr
+    archived = json.loads(shown.stdout)["archived"]
+    assert (archived["ledger"], archived["line"]) == (ledger["name"], 1)
+    assert archived["released_at"] == released_at[ordered[0]]
     assert kept in rows
     assert receipt_files(env, kept) == [f"{kept}.json", f"{kept}.meta.json"]
     again = release(env, [f"receipt:{ordered[0]}"]).json()["results"]
