@@ -123,7 +123,10 @@ _DELIVERY_FIELDS = (
 
 
 def parse_delivery(data: bytes) -> DeliveryRecord:
-    raw: Any = json.loads(data)
+    return _delivery(json.loads(data))
+
+
+def _delivery(raw: Any) -> DeliveryRecord:
     return DeliveryRecord(*(raw[k] for k in _DELIVERY_FIELDS))
 
 
@@ -141,7 +144,7 @@ def delivery_journal_record(object_id: str, record: DeliveryRecord) -> dict[str,
 
 def delivery_of(record: dict[str, Any] | None) -> DeliveryRecord | None:
     """The delivery record a journal record holds (None for none); ``KeyError`` if malformed."""
-    return None if record is None else DeliveryRecord(*(record[k] for k in _DELIVERY_FIELDS))
+    return None if record is None else _delivery(record)
 
 
 ORIGIN = "origin"
@@ -149,8 +152,12 @@ ORIGIN = "origin"
 
 def origin_journal_record(object_id: str, origin: Origin) -> dict[str, Any]:
     """The facts journal's copy of an origin record, written before the payload is purged."""
-    return {"kind": ORIGIN, "object_id": object_id, "project": origin.project,
-            "filename": origin.filename}  # fmt: skip
+    return {
+        "kind": ORIGIN,
+        "object_id": object_id,
+        "project": origin.project,
+        "filename": origin.filename,
+    }
 
 
 def origin_of(record: dict[str, Any] | None) -> Origin | None:
