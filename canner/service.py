@@ -315,6 +315,7 @@ def receiver_service(
     ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
+    journal = Journal(config.data_dir / "journal")
     intake = UploadIntake(
         config,
         uploads,
@@ -330,9 +331,7 @@ def receiver_service(
     hq = HQRoutes(
         Lookups(reader, run),
         reader,
-        Releases(
-            index, Journal(config.data_dir / "journal"), archived, config.object_ids, run, reactor
-        ),
+        Releases(index, journal, archived, config.object_ids, run, reactor),
         tokens,
         run,
     )
@@ -386,6 +385,7 @@ def receiver_service(
             sweep_stale,
             uploads,
             receipts,
+            journal,
             config.object_ids,
             reactor.seconds(),
             config.partial_upload_retention,

@@ -16,6 +16,7 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.ids import ObjectIds
+from canner.journal import Journal
 from canner.receipts import ReceiptStore
 from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
 
@@ -40,9 +41,15 @@ def _upload_ids(uploads: UploadStore, ids: ObjectIds) -> set[str]:
 
 
 def sweep_stale(
-    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds, now: float, retention: float
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    journal: Journal,
+    ids: ObjectIds,
+    now: float,
+    retention: float,
 ) -> SweepReport:
-    """Remove uploads idle for longer than ``retention`` seconds that have no receipt."""
+    """Remove uploads idle for longer than ``retention`` seconds that have no receipt, and temp
+    files a crash left in ``uploads/``, ``receipts/`` and ``journal/`` (release segments)."""
     report = SweepReport()
     for upload_id in sorted(_upload_ids(uploads, ids)):
         if now - uploads.idle_since(upload_id) <= retention:
@@ -72,9 +79,7 @@ def sweep_stale(
                 report.removed.append(upload_id)
         finally:
             locked.close()
-    # journal/ sits beside receipts/ in the data directory (release segments' temp files).
-    journal = receipts.directory.parent / "journal"
-    for directory in (uploads.directory, receipts.directory, journal):
+    for directory in (uploads.directory, receipts.directory, journal.directory):
         if not directory.exists():
             continue
         for temp in list(fs.orphaned_temps(directory, now)):

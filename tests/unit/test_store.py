@@ -11,6 +11,7 @@ import pytest
 from canner import fs
 from canner.checksum import Checksum
 from canner.ids import ObjectIds
+from canner.journal import Journal
 from canner.receipts import Receipt, ReceiptStore
 from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 from canner.tus.sweep import sweep_stale
@@ -109,7 +110,7 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
     os.utime(fresh_segment, (now - 60, now - 60))
     (journal / "000000000001.jsonl").write_bytes(b"{}\n")
 
-    report = sweep_stale(uploads, receipts, IDS, now, retention=1800)
+    report = sweep_stale(uploads, receipts, Journal(journal), IDS, now, retention=1800)
     lock.close()
 
     assert sorted(report.removed) == sorted([idle, orphan])
