@@ -30,10 +30,15 @@ from typing import Any
 from attrs import define, evolve, field, frozen
 
 from canner import fs
-from canner.checksum import Checksum, parse_checksum
+from canner.checksum import Checksum, TrailingHash, parse_checksum
 
 # Bytes a streaming upload writes before they are handed to the kernel's writeback.
 WRITE_BEHIND_WINDOW = 32 << 20
+# Uploads at least this big are hashed as they are written (LockedUpload.digest): reading a
+# big file again at acceptance is what the worker would wait for, hundreds of milliseconds per
+# GiB from the page cache and disk speed once it no longer fits.  Smaller ones are hashed at
+# acceptance in one pass, which costs less CPU than reading back each write.
+TRAILING_HASH_MIN = 256 << 20
 _IOV_MAX = 512
 
 
@@ -140,6 +145,9 @@ class LockedUpload:
     offset: int
     # Where a just-created upload lives (the Location of its creation response).
     location: str | None = None
+    # For a big upload, BLAKE3 of the stored bytes so far, read back as they are written:
+    # acceptance hashes only what it has not covered yet.
+    digest: TrailingHash | None = None
     # Start of the range not yet handed to writeback (see fs.write_behind).
     _written_back: int = -1
 
@@ -150,6 +158,7 @@ class LockedUpload:
         written before); any other ``OSError`` leaves the upload's bytes untrustworthy (see
         :meth:`UploadStore.append`).
         """
+        start = self.offset
         pending = [memoryview(chunk) for chunk in chunks]
         while pending:
             # At most _IOV_MAX buffers per call (the kernel's IOV_MAX is 1024).
@@ -165,7 +174,21 @@ class LockedUpload:
             if pending:
                 pending[0] = pending[0][written:]
         self._write_behind()
+        self._trail(self.offset - start)
         return self.offset
+
+    def _trail(self, written: int) -> None:
+        if self.digest is None:
+            return
+        # What was just written is read back while it is in the page cache; a resumed upload's
+        # older bytes are caught up with as much again per write, so that by its end acceptance
+        # has little left to read, without one write waiting for a long read of old bytes.
+        try:
+            self.digest.catch_up(self.fd, self.offset, 2 * written)
+        except OSError:
+            # Not this write's failure: acceptance reads the whole file again and meets the
+            # error there, where a storage failure is handled.
+            self.digest = TrailingHash()
 
     def _write_behind(self) -> None:
         if self._written_back < 0:
@@ -182,6 +205,8 @@ class LockedUpload:
         os.ftruncate(self.fd, offset)
         self.offset = offset
         self._written_back = -1
+        if self.digest is not None and self.digest.hashed > offset:
+            self.digest = TrailingHash()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -238,7 +263,8 @@ class UploadStore:
         """
         path = self.data_path(info.upload_id)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            # Read as well as write: the trailing hash reads back what was written.
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             raise UploadGone(info.upload_id) from None
         try:
@@ -254,6 +280,8 @@ class UploadStore:
             os.close(fd)
             raise
         upload = LockedUpload(info, fd, stat.st_size)
+        if info.size >= TRAILING_HASH_MIN:
+            upload.digest = TrailingHash()
         if self.is_untrusted(info):
             try:
                 self._reset(upload)

@@ -3,7 +3,9 @@ concurrent PATCHes, and ``X-HTTP-Method-Override``."""
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Callable
 
 import pytest
 from e2e_support import (
@@ -63,6 +65,36 @@ def test_wrong_checksum_is_422_and_never_receipted(receiver: Receiver, chunked: 
     assert rcv.get_receipt(oid).status_code == 404
     assert not (rcv.receipts_dir / f"{oid}.json").exists()
     assert rcv.receipt_ids_on_disk() == []
+
+
+# -- big uploads: hashed while they stream ------------------------------------------------------
+
+# Over canner.tus.store.TRAILING_HASH_MIN: read back and hashed as it is written.
+BIG = 256 * MiB + 4321
+
+
+def test_a_big_upload_resumed_after_a_crash_is_receipted_for_its_stored_bytes(
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """The hash of the first PATCH dies with the process; the second PATCH catches up with those
+    bytes from the file, and the receipt matches what is stored.  Declared with another
+    checksum, the same bytes get 422 and no receipt."""
+    rcv = make_receiver(max_upload_bytes=BIG)
+    data = os.urandom(BIG)
+    oid = rcv.new_upload(data)
+    assert rcv.patch(oid, 0, data[: 100 * MiB]).status_code == 204
+    rcv.restart()  # SIGKILL
+    offset = rcv.offset(oid)
+    final = rcv.patch(oid, offset, data[offset:])
+    assert final.status_code == 204, f"final PATCH: {final.status_code} {final.text}"
+    rcv.verify_receipt(final.headers.get("Artifact-Receipt"), oid, data)
+    assert rcv.stored(oid) == data
+
+    wrong = rcv.new_upload(data, checksum=blake3_hex(b"other bytes"))
+    refused = rcv.patch(wrong, 0, data)
+    assert refused.status_code == 422, f"wrong checksum: {refused.status_code}"
+    assert "Artifact-Receipt" not in refused.headers
+    assert not (rcv.receipts_dir / f"{wrong}.json").exists()
 
 
 # -- 8. repeated final PATCH after success --------------------------------------------------------

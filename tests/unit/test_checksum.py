@@ -1,0 +1,180 @@
+"""Digests of stored files: the read-ahead read and the trailing hash of an upload."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from canner import checksum
+from canner.checksum import HashCancelled, TrailingHash, blake3_file
+from canner.tus.store import TRAILING_HASH_MIN, LockedUpload, UploadInfo, UploadStore
+
+OID = "0123456789abcdef0123456789abcdef"
+MiB = 1 << 20
+
+
+def _b3(data: bytes) -> str:
+    return "blake3:" + blake3.blake3(data).hexdigest()
+
+
+def _upload(tmp_path: Path, stored: bytes = b"") -> tuple[UploadStore, LockedUpload]:
+    """A big upload (only those are hashed as they are written) with ``stored`` bytes so far;
+    the tests write a few MiB of it."""
+    uploads = UploadStore(tmp_path)
+    declared = "blake3:" + "0" * 64
+    info = UploadInfo(OID, TRAILING_HASH_MIN, {"project": "example", "checksum": declared}, 1)
+    uploads.create(info)
+    uploads.data_path(OID).write_bytes(stored)
+    upload = uploads.open_locked(info)
+    assert isinstance(upload.digest, TrailingHash)
+    return uploads, upload
+
+
+def _digest(upload: LockedUpload) -> TrailingHash:
+    assert upload.digest is not None
+    return upload.digest
+
+
+@pytest.mark.parametrize("size", [0, 1, 4 * MiB, 9 * MiB + 7], ids=["0", "1", "4M", "9M+7"])
+def test_a_file_is_hashed_whole_in_one_buffer_or_many(tmp_path: Path, size: int) -> None:
+    """Files of one read buffer and of several (read ahead in a helper thread) hash alike."""
+    data = os.urandom(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    digest, count = blake3_file(path, size)
+    assert (str(digest), count) == (_b3(data), size)
+
+
+def test_a_read_error_is_raised_and_the_read_ahead_thread_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EIO in the middle of a long file is raised as such, never taken for its end."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(10 * MiB))
+    real = os.preadv
+    calls = 0
+
+    def failing(fd: int, buffers: Any, offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(checksum.os, "preadv", failing)
+    before = threading.active_count()
+    with pytest.raises(OSError) as raised:
+        blake3_file(path, 10 * MiB)
+    assert raised.value.errno == errno.EIO
+    assert threading.active_count() == before
+
+
+def test_a_stop_cancels_a_long_read_and_the_thread_ends(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(10 * MiB))
+    stop = threading.Event()
+    stop.set()
+    before = threading.active_count()
+    with pytest.raises(HashCancelled):
+        blake3_file(path, 10 * MiB, stop)
+    assert threading.active_count() == before
+
+
+def test_small_uploads_are_hashed_at_acceptance_only(tmp_path: Path) -> None:
+    uploads = UploadStore(tmp_path)
+    info = UploadInfo(
+        OID, TRAILING_HASH_MIN - 1, {"project": "p", "checksum": "blake3:" + "0" * 64}, 1
+    )
+    uploads.create(info)
+    upload = uploads.open_locked(info)
+    upload.write([b"abc"])
+    assert upload.digest is None
+
+
+def test_the_trailing_hash_covers_what_was_written(tmp_path: Path) -> None:
+    """An upload written from its first byte is hashed as it is written: acceptance reads
+    nothing more, and the digest is the whole file's."""
+    data = os.urandom(3 * MiB + 5)
+    _, upload = _upload(tmp_path)
+    for start in range(0, len(data), 300_000):
+        upload.write([data[start : start + 100_000], data[start + 100_000 : start + 300_000]])
+    assert _digest(upload).hashed == len(data)
+    digest, count = _digest(upload).finish(upload.fd)
+    assert (str(digest), count) == (_b3(data), len(data))
+    assert str(_digest(upload).finish(upload.fd)[0]) == _b3(data), "finishing twice is harmless"
+
+
+def test_the_trailing_hash_reads_the_file_not_the_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes that reach the file differently from what was sent (a storage or write-path fault)
+    are what the digest covers, so such an upload can never get a receipt for the sent bytes."""
+    sent = b"A" * MiB
+    _, upload = _upload(tmp_path)
+    real = os.pwritev
+
+    def garbling(fd: int, buffers: Any, offset: int) -> int:
+        total = sum(len(b) for b in buffers)
+        return real(fd, [b"B" * total], offset)
+
+    monkeypatch.setattr(os, "pwritev", garbling)
+    upload.write([sent])
+    digest, _ = _digest(upload).finish(upload.fd)
+    assert str(digest) == _b3(b"B" * MiB) != _b3(sent)
+
+
+def test_a_resumed_upload_catches_up_with_its_older_bytes(tmp_path: Path) -> None:
+    """A lock taken on a partly stored upload hashes the old bytes too, as much again as each
+    write brings, so the rest is read only at acceptance."""
+    old, new = os.urandom(2 * MiB), os.urandom(MiB)
+    _, upload = _upload(tmp_path, stored=old)
+    upload.write([new])
+    assert _digest(upload).hashed == 2 * MiB, "one write catches up twice its size"
+    tail = os.urandom(MiB)
+    upload.write([tail])
+    assert _digest(upload).hashed == 4 * MiB
+    assert str(_digest(upload).finish(upload.fd)[0]) == _b3(old + new + tail)
+
+
+def test_truncating_below_the_hashed_bytes_starts_over(tmp_path: Path) -> None:
+    data = os.urandom(MiB)
+    _, upload = _upload(tmp_path)
+    upload.write([data])
+    upload.truncate(1000)
+    assert _digest(upload).hashed == 0
+    rest = os.urandom(2 * MiB - 1000)
+    upload.write([rest])
+    assert str(_digest(upload).finish(upload.fd)[0]) == _b3(data[:1000] + rest)
+
+
+def test_a_file_shorter_than_what_was_hashed_is_a_storage_error(tmp_path: Path) -> None:
+    data = os.urandom(MiB)
+    uploads, upload = _upload(tmp_path)
+    upload.write([data])
+    os.truncate(uploads.data_path(OID), 10)
+    with pytest.raises(OSError) as raised:
+        _digest(upload).finish(upload.fd)
+    assert raised.value.errno == errno.EIO
+
+
+def test_a_read_back_failure_leaves_acceptance_to_read_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write itself succeeded; the digest starts over and acceptance reads everything."""
+    data = os.urandom(MiB)
+    _, upload = _upload(tmp_path)
+
+    def failing(*args: object) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checksum.os, "pread", failing)
+    assert upload.write([data]) == MiB
+    assert _digest(upload).hashed == 0
+    monkeypatch.undo()
+    assert str(_digest(upload).finish(upload.fd)[0]) == _b3(data)
