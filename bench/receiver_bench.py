@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -578,6 +579,9 @@ class Run:
     sync_s: float = 0.0
     profile: str | None = None
     rep: int = 0
+    # head scenario, canner: seconds `b3sum` takes over the stored file (page cache warm, as
+    # the receiver's own hash found it), to set the finalize window against.
+    b3sum_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -752,6 +756,9 @@ def run_one(
         start = time.monotonic()
         subprocess.run(["sync", "-f", str(server.data_dir)], check=False, timeout=600)
         sync_s = time.monotonic() - start
+        b3sum_s = None
+        if scenario.head_probe and server_name == "canner":
+            b3sum_s = time_b3sum(server.data_dir)
         if profiler is not None:
             problem = profiler.stop()
             if problem:
@@ -768,11 +775,25 @@ def run_one(
         shutil.rmtree(server.data_dir, ignore_errors=True)
         if server.proc.returncode not in (0, -signal.SIGTERM):
             log(f"{server.name} exited with {server.proc.returncode}")
-    run = Run(scenario, server.name, result, sampler, sync_s, profile_text)
+    run = Run(scenario, server.name, result, sampler, sync_s, profile_text, b3sum_s=b3sum_s)
     if args.keep_logs:
         shutil.copyfile(server.log_path, args.profile_dir / f"{tag}.log")
     server.log_path.unlink(missing_ok=True)
     return run
+
+
+def time_b3sum(data_dir: Path) -> float | None:
+    """Wall seconds of ``b3sum`` (multi-threaded, mmap) over the largest stored upload."""
+    if shutil.which("b3sum") is None:
+        log("no b3sum (apt-get install b3sum): the finalize window is not set against it")
+        return None
+    files = [p for p in (data_dir / "uploads").iterdir() if p.is_file()]
+    if not files:
+        return None
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    start = time.monotonic()
+    subprocess.run(["b3sum", str(biggest)], check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return time.monotonic() - start
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -882,6 +903,11 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
             size = human_size(group[0].scenario.size)
             shown = ", ".join(f"{w:.0f}" for w in windows)
             print(f"  finalize window of the {size} upload: {shown} ms")
+            b3sums = [g.b3sum_s * 1000 for g in group if g.b3sum_s]
+            if b3sums:
+                ratio = statistics.median(windows) / statistics.median(b3sums)
+                shown = ", ".join(f"{b:.0f}" for b in b3sums)
+                print(f"  b3sum of the stored file: {shown} ms; finalize / b3sum x{ratio:.2f}")
     failed = [run for run in runs if not run.ok or run.result.get("failures")]
     for run in failed:
         print()
@@ -1100,6 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 run.sampler.main_thread_cores if run.sampler else None
                             ),
                             "sync_s": run.sync_s,
+                            "b3sum_s": run.b3sum_s,
                             "durable_rate": run.durable_rate,
                             "result": {k: v for k, v in run.result.items() if k != "latenciesMs"},
                         }
