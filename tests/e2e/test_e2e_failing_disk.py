@@ -111,13 +111,16 @@ def check_disk_after_remount(rcv: Receiver, disk: FailingDisk, served: dict[str,
         )
 
 
+# 256 MiB: hashed while it is written (canner.tus.store.TRAILING_HASH_MIN), reading back pages
+# whose writeback failed.
+@pytest.mark.parametrize("size", [100 << 20, 256 << 20], ids=["100MiB", "256MiB-trailing-hash"])
 def test_writeback_error_early_in_a_large_upload_resets_it(
-    receiver: Receiver, disk: FailingDisk
+    receiver: Receiver, disk: FailingDisk, size: int
 ) -> None:
-    """Writeback of the first 32 MiB of a 100 MiB PATCH fails, space comes back before the end:
+    """Writeback of the first 32 MiB of a large PATCH fails, space comes back before the end:
     the PATCH gets 503 with Retry-After, HEAD says offset 0, and the re-sent upload's receipt
     matches the disk after a remount."""
-    data = os.urandom(100 << 20)
+    data = os.urandom(size)
     oid = create(receiver, data)
     disk.fill()
 
