@@ -23,7 +23,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,18 @@ WRITE_BEHIND_WINDOW = 32 << 20
 # GiB from the page cache and disk speed once it no longer fits.  Smaller ones are hashed at
 # acceptance in one pass, which costs less CPU than reading back each write.
 TRAILING_HASH_MIN = 256 << 20
+# Trailing hashes put aside between the PATCHes of a big upload (a worker resuming after a
+# dropped connection), at most this many (a hasher's state is about 2 KiB).
+KEPT_DIGESTS_MAX = 1000
+
+# What a file was when a digest of it was put aside: device, inode, size, mtime.
+FileState = tuple[int, int, int, int]
+
+
+def file_state(stat: os.stat_result) -> FileState:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
 _IOV_MAX = 512
 
 
@@ -148,6 +161,9 @@ class LockedUpload:
     # For a big upload, BLAKE3 of the stored bytes so far, read back as they are written:
     # acceptance hashes only what it has not covered yet.
     digest: TrailingHash | None = None
+    # Given the digest and the file's state after the last write when the lock is let go.
+    _set_aside: Callable[[str, TrailingHash, FileState], None] | None = None
+    _covers: FileState | None = None
     # Start of the range not yet handed to writeback (see fs.write_behind).
     _written_back: int = -1
 
@@ -185,10 +201,11 @@ class LockedUpload:
         # has little left to read, without one write waiting for a long read of old bytes.
         try:
             self.digest.catch_up(self.fd, self.offset, 2 * written)
+            self._covers = file_state(os.fstat(self.fd))
         except OSError:
             # Not this write's failure: acceptance reads the whole file again and meets the
             # error there, where a storage failure is handled.
-            self.digest = TrailingHash()
+            self.digest, self._covers = TrailingHash(), None
 
     def _write_behind(self) -> None:
         if self._written_back < 0:
@@ -205,11 +222,14 @@ class LockedUpload:
         os.ftruncate(self.fd, offset)
         self.offset = offset
         self._written_back = -1
+        self._covers = None
         if self.digest is not None and self.digest.hashed > offset:
             self.digest = TrailingHash()
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self.digest is not None and self._covers is not None and self._set_aside:
+                self._set_aside(self.info.upload_id, self.digest, self._covers)
             os.close(self.fd)
             self.fd = -1
 
@@ -221,6 +241,9 @@ class UploadStore:
     directory: Path
     # Uploads whose reset after a storage error has not completed yet (see distrust).
     _distrusted: set[str] = field(factory=set)
+    # Trailing hashes of big uploads between two locks, oldest first (see _take_digest).
+    _kept: dict[str, tuple[TrailingHash, FileState]] = field(factory=dict)
+    _kept_lock: threading.Lock = field(factory=threading.Lock)
 
     def data_path(self, upload_id: str) -> Path:
         return self.directory / upload_id
@@ -279,9 +302,9 @@ class UploadStore:
         except BaseException:
             os.close(fd)
             raise
-        upload = LockedUpload(info, fd, stat.st_size)
+        upload = LockedUpload(info, fd, stat.st_size, set_aside=self._set_aside)
         if info.size >= TRAILING_HASH_MIN:
-            upload.digest = TrailingHash()
+            upload.digest = self._take_digest(info.upload_id, stat)
         if self.is_untrusted(info):
             try:
                 self._reset(upload)
@@ -295,6 +318,23 @@ class UploadStore:
                 upload.close()
                 raise
         return upload
+
+    def _set_aside(self, upload_id: str, digest: TrailingHash, covers: FileState) -> None:
+        with self._kept_lock:
+            self._kept.pop(upload_id, None)
+            self._kept[upload_id] = (digest, covers)
+            while len(self._kept) > KEPT_DIGESTS_MAX:
+                del self._kept[next(iter(self._kept))]
+
+    def _take_digest(self, upload_id: str, stat: os.stat_result) -> TrailingHash:
+        """The digest put aside when the upload's last lock was let go, if the file (inode,
+        size and mtime, read under the new lock) is exactly as that lock left it; else a new
+        one, which catches up from the first byte."""
+        with self._kept_lock:
+            kept = self._kept.pop(upload_id, None)
+        if kept is not None and kept[1] == file_state(stat):
+            return kept[0]
+        return TrailingHash()
 
     def is_untrusted(self, info: UploadInfo) -> bool:
         """True while the upload's data file waits for its reset (its offset is then 0)."""

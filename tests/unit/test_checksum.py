@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from canner import checksum
 from canner.checksum import HashCancelled, TrailingHash, blake3_file
+from canner.tus import store
 from canner.tus.store import TRAILING_HASH_MIN, LockedUpload, UploadInfo, UploadStore
 
 OID = "0123456789abcdef0123456789abcdef"
@@ -178,3 +180,71 @@ def test_a_read_back_failure_leaves_acceptance_to_read_the_whole_file(
     assert _digest(upload).hashed == 0
     monkeypatch.undo()
     assert str(_digest(upload).finish(upload.fd)[0]) == _b3(data)
+
+
+def _reopen(uploads: UploadStore) -> LockedUpload:
+    info = uploads.read_info(OID)
+    assert info is not None
+    return uploads.open_locked(info)
+
+
+def test_the_digest_is_kept_between_two_locks_of_an_upload(tmp_path: Path) -> None:
+    """A worker resuming after a dropped connection: the next lock takes over the digest, so
+    nothing is read again from the first byte."""
+    first, second = os.urandom(MiB), os.urandom(MiB)
+    uploads, upload = _upload(tmp_path)
+    upload.write([first])
+    upload.close()
+    again = _reopen(uploads)
+    assert _digest(again).hashed == MiB
+    again.write([second])
+    assert str(_digest(again).finish(again.fd)[0]) == _b3(first + second)
+
+
+@pytest.mark.parametrize("change", ["appended", "rewritten"])
+def test_a_kept_digest_is_dropped_when_the_file_changed_meanwhile(
+    tmp_path: Path, change: str
+) -> None:
+    """Written by anything but the lock's holder between two locks (size or mtime differ), the
+    file is hashed again from its first byte."""
+    uploads, upload = _upload(tmp_path)
+    upload.write([os.urandom(MiB)])
+    upload.close()
+    time.sleep(0.05)  # past the filesystem's timestamp granularity
+    path = uploads.data_path(OID)
+    if change == "appended":
+        with path.open("ab") as f:
+            f.write(b"x")
+    else:
+        path.write_bytes(os.urandom(MiB))
+    again = _reopen(uploads)
+    assert _digest(again).hashed == 0
+    assert str(_digest(again).finish(again.fd)[0]) == _b3(path.read_bytes())
+
+
+def test_a_digest_is_not_kept_after_a_truncation(tmp_path: Path) -> None:
+    uploads, upload = _upload(tmp_path)
+    upload.write([os.urandom(MiB)])
+    upload.truncate(0)
+    upload.close()
+    assert _digest(_reopen(uploads)).hashed == 0
+
+
+def test_kept_digests_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "KEPT_DIGESTS_MAX", 2)
+    uploads = UploadStore(tmp_path)
+    ids = [f"{n:032x}" for n in range(3)]
+    for oid in ids:
+        info = UploadInfo(
+            oid, TRAILING_HASH_MIN, {"project": "p", "checksum": "blake3:" + "0" * 64}, 1
+        )
+        uploads.create(info)
+        upload = uploads.open_locked(info)
+        upload.write([b"abc"])
+        upload.close()
+    hashed = []
+    for oid in ids:
+        info = uploads.read_info(oid)
+        assert info is not None
+        hashed.append(_digest(uploads.open_locked(info)).hashed)
+    assert hashed == [0, 3, 3], "the oldest was dropped"
