@@ -30,14 +30,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import blake3
+from receiver_bench import (
+    CannerServer,
+    Payloads,
+    Scenario,
+    Server,
+    TusServer,
+    _proc_user_sys,
+    ensure_node_modules,
+    free_port,
+    run_load,
+)
 
-BENCH = Path(__file__).resolve().parent
 KiB = 1024
 Answer = tuple[int, dict[str, str]]  # status, headers
 
@@ -62,15 +71,18 @@ class Storage:
             finally:
                 os.close(fd)
 
-    def _publish(self, name: str, data: bytes) -> None:
-        temp = self.receipts / f".tmp-{name}-{secrets.token_hex(6)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write(self, path: Path, data: bytes, flags: int) -> None:
+        fd = os.open(path, flags, 0o644)
         try:
             os.write(fd, data)
             if self.sync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _publish(self, name: str, data: bytes) -> None:
+        temp = self.receipts / f".tmp-{name}-{secrets.token_hex(6)}"
+        self._write(temp, data, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         os.link(temp, self.receipts / name)
         os.unlink(temp)
 
@@ -86,13 +98,7 @@ class Storage:
     def accept(self, oid: str, body: bytes) -> Answer:
         """Store ``body`` as the whole upload; answer with its receipt."""
         info = json.loads((self.uploads / f"{oid}.info").read_bytes())
-        fd = os.open(self.uploads / oid, os.O_WRONLY)
-        try:
-            os.write(fd, body)
-            if self.sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        self._write(self.uploads / oid, body, os.O_WRONLY)
         self._fsync(self.uploads / f"{oid}.info")
         self._fsync(self.uploads, directory=True)
         self._publish(f"{oid}.meta.json", json.dumps({"metadata": info["metadata"]}).encode())
@@ -218,12 +224,10 @@ def serve(variant: str, port: int, root: Path) -> None:
 # -- the measurement ----------------------------------------------------------------------------
 
 
-class FloorServer:
-    """A stripped-down receiver in a child process, shaped like receiver_bench's servers."""
+class FloorServer(Server):
+    """A stripped-down receiver in a child process, started and stopped like the others."""
 
     def __init__(self, work: Path, variant: str) -> None:
-        from receiver_bench import free_port
-
         self.name = variant
         self.port = free_port()
         self.data_dir = work / f"floor-{variant}"
@@ -234,55 +238,23 @@ class FloorServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 30
-        while not self._ready():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"{variant} did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}/files/"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _ready(self) -> bool:
-        import socket
-
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
+        self._wait_ready()
 
 
 def measure(work: Path, name: str, args: argparse.Namespace, specs: list[dict[str, Any]]) -> str:
-    from receiver_bench import (
-        CannerServer,
-        LoadTarget,
-        Scenario,
-        TusServer,
-        _proc_user_sys,
-        run_load,
-    )
-
-    server: Any
+    server: Server
     if name == "canner":
         server = CannerServer(work, max_upload=1 << 30)
     elif name == "@tus/server":
         server = TusServer(work)
     else:
         server = FloorServer(work, name)
-    target: LoadTarget = server
     scenario = Scenario(
         "small", "small", len(specs), specs[0]["size"], args.concurrency, "uploads/s"
     )
     try:
         before = sum(_proc_user_sys(server.pid))
-        result = run_load(work, target, scenario, specs, args, name.replace("/", "-"))
+        result = run_load(work, server, scenario, specs, args, name.replace("/", "-"))
         after = sum(_proc_user_sys(server.pid))
     finally:
         server.stop()
@@ -298,9 +270,6 @@ def measure(work: Path, name: str, args: argparse.Namespace, specs: list[dict[st
 
 
 def main() -> None:
-    sys.path.insert(0, str(BENCH))
-    from receiver_bench import Payloads, ensure_node_modules
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=16)
