@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
-from canner.checksum import HashCancelled, blake3_file
+from canner.checksum import HashCancelled, TrailingHash
 from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
@@ -209,12 +209,10 @@ class Acceptance:
         """
         info = upload.info
         start = self._clock.seconds()
-        if upload.digest is not None:
-            # Hashed as it was written (read back from the file): this reads the rest.
-            digest, count = upload.digest.finish(upload.fd, self._stopping)
-        else:
-            path = self._uploads.data_path(info.upload_id)
-            digest, count = blake3_file(path, info.size, self._stopping)
+        # A big upload was mostly hashed as it was written (read back from the file), and this
+        # reads the rest; a smaller one is read whole.  Either way through the locked file.
+        trailing = upload.digest if upload.digest is not None else TrailingHash()
+        digest, count = trailing.finish(upload.fd, self._stopping)
         if count != info.size:
             # The offset said complete, so bytes vanished underneath us: storage trouble.
             raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")

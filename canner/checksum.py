@@ -70,8 +70,10 @@ def _read_from(
     """Feed the file open at ``fd``, from ``start`` to its end, to ``consumers``; return the
     bytes read.  Raises :class:`HashCancelled` soon after ``stop`` is set, so a shutdown never
     waits for a 100 GiB hash.  A read error is raised as the ``OSError`` it is (never a short
-    count taken for the end of the file)."""
+    count taken for the end of the file), and so is a file shorter than ``start``."""
     left = os.fstat(fd).st_size - start
+    if left < 0:
+        raise OSError(errno.EIO, f"the file is shorter than the {start} bytes read before")
     if left <= buffer_size:
         # Often nothing or a few bytes (the rest of a trailing hash): a buffer just that big.
         return _read_in_turn(fd, start, consumers, max(left, 1), stop)
@@ -176,10 +178,9 @@ class TrailingHash:
         """Hash the rest of the file; return the digest and the bytes hashed in all.
 
         Leaves this object as it was (the rest is hashed into a copy), so it can be finished
-        again.  Raises :class:`HashCancelled` when ``stop`` is set.
+        again.  ``OSError`` (``EIO``) when the file is now shorter than what was hashed;
+        :class:`HashCancelled` when ``stop`` is set.
         """
-        if os.fstat(fd).st_size < self.hashed:
-            raise OSError(errno.EIO, f"the file is shorter than the {self.hashed} bytes hashed")
         hasher = self._hasher.copy()
         rest = _read_from(fd, self.hashed, [hasher.update], _READ_SIZE, stop)
         return Checksum(hasher.hexdigest()), self.hashed + rest
