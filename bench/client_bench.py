@@ -166,7 +166,7 @@ def bench_hashing(path: Path, size: int, repeat: int) -> dict[str, Any]:
 def curl_upload(receiver: Receiver, path: Path, size: int, checksum: str) -> tuple[float, int]:
     r = receiver.create(size, checksum, project="example", filename=path.name)
     assert r.status_code == 201, r.text
-    # Relative (./<id>) unless public_url is set: resolve it as a tus client does.
+    # Path-absolute (/files/<id>) unless public_url is set: resolve it as a tus client does.
     location = urljoin(receiver.files_url, r.headers["Location"])
     with tempfile.TemporaryFile("w+") as out:
         wall, rc, rss = run_measured(

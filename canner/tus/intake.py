@@ -218,17 +218,17 @@ class UploadIntake:
             created_at=int(self._clock.seconds()),
         )
         # Everything the answer needs is checked before anything exists on disk.
-        location = self._location(headers, path.encode("ascii"), info.upload_id)
+        location = self._location(headers, info.upload_id)
         return self._run(self._create, info, location, length != 0)
 
-    def _location(self, headers: Headers, path: bytes, upload_id: str) -> str:
+    def _location(self, headers: Headers, upload_id: str) -> str:
         forwarded: list[tuple[str, str]] = []
         if self._config.trust_forwarded_headers:
             for key in ("proto", "host"):
                 value = protocol.single_header(headers, f"X-Forwarded-{key}")
                 if value:
                     forwarded.append((key, value.split(",")[0].strip()))
-        return protocol.location(self._config.public_url, forwarded, path, upload_id)
+        return protocol.location(self._config.public_url, forwarded, upload_id)
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_draining()

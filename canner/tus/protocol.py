@@ -217,19 +217,16 @@ def parse_creation(headers: Headers, projects: Container[str], max_upload_bytes:
     return Creation(length, project, checksum, filename or None, metadata)
 
 
-def location(
-    base_url: str | None,
-    forwarded: Sequence[tuple[str, str]],
-    request_path: bytes,
-    upload_id: str,
-) -> str:
+def location(base_url: str | None, forwarded: Sequence[tuple[str, str]], upload_id: str) -> str:
     """The ``Location`` of a new upload.
 
     ``base_url`` (the configured ``public_url``) wins.  Otherwise ``forwarded`` holds the trusted
     ``X-Forwarded-Proto``/``X-Forwarded-Host`` values (empty unless configured as trusted); with
-    both, the Location is absolute.  Otherwise it is relative to the creation URL (tus 1.0.0
-    allows that): the client resolves it against the URL *it* used, so it stays right behind a
-    TLS-terminating proxy, on an ``ssl:`` listener and under a path prefix, with nothing to set.
+    both, the Location is absolute.  Otherwise it is path-absolute, ``/files/<id>``: every client
+    resolves that to the origin it used, whether it resolves against the creation URL
+    (tus-js-client, tuspy) or against its base URL (the Go canner SDK, which turned the relative
+    ``./<id>`` into ``/<id>``), so it is right directly, behind a TLS-terminating proxy and on an
+    ``ssl:`` listener.  Under a path prefix only ``public_url`` can name the prefix.
     """
     if base_url is not None:
         return f"{base_url}files/{upload_id}"
@@ -239,5 +236,4 @@ def location(
         if scheme not in ("http", "https") or not _AUTHORITY.fullmatch(authority):
             raise TusError(400, "cannot build a Location from the forwarded headers")
         return f"{scheme}://{authority}/files/{upload_id}"
-    # "/files/" + "./id" and "/files" + "files/id" both name /files/id, below any prefix.
-    return f"./{upload_id}" if request_path.endswith(b"/") else f"files/{upload_id}"
+    return f"/files/{upload_id}"

@@ -1,29 +1,42 @@
 """A tus client that follows the published rules of the Go canner's client SDK (which saveweb's
-workers use), written here so the e2e suite can hold canner to them:
+workers use) to the letter, written here so the e2e suite can hold canner to them
+(``reference/go-canner.md`` section 1.17 of the design folder):
 
-- ``Location`` is resolved against the creation URL and must be same-origin;
-- HEAD must answer 200 (anything else ends the upload, 423 included);
-- only 429, 503, 409 and transport errors are retried (409 by asking HEAD again);
-- each PATCH sends the whole remainder of the file.
+- ``New(base)``: the base must be absolute http(s) with a host; query and fragment are dropped;
+- creation POSTs ``{base}/files/``; 429 and 503 are waited out, a transport error is fatal (the
+  upload may exist), anything but 201 is fatal;
+- ``Location`` is resolved against the **base URL** (not the creation URL) and must be
+  same-origin; the object id is its unescaped last path segment;
+- HEAD must answer 200 with ``Upload-Length`` equal to the size and ``Upload-Offset`` in
+  [0, size]; 429/503 are waited out, a transport error waits ``retry_delay``, anything else
+  (404, 423, 500) is fatal; offset == size fetches ``{base}/api/v1/receipts/{id}``, whose
+  failure is fatal;
+- each PATCH sends the whole remainder; 204 decodes ``Artifact-Receipt`` (or fetches the
+  receipt when it is absent); 409, 429 and 503 are waited out; a transport error waits
+  ``retry_delay``; anything else is fatal;
+- a receipt is checked for ``object_id``, ``checksum`` and ``size_bytes``.
 
-Faults a worker meets are injected on request: ``stall_first_patch_after`` sends that many body
-bytes of the first PATCH and then goes silent without closing (a half-open connection, as when a
-worker's network changes), ``drop_final_answer`` sends the last PATCH whole and hangs up without
-reading the answer (a proxy or a reset lost it).
+The one liberty: ``Retry-After`` is honoured up to ``max_wait`` seconds, so tests need not wait
+a minute.  Faults a worker meets are injected on request: ``stall_first_patch_after`` sends that
+many body bytes of the first PATCH and then goes silent without closing (a half-open
+connection, as when a worker's network changes), ``drop_final_answer`` sends the last PATCH
+whole and hangs up without reading the answer (a proxy or a reset lost it).
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
+import json
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
 
 import blake3
 
-RETRIED = (409, 429, 503)
+WAITED = (429, 503)
 
 
 class UploadFailed(Exception):
@@ -32,16 +45,28 @@ class UploadFailed(Exception):
 
 @dataclass
 class GoStyleClient:
-    files_url: str
+    base_url: str
     project: str = "example"
     max_attempts: int = 60
     # Retry-After is honoured up to this many seconds (tests need not wait a minute).
     max_wait: float = 0.5
+    # The SDK's RetryDelay (1 s there): the wait after a transport error or without Retry-After.
+    retry_delay: float = 0.1
     stall_first_patch_after: int | None = None
     drop_final_answer: bool = False
     source_address: str | None = None
+    # For an https base: the context that checks the server's certificate.
+    ssl_context: ssl.SSLContext | None = None
+    # Sent with every request, as a proxy in front of canner would add them.
+    extra_headers: dict[str, str] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     _stalled: list[socket.socket] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the base URL must be absolute http(s): {self.base_url!r}")
+        self.base_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
     def close(self) -> None:
         for sock in self._stalled:
@@ -50,29 +75,39 @@ class GoStyleClient:
     # -- the upload ---------------------------------------------------------------------------
 
     def upload(self, data: bytes, filename: str = "x.warc.gz") -> bytes:
-        """Upload ``data``; return the receipt JSON from ``Artifact-Receipt``."""
+        """Upload ``data``; return the receipt JSON, checked against the session."""
         checksum = "blake3:" + blake3.blake3(data).hexdigest()
         url = self._create(len(data), checksum, filename)
+        object_id = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+        session = {"object_id": object_id, "checksum": checksum, "size_bytes": len(data)}
         for _ in range(self.max_attempts):
-            status, headers = self._exchange("HEAD", url)
-            if status in (429, 503):
+            status, headers, _ = self._exchange("HEAD", url)
+            if status == 0:
+                time.sleep(self.retry_delay)
+                continue
+            if status in WAITED:
                 self._wait(headers)
                 continue
             if status != 200:
                 raise UploadFailed(f"HEAD {url} answered {status}")
-            if "artifact-receipt" in headers:
-                return _receipt(headers)
-            offset = int(headers["upload-offset"])
+            offset = _head_offset(headers, len(data))
+            if offset == len(data):
+                return self._receipt(object_id, session, "upload is complete but")
             status, headers = self._patch(url, offset, data)
-            if status == 204 and "artifact-receipt" in headers:
-                return _receipt(headers)
-            if status == 204 or status == 0:
-                continue  # incomplete, or a transport error: HEAD again
-            if status not in RETRIED:
+            if status == 204:
+                if "artifact-receipt" in headers:
+                    return _checked(_decode_receipt(headers["artifact-receipt"]), session)
+                return self._receipt(object_id, session, "PATCH answered 204 but")
+            if status == 0:
+                time.sleep(self.retry_delay)
+                continue
+            if status not in (409, *WAITED):
                 raise UploadFailed(f"PATCH {url} at {offset} answered {status}")
-            if status != 409:
-                self._wait(headers)
+            self._wait(headers)
         raise UploadFailed(f"no receipt after {self.max_attempts} attempts")
+
+    def _files_url(self) -> str:
+        return self.base_url.rstrip("/") + "/files/"
 
     def _create(self, size: int, checksum: str, filename: str) -> str:
         metadata = ",".join(
@@ -80,21 +115,30 @@ class GoStyleClient:
             for k, v in (("project", self.project), ("checksum", checksum), ("filename", filename))
         )
         for _ in range(self.max_attempts):
-            status, headers = self._exchange(
+            status, headers, _ = self._exchange(
                 "POST",
-                self.files_url,
+                self._files_url(),
                 {"Upload-Length": str(size), "Upload-Metadata": metadata},
             )
             if status == 201:
-                location = urljoin(self.files_url, headers["location"])
-                if _origin(location) != _origin(self.files_url):
-                    raise UploadFailed(f"cross-origin Location {headers['location']!r}")
+                location = urljoin(self.base_url, headers["location"])
+                if _origin(location) != _origin(self.base_url):
+                    raise UploadFailed(f"cross-origin upload location {headers['location']!r}")
                 return location
-            if status in (0, 429, 503):
+            if status == 0:
+                raise UploadFailed("creation: transport error (not retried: ambiguous)")
+            if status in WAITED:
                 self._wait(headers)
                 continue
             raise UploadFailed(f"creation answered {status}")
         raise UploadFailed("could not create the upload")
+
+    def _receipt(self, object_id: str, session: dict[str, object], context: str) -> bytes:
+        url = self.base_url.rstrip("/") + "/api/v1/receipts/" + quote(object_id, safe="")
+        status, _, body = self._exchange("GET", url)
+        if status != 200:
+            raise UploadFailed(f"{context} receipt is unavailable ({status})")
+        return _checked(body, session)
 
     def _patch(self, url: str, offset: int, data: bytes) -> tuple[int, dict[str, str]]:
         body = data[offset:]
@@ -107,13 +151,22 @@ class GoStyleClient:
             self.drop_final_answer = False
             self._send_and_hang_up(url, headers, body)
             return 0, {}
-        return self._exchange("PATCH", url, headers, body)
+        status, headers, _ = self._exchange("PATCH", url, headers, body)
+        return status, headers
 
     # -- HTTP -----------------------------------------------------------------------------------
 
     def _connection(self, url: str, timeout: float = 60.0) -> http.client.HTTPConnection:
         parts = urlsplit(url)
         source = (self.source_address, 0) if self.source_address else None
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(
+                parts.hostname,
+                parts.port,
+                timeout=timeout,
+                source_address=source,
+                context=self.ssl_context,
+            )
         return http.client.HTTPConnection(
             parts.hostname, parts.port, timeout=timeout, source_address=source
         )
@@ -124,22 +177,22 @@ class GoStyleClient:
         url: str,
         headers: dict[str, str] | None = None,
         body: bytes | None = None,
-    ) -> tuple[int, dict[str, str]]:
-        """(status, lower-cased headers); status 0 for a transport error."""
+    ) -> tuple[int, dict[str, str], bytes]:
+        """(status, lower-cased headers, body); status 0 for a transport error."""
         conn = self._connection(url)
         try:
             conn.request(
                 method,
                 urlsplit(url).path,
-                body=body if body is not None else (b"" if method != "HEAD" else None),
-                headers={"Tus-Resumable": "1.0.0", **(headers or {})},
+                body=body if body is not None else (b"" if method in ("POST", "PATCH") else None),
+                headers={"Tus-Resumable": "1.0.0", **self.extra_headers, **(headers or {})},
             )
             resp = conn.getresponse()
-            resp.read()
-            result = resp.status, {k.lower(): v for k, v in resp.getheaders()}
+            content = resp.read(64 * 1024)
+            result = resp.status, {k.lower(): v for k, v in resp.getheaders()}, content
         except OSError as e:
             self.log.append(f"{method} transport error: {e!r}")
-            return 0, {}
+            return 0, {}, b""
         finally:
             conn.close()
         self.log.append(f"{method} {result[0]}")
@@ -152,7 +205,7 @@ class GoStyleClient:
             (parts.hostname, parts.port), timeout=60, source_address=source
         )
         lines = [f"PATCH {parts.path} HTTP/1.1", f"Host: {parts.netloc}", "Tus-Resumable: 1.0.0"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
+        lines += [f"{k}: {v}" for k, v in {**self.extra_headers, **headers}.items()]
         lines += [f"Content-Length: {length}", "", ""]
         sock.sendall("\r\n".join(lines).encode("ascii"))
         return sock
@@ -169,18 +222,38 @@ class GoStyleClient:
         self.log.append("PATCH sent whole, answer dropped")
 
     def _wait(self, headers: dict[str, str]) -> None:
-        try:
-            wanted = float(headers.get("retry-after", "0.1"))
-        except ValueError:
-            wanted = 0.1
-        time.sleep(min(max(wanted, 0.05), self.max_wait))
+        """Retry-After in whole seconds (capped at ``max_wait``); without it, ``retry_delay``."""
+        value = headers.get("retry-after", "")
+        wanted = int(value) if value.isdigit() and int(value) > 0 else 0
+        time.sleep(min(wanted, self.max_wait) if wanted else self.retry_delay)
 
 
-def _receipt(headers: dict[str, str]) -> bytes:
-    value = headers["artifact-receipt"]  # unpadded base64url of the receipt JSON
+def _head_offset(headers: dict[str, str], size: int) -> int:
+    """HEAD's offset, as the SDK checks it: Upload-Length must be the size, offset in range."""
+    length, offset = headers.get("upload-length", ""), headers.get("upload-offset", "")
+    if not (length.isdigit() and offset.isdigit()) or int(length) != size:
+        raise UploadFailed(f"HEAD answered Upload-Length {length!r}, Upload-Offset {offset!r}")
+    if not 0 <= int(offset) <= size:
+        raise UploadFailed(f"HEAD answered Upload-Offset {offset} outside [0, {size}]")
+    return int(offset)
+
+
+def _decode_receipt(value: str) -> bytes:
+    """The SDK decodes ``Artifact-Receipt`` strictly as unpadded base64url."""
+    if "=" in value:
+        raise UploadFailed(f"Artifact-Receipt is padded: {value!r}")
     return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
 
 
-def _origin(url: str) -> tuple[str, str | None, int | None]:
+def _checked(receipt: bytes, session: dict[str, object]) -> bytes:
+    """The SDK's validateReceipt: object_id, checksum and size_bytes match the session."""
+    fields = json.loads(receipt)
+    for key, wanted in session.items():
+        if fields.get(key) != wanted:
+            raise UploadFailed(f"receipt {key} {fields.get(key)!r} is not {wanted!r}")
+    return receipt
+
+
+def _origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
-    return parts.scheme, parts.hostname, parts.port
+    return parts.scheme, parts.netloc

@@ -12,12 +12,13 @@ import os
 import random
 import resource
 import socket
+import ssl
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import blake3
 import pytest
@@ -98,7 +99,7 @@ def test_stalled_patch_is_taken_over_and_its_bytes_are_kept(
 
 def test_go_style_client_resumes_after_a_half_open_patch(receiver: Receiver) -> None:
     data = payload(4 * MiB, seed=2)
-    client = GoStyleClient(receiver.files_url, stall_first_patch_after=MiB)
+    client = GoStyleClient(receiver.base_url, stall_first_patch_after=MiB)
     try:
         receipt = client.upload(data)
     finally:
@@ -241,7 +242,7 @@ def test_receipt_lookup_racing_a_1gib_acceptance_gets_the_receipt(
 
 def test_go_style_client_whose_final_answer_is_lost(receiver: Receiver) -> None:
     data = payload(64 * MiB, seed=7)
-    client = GoStyleClient(receiver.files_url, drop_final_answer=True)
+    client = GoStyleClient(receiver.base_url, drop_final_answer=True)
     receipt = client.upload(data)
     assert "PATCH sent whole, answer dropped" in client.log
     assert receiver.get_receipt(_receipt_id(receipt)).content == receipt
@@ -290,7 +291,7 @@ def test_slow_connections_from_one_address_do_not_lock_others_out(
             uploader.upload()
             header = uploader.request.response_headers.get("artifact-receipt")
             rcv.verify_receipt(header, uploader.url.rsplit("/", 1)[1], data)
-        assert GoStyleClient(rcv.files_url).upload(payload(MiB, seed=20))
+        assert GoStyleClient(rcv.base_url).upload(payload(MiB, seed=20))
         assert requests.get(f"{rcv.base_url}/healthz", timeout=10).status_code == 200
         refused = 0
         for sock in slow:
@@ -400,9 +401,11 @@ def test_go_style_client_waits_out_429_and_a_restart(
     make_receiver: Callable[..., Receiver],
 ) -> None:
     """Under the free-space floor creation is 429; the operator fixes it and restarts the
-    receiver: the worker's upload (429 and transport errors retried) goes through."""
+    receiver.  The SDK waits out the 429s but gives up on a creation that meets the restart (a
+    transport error there is ambiguous), so the worker, as workers do, runs the upload again:
+    the upload goes through, with one receipt for it."""
     rcv = make_receiver(min_free_bytes=1 << 60)
-    client = GoStyleClient(rcv.files_url, max_attempts=120)
+    data = payload(2 * MiB, seed=9)
 
     def operator() -> None:
         time.sleep(1.5)
@@ -411,12 +414,44 @@ def test_go_style_client_waits_out_429_and_a_restart(
 
     fixing = threading.Thread(target=operator)
     fixing.start()
+    clients = []
     try:
-        receipt = client.upload(payload(2 * MiB, seed=9))
+        for _ in range(60):  # the worker's own retries, half a second apart
+            clients.append(GoStyleClient(rcv.base_url, max_attempts=120))
+            try:
+                receipt = clients[-1].upload(data)
+                break
+            except UploadFailed as e:
+                assert "transport error" in str(e), (e, clients[-1].log)
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"no receipt: {clients[-1].log}")
     finally:
         fixing.join()
-    assert "POST 429" in client.log
+    assert "POST 429" in clients[0].log
     assert rcv.get_receipt(_receipt_id(receipt)).content == receipt
+    assert rcv.stored(_receipt_id(receipt)) == data
+
+
+@pytest.mark.parametrize("form", ["default", "public_url", "trusted forwarded headers"])
+def test_go_style_client_uploads_with_every_location_form(receiver: Receiver, form: str) -> None:
+    """The Go SDK's rules (Location resolved against its base URL) get a receipt from every
+    form of Location canner emits, the default (path-absolute) first: the relative ``./<id>``
+    used to send it to ``/<id>`` and fail every upload."""
+    origin = urlsplit(receiver.base_url)
+    proxy_headers: dict[str, str] = {}
+    if form == "public_url":
+        receiver.write_config(public_url=receiver.base_url + "/")
+        receiver.restart()
+    elif form == "trusted forwarded headers":
+        receiver.write_config(trust_forwarded_headers=True)
+        receiver.restart()
+        proxy_headers = {"X-Forwarded-Proto": origin.scheme, "X-Forwarded-Host": origin.netloc}
+    data = payload(300 * KiB, seed=31)
+    client = GoStyleClient(receiver.base_url + "/", extra_headers=proxy_headers)
+    receipt = client.upload(data)
+    assert client.log == ["POST 201", "HEAD 200", "PATCH 204"], client.log
+    assert receiver.stored(_receipt_id(receipt)) == data
 
 
 def test_go_style_client_refuses_a_cross_origin_location(
@@ -424,10 +459,10 @@ def test_go_style_client_refuses_a_cross_origin_location(
 ) -> None:
     """The client is as strict as the SDK (so its successes above mean something): a
     ``public_url`` that is not the origin the worker uses makes every upload fail at creation,
-    which is why canner's default Location is relative."""
+    which is why canner's default Location names no origin."""
     rcv = make_receiver(public_url="https://elsewhere.example/")
-    with pytest.raises(UploadFailed, match="cross-origin Location"):
-        GoStyleClient(rcv.files_url).upload(b"abc")
+    with pytest.raises(UploadFailed, match="cross-origin upload location"):
+        GoStyleClient(rcv.base_url).upload(b"abc")
 
 
 # -- 4. Location on an ssl: listener --------------------------------------------------------------
@@ -436,8 +471,9 @@ def test_go_style_client_refuses_a_cross_origin_location(
 # tuspy can only switch certificate checks off (our requests below check against the cert).
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_uploads_over_an_ssl_listener_get_a_usable_location(tmp_path: Path) -> None:
-    """On an ``ssl:`` listener the Location used to be ``http://``; relative, it resolves to the
-    https URL the client used, and tuspy (verifying nothing but the protocol) gets its receipt."""
+    """On an ``ssl:`` listener the Location used to be ``http://``; path-absolute, it resolves to
+    the https URL the client used: tuspy (verifying nothing but the protocol) and the Go SDK's
+    rules (verifying the certificate) get their receipts."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
@@ -475,5 +511,13 @@ def test_uploads_over_an_ssl_listener_get_a_usable_location(tmp_path: Path) -> N
         assert requests.get(
             f"{base}/api/v1/receipts/{oid}", verify=str(cert), timeout=10
         ).content == (receipt)
+        # The Go SDK's rules, checking the certificate: its base URL is the https origin.
+        go_client = GoStyleClient(
+            f"{base}/", ssl_context=ssl.create_default_context(cafile=str(cert))
+        )
+        go_data = payload(100 * KiB, seed=32)
+        go_receipt = json.loads(go_client.upload(go_data))
+        assert go_client.log == ["POST 201", "HEAD 200", "PATCH 204"], go_client.log
+        assert go_receipt["checksum"] == blake3_hex(go_data)
     finally:
         rcv.close()

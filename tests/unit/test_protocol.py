@@ -162,32 +162,47 @@ def test_method_override() -> None:
     assert protocol.method_override(b"POST", headers()) == b"POST"
 
 
-def test_location_prefers_public_url_then_trusted_forwarded_then_relative() -> None:
-    """Location comes from public_url, else trusted forwarded headers, else it is relative."""
+def test_location_prefers_public_url_then_trusted_forwarded_then_path_absolute() -> None:
+    """Location comes from public_url, else trusted forwarded headers, else it is /files/<id>."""
     oid = "0" * 32
-    assert protocol.location("https://c.example/", [], b"/files/", oid) == (
-        f"https://c.example/files/{oid}"
-    )
+    assert protocol.location("https://c.example/", [], oid) == f"https://c.example/files/{oid}"
     forwarded = [("proto", "https"), ("host", "public.example")]
-    assert protocol.location(None, forwarded, b"/files/", oid) == (
-        f"https://public.example/files/{oid}"
-    )
+    assert protocol.location(None, forwarded, oid) == f"https://public.example/files/{oid}"
     with pytest.raises(TusError):
-        protocol.location(None, [("proto", "https"), ("host", "evil/host")], b"/files/", oid)
+        protocol.location(None, [("proto", "https"), ("host", "evil/host")], oid)
     # Only one of the two forwarded values: not enough for an absolute URL.
-    assert protocol.location(None, [("proto", "https")], b"/files/", oid) == f"./{oid}"
+    assert protocol.location(None, [("proto", "https")], oid) == f"/files/{oid}"
 
 
-@pytest.mark.parametrize("base", ["https://proxy.example/", "http://10.0.0.1:8080/x/canner/"])
+# How each client resolves a creation's Location: tus-js-client and tuspy against the URL they
+# POSTed to, the Go canner SDK against its base URL (reference go-canner.md, section 1.17 step 3).
+RESOLVERS = {
+    "creation URL (tus-js-client, tuspy)": lambda base, files_url, loc: urljoin(files_url, loc),
+    "base URL (Go canner SDK)": lambda base, files_url, loc: urljoin(base, loc),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RESOLVERS))
+@pytest.mark.parametrize("base", ["http://127.0.0.1:8080/", "https://canner.example"])
 @pytest.mark.parametrize("collection", ["files", "files/"])
-def test_relative_location_resolves_to_the_upload_under_any_prefix(
-    base: str, collection: str
+def test_default_location_resolves_to_the_upload_for_every_client(
+    rule: str, base: str, collection: str
 ) -> None:
-    """Whatever URL the client created the upload at, the Location resolves to the upload
-    beside it (same scheme, host and path prefix), as clients resolve it (RFC 3986)."""
+    """With nothing configured, every client's resolution rule lands on /files/<id> of the
+    origin it used (directly, behind a TLS proxy, on an ssl: listener)."""
     oid = "n1-" + "a" * 32
-    url = base + collection
-    resolved = urljoin(url, protocol.location(None, [], b"/" + collection.encode(), oid))
+    files_url = base.rstrip("/") + "/" + collection
+    resolved = RESOLVERS[rule](base, files_url, protocol.location(None, [], oid))
+    assert resolved == f"{base.rstrip('/')}/files/{oid}"
+
+
+@pytest.mark.parametrize("rule", sorted(RESOLVERS))
+def test_public_url_names_a_path_prefix_for_every_client(rule: str) -> None:
+    """Under a path prefix only public_url can name the prefix; with it every client lands on
+    the upload below the prefix."""
+    oid = "a" * 32
+    base = "https://proxy.example/canner/"
+    resolved = RESOLVERS[rule](base, base + "files/", protocol.location(base, [], oid))
     assert resolved == f"{base}files/{oid}"
 
 
