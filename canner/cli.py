@@ -856,7 +856,9 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
             cur.execute("COMMIT")
         if scan is not None:
             scan.finish()
-        restored = _restore_packages(conn, PackageStore(config.packages_path), io.now())
+        restored = _restore_packages(
+            conn, PackageStore(config.packages_path), archived.contains, io.now()
+        )
     finally:
         conn.close()
         journal.close()
@@ -877,8 +879,11 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     return 0
 
 
-def _restore_packages(conn: sqlite3.Connection, store: PackageStore, now: float) -> int:
-    """Every package on disk with no row comes back with its members (their own index)."""
+def _restore_packages(
+    conn: sqlite3.Connection, store: PackageStore, archived: Callable[[str], bool], now: float
+) -> int:
+    """Every package on disk with no row comes back with its members (their own index), but
+    for the archived ones."""
     if not store.root.is_dir():
         return 0
     known = psql.known_packages(conn.cursor())
@@ -886,7 +891,7 @@ def _restore_packages(conn: sqlite3.Connection, store: PackageStore, now: float)
     for package_id in list(store.package_ids()):
         if package_id in known:
             continue
-        found = read_package(store, package_id, now)
+        found = read_package(store, package_id, now, archived)
         if found is None:
             continue
         cur = conn.cursor()

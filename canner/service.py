@@ -583,6 +583,7 @@ def deliver_service(
         config.min_free_bytes,
         config.delivery_concurrency,
         in_flight,
+        archived=archived.contains,
     )
     if packed:
         # Its thread pool stops after it: a build in a thread ends at its next chunk once the

@@ -557,12 +557,16 @@ def known_packages(cur: sqlite3.Cursor) -> set[str]:
 
 @frozen
 class RestoredPackage:
-    """A package found on disk with no row (a lost or deleted ``delivery.sqlite``)."""
+    """A package found on disk with no row (a lost or deleted ``delivery.sqlite``).
+
+    ``members`` are all of its members; ``archived`` the ids among them whose records a verified
+    ledger owns (they count in the package, but never come back as objects)."""
 
     package_id: str
     project: str
     batch_date: str
     members: list[Member]
+    archived: frozenset[str]
     placements: list[tuple[str, str, int]]
     files: list[tuple[str, int]]
     delivery: Mapping[str, Any] | None
@@ -572,10 +576,12 @@ class RestoredPackage:
 def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
     """Bring back a package row and its members from the package's own index.
 
-    Members missing from ``objects`` are inserted from the index lines; members that another
-    batch already holds leave the package alone (False).  Without a delivery record the package
-    comes back ``sealed`` (the verification pass runs again, then delivery, which finds files
-    already at IA and skips them); with one, as delivered and verified, purged when it says so.
+    Members missing from ``objects`` are inserted from the index lines, except archived ones
+    (their records belong to a verified ledger; they still count in the package's members and
+    bytes); members that another batch already holds leave the package alone (False).  Without
+    a delivery record the package comes back ``sealed`` (the verification pass runs again, then
+    delivery, which finds files already at IA and skips them); with one, as delivered and
+    verified, purged when it says so.
     """
     now = p.found_at
     cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (p.package_id,))
@@ -588,6 +594,7 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
         [
             (m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now, now)
             for m in p.members
+            if m.object_id not in p.archived
         ],
     )
     ids = [m.object_id for m in p.members]

@@ -100,8 +100,11 @@ def purge_sources(
     fs.fsync_dir(uploads.directory)
 
 
-def read_package(store: PackageStore, package_id: str, now: float) -> RestoredPackage | None:
-    """A package directory's membership, placements and delivery record (blocking)."""
+def read_package(
+    store: PackageStore, package_id: str, now: float, archived: Callable[[str], bool]
+) -> RestoredPackage | None:
+    """A package directory's membership, placements and delivery record (blocking);
+    ``archived(object_id)`` says which members a verified ledger owns."""
     directory = store.directory(package_id)
     members, placements = [], []
     for line in read_index(directory / (package_id + INDEX)):
@@ -133,6 +136,7 @@ def read_package(store: PackageStore, package_id: str, now: float) -> RestoredPa
         members[0].project,
         format_date(members[0].accepted_at),
         members,
+        frozenset(m.object_id for m in members if archived(m.object_id)),
         placements,
         files,
         delivery,
@@ -156,6 +160,9 @@ class PackagingService(Service):
     _clock: IReactorTime
     _build_concurrency: int
     _min_free_bytes: int
+    # Whether a verified ledger owns an object's record (``ArchivedIds.contains``): a package
+    # restored from disk never brings such a member back.
+    _archived: Callable[[str], bool] = field(kw_only=True)
     _delivery_concurrency: int = 1
     # The deliver process's attempts in flight (heartbeat, status page, metrics): a package
     # file being uploaded shows there under its package id and file name.
@@ -207,7 +214,9 @@ class PackagingService(Service):
         for package_id in on_disk:
             if package_id in known:
                 continue
-            found = await self._run(read_package, self._store, package_id, self._clock.seconds())
+            found = await self._run(
+                read_package, self._store, package_id, self._clock.seconds(), self._archived
+            )
             if found is not None and await self._index.run(sql.restore_package, found):
                 restored += 1
         if restored:

@@ -234,3 +234,57 @@ def test_sigkill_during_upload_and_verification_resumes(env_factory: Callable[..
     ledgers_at_fake = [o for o in env.fake.objects() if o["name"].endswith(".jsonl.zst")]
     assert [o["name"] for o in ledgers_at_fake] == [ledger["remote_name"]]
     assert len(remote_lines(env.fake, ledger["identifier"], ledger["remote_name"])) == 2
+
+
+def test_archived_package_members_stay_archived_when_the_index_is_rebuilt(
+    env_factory: Callable[..., Env],
+) -> None:
+    """Members of a megawarc package archived by a done ledger come back neither from
+    rebuild-index nor from a deliver start that restores the package: the package still counts
+    them, a repeated release answers the original released_at, and the next flush is done."""
+    env = env_factory(
+        extra=ledger_tables,
+        retention="1s",
+        metadata_lag=0.3,
+        packaging={"mode": "megawarc", "target_bytes": "1MB", "max_wait": "1s"},
+    )
+    ids = [env.upload(f"packed {i}\n".encode() * 60, filename=f"packed-{i}.txt") for i in range(3)]
+    env.wait_state(ids, 60, "members delivered", verified_at=..., purged_at=...)
+    answers = release(env, [f"receipt:{oid}" for oid in ids]).json()["results"]
+    assert [a["status"] for a in answers] == ["released"] * 3
+    released_at = {oid: env.row(oid)["released_at"] for oid in ids}
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done" and ledger["records"] == 3
+    assert not set(ids) & set(env.rows())
+
+    def archived_and_counted() -> None:
+        assert not set(ids) & set(env.rows())
+        listed = canner(env, "packages")
+        assert listed.returncode == 0, listed.stderr
+        packed = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert packed and sum(p["members"] for p in packed) == 3
+        assert all(p["remote_verified_at"] for p in packed)
+
+    # The whole index lost: rebuild-index restores the package, not its archived members.
+    env.deliver.stop()
+    env.receiver.stop()
+    remove_index(env.data_dir)
+    out = canner(env, "rebuild-index")
+    assert out.returncode == 0 and "packages restored" in out.stdout, out.stdout + out.stderr
+    archived_and_counted()
+    # Lost again: canner-deliver's start restores the package, not its archived members.
+    remove_index(env.data_dir)
+    env.deliver.start()
+    wait_for(lambda: ledgers(env) and ledgers(env)[0]["state"] == "done", 30, "ledger adopted")
+    wait_for(lambda: canner(env, "packages").stdout.strip(), 30, "the package restored")
+    archived_and_counted()
+    env.receiver.start()
+    again = release(env, [f"receipt:{oid}" for oid in ids]).json()["results"]
+    assert [(a["status"], a["released_at"]) for a in again] == [
+        ("already_released", released_at[oid]) for oid in ids
+    ]
+    out = flush(env, timeout=15)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [x["state"] for x in ledgers(env)] == ["done"]

@@ -107,6 +107,8 @@ class Harness:
         self.projects = project_config(tmp_path, target, max_wait)
         self.open_index()
         self.accepted: dict[str, bytes] = {}
+        # Ids a verified ledger owns (ArchivedIds.contains in production).
+        self.archived: set[str] = set()
 
     def open_index(self) -> None:
         self.index = SyncIndex(self.tmp / "delivery.sqlite")
@@ -124,6 +126,7 @@ class Harness:
             1,
             in_flight=self.in_flight,
             random=lambda: 0.0,
+            archived=lambda oid: oid in self.archived,
         )
 
     def accept(self, data: bytes, name: str = "a.warc.gz") -> str:
@@ -302,6 +305,31 @@ def test_rebuild_from_disk_brings_back_packages_before_and_after_purge(tmp_path:
     assert len(purged) == 1 and purged[0].remote_verified_at is not None
     assert len([r for r in after.values() if r.delivery_state == "delivered"]) == 3
     assert not h.uploads.data_path(third).exists()
+
+
+def test_a_restored_package_counts_its_archived_members_but_does_not_bring_them_back(
+    tmp_path: Path,
+) -> None:
+    """A package restored from disk after its ledger archived one member keeps that member in
+    its member count and bytes, but only the other member comes back as an object."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    archived, live = h.accept(warc_bytes(1)), h.accept(warc_bytes(2))
+    h.clock.advance(11)
+    h.tick(3)
+    (before,) = h.packages()
+    assert before.remote_verified_at is not None and before.members == 2
+    h.index.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
+    h.open_index()
+    h.archived.add(archived)
+    assert succeeded(h.service.restore_packages()) == 1
+    (after,) = h.packages()
+    assert (after.package_id, after.members, after.bytes) == (before.package_id, 2, before.bytes)
+    assert after.remote_verified_at is not None
+    assert succeeded(h.index.run(dsql.get_row, archived)) is None
+    row = succeeded(h.index.run(dsql.get_row, live))
+    assert row is not None and row.state == "delivered" and row.verified_at is not None
 
 
 def test_start_removes_unfinished_builds_and_restarts_them(tmp_path: Path) -> None:
