@@ -274,6 +274,10 @@ class UploadStore:
             return None
         return parse_info(upload_id, data)
 
+    def present(self, upload_id: str) -> bool:
+        """True while the upload's data file or its sidecar is on disk."""
+        return self.data_path(upload_id).exists() or self.info_path(upload_id).exists()
+
     def offset(self, upload_id: str) -> int:
         """Bytes stored so far (the data file's size; 0 when it is missing)."""
         try:

@@ -66,7 +66,11 @@ def sweep_stale(
         else:
             if now - uploads.idle_since(upload_id) <= retention:
                 continue
-            if info is not None and info.rejected is None and uploads.offset(upload_id) >= info.size:
+            if (
+                info is not None
+                and info.rejected is None
+                and uploads.offset(upload_id) >= info.size
+            ):
                 # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
                 # PATCH from the worker still turns it into a receipt, so it is never swept.
                 continue
