@@ -859,24 +859,33 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
         restored = _restore_packages(
             conn, PackageStore(config.packages_path), archived.contains, io.now()
         )
+        damage = journal.damage
     finally:
         conn.close()
         journal.close()
     if restored:
         io.out.write(f"rebuild-index: {restored} packages restored from {config.packages_path}\n")
+    for line in damage:
+        whose = "no legible object id" if line.object_id is None else f"object {line.object_id}"
+        io.err.write(f"canner: rebuild-index: damaged journal line {line.describe()} ({whose})\n")
     for problem in problems:
         io.err.write(f"canner: rebuild-index skipped {problem}\n")
     io.out.write(
         f"rebuild-index: {known} objects were indexed, {added} added from receipts"
         f" ({found_total - added} appeared meanwhile)\n"
     )
+    if damage:
+        io.err.write(
+            f"canner: {len(damage)} journal lines could not be read: the records they held are"
+            " lost; the objects named that were added are flagged for an operator"
+            " (canner deliveries --needs-operator)\n"
+        )
     if problems:
         io.err.write(
             f"canner: {len(problems)} receipts were skipped: repair or move the files named"
             " above, then run rebuild-index again\n"
         )
-        return 1
-    return 0
+    return 1 if problems or damage else 0
 
 
 def _restore_packages(

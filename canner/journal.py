@@ -33,10 +33,29 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
+from twisted.logger import Logger
 
 from canner import fs
 
 _SEGMENT = re.compile(r"(\d{12})\.jsonl")
+# The object id of a damaged line, where that much of it is still legible.
+_OBJECT_ID = re.compile(rb'"object_id":\s*"([A-Za-z0-9._:-]{1,128})"')
+
+log = Logger()
+
+
+@frozen
+class Damage:
+    """A journal line that does not parse: where, why, and whose record it held (None when
+    that is not legible either)."""
+
+    path: Path
+    line: int
+    error: str
+    object_id: str | None
+
+    def describe(self) -> str:
+        return f"{self.path}: line {self.line}: {self.error}"
 
 
 @frozen
@@ -74,7 +93,16 @@ class Journal:
     def read(self, name: str) -> Iterator[dict[str, Any]]:
         """The records of one segment; a line that does not parse (a damaged disk) raises
         ``ValueError`` naming the segment and line."""
-        with open(self.directory / name, "rb") as f:
+        for item in self.scan(name):
+            if isinstance(item, Damage):
+                raise ValueError(item.describe())
+            yield item
+
+    def scan(self, name: str) -> Iterator[dict[str, Any] | Damage]:
+        """The records of one segment, and a :class:`Damage` for each line that does not parse
+        (a damaged disk), in line order."""
+        path = self.directory / name
+        with open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
                 if not line.endswith(b"\n"):
                     # The tail of an append that a crash cut short (or one still being
@@ -85,7 +113,11 @@ class Journal:
                     if not isinstance(record, dict) or not isinstance(record.get("object_id"), str):
                         raise ValueError("not a record")
                 except ValueError as e:
-                    raise ValueError(f"{self.directory / name}: line {number}: {e}") from None
+                    legible = _OBJECT_ID.search(line)
+                    yield Damage(
+                        path, number, str(e), legible[1].decode("ascii") if legible else None
+                    )
+                    continue
                 yield record
 
     def remove_spent(self, spent: Callable[[str], bool], keep: Container[str] = ()) -> int:
@@ -186,12 +218,18 @@ class JournalLookup:
 
     Built at the first :meth:`get` (most rescans find nothing to rebuild and never read the
     journal), in a private temporary SQLite database (on disk, removed at :meth:`close`), so
-    memory stays bounded whatever the journal's size.  Used by one thread at a time.
+    memory stays bounded whatever the journal's size.  A damaged line costs only its own
+    record: it is logged, kept in :attr:`damage`, and :meth:`damage_of` names it for its object
+    when its id is legible (that object's record may be missing or an older one).  Used by one
+    thread at a time.
     """
 
     def __init__(self, journal: Journal) -> None:
         self._journal = journal
         self._db: sqlite3.Connection | None = None
+        # The damaged lines of the last build, and the first of each legible object id.
+        self.damage: list[Damage] = []
+        self._damaged: dict[str, Damage] = {}
 
     def _build(self) -> sqlite3.Connection:
         db = sqlite3.connect("", check_same_thread=False)
@@ -200,11 +238,14 @@ class JournalLookup:
                 "CREATE TABLE facts (object_id TEXT, kind TEXT, record TEXT,"
                 " PRIMARY KEY (object_id, kind)) WITHOUT ROWID"
             )
+            self.damage, self._damaged = [], {}
             for name in self._journal.segments():
-                rows = [
-                    (r["object_id"], str(r.get("kind")), json.dumps(r))
-                    for r in self._journal.read(name)
-                ]
+                rows = []
+                for r in self._journal.scan(name):
+                    if isinstance(r, Damage):
+                        self._damaged_line(r)
+                        continue
+                    rows.append((r["object_id"], str(r.get("kind")), json.dumps(r)))
                 # Segment order, later lines win: an object's last record is the true one.
                 db.executemany("INSERT OR REPLACE INTO facts VALUES (?, ?, ?)", rows)
             db.commit()
@@ -213,9 +254,28 @@ class JournalLookup:
             raise
         return db
 
+    def _damaged_line(self, damage: Damage) -> None:
+        self.damage.append(damage)
+        if damage.object_id is not None:
+            self._damaged.setdefault(damage.object_id, damage)
+        log.error(
+            "damaged journal line {path}:{line} skipped ({error}); the record of {object_id}"
+            " it held is lost",
+            path=str(damage.path),
+            line=damage.line,
+            error=damage.error,
+            object_id=damage.object_id,
+        )
+
+    def damage_of(self, object_id: str) -> Damage | None:
+        """The first damaged line that held a record of ``object_id``, if any."""
+        if self._db is None:
+            self._db = self._build()
+        return self._damaged.get(object_id)
+
     def get(self, object_id: str, kind: str) -> dict[str, Any] | None:
-        """The last ``kind`` record of ``object_id``, or None; ``ValueError`` when a segment
-        is damaged."""
+        """The last readable ``kind`` record of ``object_id``, or None (a damaged line is
+        skipped: see :meth:`damage_of`)."""
         if self._db is None:
             self._db = self._build()
         row = self._db.execute(

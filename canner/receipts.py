@@ -108,7 +108,9 @@ class DeliveryRecord:
     delivered_at: float
     verified_at: float
     purge_after: float
-    purged_at: float
+    # None once a rebuild found the payload still on disk (a crash between the record and the
+    # unlink): the purge then runs again.
+    purged_at: float | None
 
 
 _DELIVERY_FIELDS = (

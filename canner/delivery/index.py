@@ -43,6 +43,9 @@ class AcceptedObject:
     delivery: DeliveryRecord | None = None
     # Set when HQ released the receipt (its record in the facts journal, canner/journal.py).
     released_at: float | None = None
+    # Set when a rebuild could not restore all of it (a damaged journal line held a record of
+    # it): the row comes flagged for an operator, with this as its error.
+    problem: str | None = None
 
     @classmethod
     def of(
@@ -51,6 +54,7 @@ class AcceptedObject:
         origin: Origin,
         delivery: DeliveryRecord | None = None,
         released_at: float | None = None,
+        problem: str | None = None,
     ) -> AcceptedObject:
         return cls(
             receipt.object_id,
@@ -61,6 +65,7 @@ class AcceptedObject:
             receipt.accepted_at,
             delivery,
             released_at,
+            problem,
         )
 
 
@@ -134,32 +139,37 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
     """Insert rows for objects not yet in the index; return how many.
 
     New objects are ``pending``; an object with a delivery record (its payload was purged after
-    a verified delivery) comes back ``delivered``, with where, when and ``purged_at``.
+    a verified delivery) comes back ``delivered``, with where, when and ``purged_at``; without
+    ``purged_at`` (the payload is still on disk) its purge is due at ``purge_after``.  An object
+    with a ``problem`` comes flagged for an operator (``needs_operator``, ``last_error``).
     """
     objects = list(objects)
     before = cur.connection.total_changes
     fresh, delivered = [], []
     for o in objects:
-        row = (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at)
+        row = (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at,
+               int(o.problem is not None), o.problem)  # fmt: skip
         if o.delivery is None:
             fresh.append((*row, now, now))
         else:
             d = o.delivery
+            check = d.purge_after if d.purged_at is None else None
             delivered.append(
                 (*row, d.content_md5, d.identifier, d.remote_name, d.delivered_at,
-                 d.verified_at, d.purge_after, d.purged_at, now)
+                 d.verified_at, d.purge_after, d.purged_at, check, now)
             )  # fmt: skip
     cur.executemany(
         "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, state, next_attempt_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+        " accepted_at, needs_operator, last_error, state, next_attempt_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
         fresh,
     )
     cur.executemany(
         "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, state, content_md5, remote_identifier, remote_name, delivered_at,"
-        " verified_at, purge_after, purged_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?)",
+        " accepted_at, needs_operator, last_error, state, content_md5, remote_identifier,"
+        " remote_name, delivered_at, verified_at, purge_after, purged_at, next_check_at,"
+        " updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         delivered,
     )
     added = cur.connection.total_changes - before

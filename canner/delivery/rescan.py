@@ -8,8 +8,11 @@ once the payload was purged, the facts journal; for a receipt whose origin recor
 written, the upload's info sidecar), for an object whose payload was purged after delivery its
 delivery record and, for a released one, its release: both from the facts journal (or a
 delivery side file in a data directory of version 0.1).  A damaged
-file is reported by path and its object skipped (retried at the next rescan), never fatal.
-Blocking; run in a thread.
+file is reported by path and its object skipped (retried at the next rescan), never fatal.  A
+damaged journal line costs only the record it held: its object, when its id is legible there,
+comes back flagged for an operator (``needs_operator``, with the segment and line).  A payload
+the journal records purged but that is still in ``uploads/`` (a crash between the record and
+the unlink) comes back unpurged, so it is purged again.  Blocking; run in a thread.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.logger import Logger
 
 from canner.delivery.index import AcceptedObject
@@ -80,6 +83,7 @@ def read_accepted(
     found = Found()
     for object_id in object_ids:
         step: Path | str = receipts.receipt_path(object_id)
+        damage = None
         try:
             receipt = receipts.read(object_id)
             if receipt is None:
@@ -93,6 +97,7 @@ def read_accepted(
                 delivery = receipts.read_delivery(object_id)
             step = "the journal"
             released_at = released_at_of(journal.get(object_id, RELEASE))
+            damage = journal.damage_of(object_id)
         except (OSError, ValueError, KeyError, TypeError) as e:
             problem = f"{step}: {e}"
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
@@ -102,9 +107,26 @@ def read_accepted(
             problem = (
                 f"{receipts.origin_path(object_id)}: missing, the journal has no origin record"
                 " either, and no info sidecar names the project"
+                + ("" if damage is None else f" (damaged: {damage.describe()})")
             )
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
             found.problems.append(problem)
             continue
-        found.objects.append(AcceptedObject.of(receipt, origin, delivery, released_at))
+        if delivery is not None and delivery.purged_at is not None and uploads.present(object_id):
+            # A crash between the purge's record and its unlink: the payload is still here, and
+            # only a row that says so gets it purged (again, idempotently).
+            log.warn(
+                "{object_id}: the journal records its payload purged, but {path} is still on"
+                " disk: it will be purged again",
+                object_id=object_id,
+                path=str(uploads.data_path(object_id)),
+            )
+            delivery = evolve(delivery, purged_at=None)
+        flag = None
+        if damage is not None:
+            flag = (
+                f"a journal record of it could not be read ({damage.describe()}): its delivery,"
+                " purge or release may be missing from this row"
+            )
+        found.objects.append(AcceptedObject.of(receipt, origin, delivery, released_at, flag))
     return found

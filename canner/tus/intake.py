@@ -337,11 +337,23 @@ class UploadIntake:
             raise protocol.no_space(available, self._config.min_free_bytes)
 
     def _read_info(self, upload_id: str) -> UploadInfo | None:
+        """The sidecar; None when there is none, or when it is unreadable.
+
+        A sidecar is only ever replaced whole, so an unreadable one (empty, short) is a creation
+        that a power cut caught before it was durable, or a damaged disk: the callers then answer
+        from the receipt if there is one, else 404, and the client creates a new upload (the
+        sweep removes the files).  Never a 500 that would stay for good.
+        """
         try:
             return self._uploads.read_info(upload_id)
         except CorruptInfo as e:
-            log.error("{error}", object_id=upload_id, error=str(e))
-            raise TusError(500, "the upload's info sidecar is unreadable") from None
+            log.warn(
+                "answering as if {object_id} had no sidecar: {error} ({path})",
+                object_id=upload_id,
+                error=str(e),
+                path=str(self._uploads.info_path(upload_id)),
+            )
+            return None
 
     def _accepted(self, upload_id: str) -> Outcome | None:
         """The outcome of an upload that was accepted (its payload may be purged since)."""
@@ -518,7 +530,7 @@ class UploadIntake:
         return outcome
 
     def _lock_complete(self, upload_id: str) -> LockedUpload | None:
-        info = self._uploads.read_info(upload_id)
+        info = self._read_info(upload_id)
         if info is None or info.rejected is not None or self._uploads.is_untrusted(info):
             return None
         try:

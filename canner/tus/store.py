@@ -252,7 +252,12 @@ class UploadStore:
         return self.directory / f"{upload_id}.info"
 
     def create(self, info: UploadInfo) -> None:
-        """Create an empty upload.  Not fsynced: acceptance syncs everything it relies on."""
+        """Create an empty upload.  Not fsynced: acceptance syncs everything it relies on.
+
+        A power cut soon after may leave the data file without a sidecar, or with an empty one
+        (the rename reached the disk before the content): such an upload was never durably
+        created, and it is gone for the client (the intake answers 404) and the sweep.
+        """
         fd = os.open(
             self.data_path(info.upload_id),
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
@@ -268,6 +273,10 @@ class UploadStore:
         except FileNotFoundError:
             return None
         return parse_info(upload_id, data)
+
+    def present(self, upload_id: str) -> bool:
+        """True while the upload's data file or its sidecar is on disk."""
+        return self.data_path(upload_id).exists() or self.info_path(upload_id).exists()
 
     def offset(self, upload_id: str) -> int:
         """Bytes stored so far (the data file's size; 0 when it is missing)."""

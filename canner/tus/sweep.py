@@ -3,8 +3,11 @@
 An incomplete upload (or one rejected for its checksum) whose files have not changed for
 ``partial_upload_retention`` is removed (data and sidecar), under its lock, so an upload being
 written is never touched.  A complete upload without a receipt stays: it can still be accepted.
-Anything with a receipt is left alone: purging accepted payloads is the deliver process's job.
-One bad entry is reported and skipped; it never stops the sweep.  Blocking; run it in a thread.
+An upload without a receipt whose sidecar is unreadable is removed at once: a sidecar is only
+ever replaced whole (by rename), so that is a creation a power cut caught before it was durable
+(or a damaged disk), never a write in progress, and the intake already answers 404 for it, so
+nobody can write or accept it.  Anything with a receipt is left alone: purging accepted payloads
+is the deliver process's job.  Blocking; run it in a thread.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from canner import fs
 from canner.ids import ObjectIds
 from canner.journal import Journal
 from canner.receipts import ReceiptStore
-from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
+from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -27,7 +30,8 @@ log = Logger()
 class SweepReport:
     removed: list[str] = field(factory=list)
     temps_removed: int = 0
-    skipped_corrupt: list[str] = field(factory=list)
+    # Of ``removed``: uploads whose sidecar could not be read.
+    unreadable: list[str] = field(factory=list)
 
 
 def _upload_ids(uploads: UploadStore, ids: ObjectIds) -> set[str]:
@@ -52,33 +56,36 @@ def sweep_stale(
     files a crash left in ``uploads/``, ``receipts/`` and ``journal/`` (release segments)."""
     report = SweepReport()
     for upload_id in sorted(_upload_ids(uploads, ids)):
-        if now - uploads.idle_since(upload_id) <= retention:
-            continue
         if receipts.receipt_path(upload_id).exists():
             continue
+        unreadable = None
         try:
             info = uploads.read_info(upload_id)
         except CorruptInfo as e:
-            log.error("skipping {object_id} in the sweep: {error}", object_id=upload_id, error=e)
-            report.skipped_corrupt.append(upload_id)
+            unreadable = str(e)
+        else:
+            if now - uploads.idle_since(upload_id) <= retention:
+                continue
+            if (
+                info is not None
+                and info.rejected is None
+                and uploads.offset(upload_id) >= info.size
+            ):
+                # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
+                # PATCH from the worker still turns it into a receipt, so it is never swept.
+                continue
+        if not _remove_unlocked(uploads, receipts, upload_id):
             continue
-        if info is None:  # data without a sidecar: a crash between the two creates
-            info = UploadInfo(upload_id, 1, {}, 0)
-        elif info.rejected is None and uploads.offset(upload_id) >= info.size:
-            # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or PATCH
-            # from the worker still turns it into a receipt, so it is never swept.
-            continue
-        try:
-            locked = uploads.open_locked(info)
-        except fs.Locked:
-            continue
-        try:
-            # Re-check under the lock: an acceptance may have committed meanwhile.
-            if not receipts.receipt_path(upload_id).exists():
-                uploads.remove(upload_id)
-                report.removed.append(upload_id)
-        finally:
-            locked.close()
+        report.removed.append(upload_id)
+        if unreadable is not None:
+            log.warn(
+                "removed {object_id}, which has no receipt and an unreadable sidecar (a creation"
+                " a power cut caught, or a damaged disk): {error} ({path})",
+                object_id=upload_id,
+                error=unreadable,
+                path=str(uploads.info_path(upload_id)),
+            )
+            report.unreadable.append(upload_id)
     for directory in (uploads.directory, receipts.directory, journal.directory):
         if not directory.exists():
             continue
@@ -86,3 +93,26 @@ def sweep_stale(
             temp.unlink(missing_ok=True)
             report.temps_removed += 1
     return report
+
+
+def _remove_unlocked(uploads: UploadStore, receipts: ReceiptStore, upload_id: str) -> bool:
+    """Remove an upload's files under its lock, unless someone writes it or it got a receipt
+    meanwhile; True when removed."""
+    try:
+        # The lock is on the data file; the sidecar's content does not matter for it.
+        locked = uploads.open_locked(UploadInfo(upload_id, 1, {}, 0))
+    except fs.Locked:
+        return False
+    except UploadGone:
+        # A sidecar without data (a crash between the two unlinks of a removal): nobody can
+        # write it, since only creation makes a data file.
+        locked = None
+    try:
+        # Re-check under the lock: an acceptance may have committed meanwhile.
+        if receipts.receipt_path(upload_id).exists():
+            return False
+        uploads.remove(upload_id)
+        return True
+    finally:
+        if locked is not None:
+            locked.close()

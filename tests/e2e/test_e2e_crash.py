@@ -12,6 +12,9 @@ stored prefix is the worker's bytes) and gets a receipt; and there are exactly a
 as uploads.
 
 The seed is fixed (override with ``CANNER_E2E_SEED``) and printed.
+
+A power cut can leave more than a SIGKILL does: an info sidecar emptied (its rename reached the
+disk before its content).  That state is written by hand, and the receiver restarted on it.
 """
 
 from __future__ import annotations
@@ -295,3 +298,39 @@ def test_sigkill_during_uploads_loses_nothing(receiver: Receiver) -> None:
     for job in jobs:
         assert job.object_id is not None
         rcv.verify_receipt(job.receipt, job.object_id, job.data)
+
+
+def test_uploads_a_power_cut_left_with_empty_sidecars_are_gone_or_accepted(
+    receiver: Receiver,
+) -> None:
+    """After a restart on empty info sidecars (what ext4 leaves when a power cut commits the
+    rename before the content), an upload without a receipt answers 404 to HEAD and PATCH and
+    its files are swept, one with a receipt still answers with it, and the worker's new upload
+    of the same bytes gets its receipt."""
+    rcv = receiver
+    fresh_data, partial_data, done_data = os.urandom(3000), os.urandom(5000), os.urandom(4000)
+    fresh = rcv.new_upload(fresh_data)  # caught at creation
+    partial = rcv.new_upload(partial_data)
+    assert rcv.patch(partial, 0, partial_data[:2000]).status_code == 204
+    done, receipt = rcv.upload_all(done_data)
+    rcv.kill()
+    for oid in (fresh, partial, done):
+        (rcv.uploads_dir / f"{oid}.info").write_bytes(b"")
+    rcv.start()
+
+    for oid in (fresh, partial):
+        assert rcv.head(oid).status_code == 404, oid
+        assert rcv.patch(oid, 0, b"x").status_code == 404, oid
+    head = rcv.head(done)
+    assert head.status_code == 200
+    assert head.headers["Upload-Offset"] == str(len(done_data))
+    assert head.headers.get("Artifact-Receipt") == receipt
+
+    deadline = time.monotonic() + 10.0
+    left = {fresh, f"{fresh}.info", partial, f"{partial}.info"}
+    while rcv.upload_entries() & left and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rcv.upload_entries() & left, "the sweep left the files of uploads that are gone"
+    assert {done, f"{done}.info"} <= rcv.upload_entries()
+    again, new_receipt = rcv.upload_all(fresh_data)
+    rcv.verify_receipt(new_receipt, again, fresh_data)

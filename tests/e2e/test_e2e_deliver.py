@@ -44,6 +44,7 @@ from deliver_support import (
     wait_for,
 )
 from e2e_support import blake3_hex, parse_metadata
+from hq_support import canner
 
 pytestmark = pytest.mark.e2e
 env_factory_fixture = pytest.fixture(name="env_factory")(envs)
@@ -627,6 +628,106 @@ def test_rebuild_after_purge_keeps_delivered_state(env_factory: Callable[..., En
                 }
             )
     assert not problems, f"rebuilt rows of delivered+purged objects: {problems}"
+
+
+def _append_segment(data_dir: Path, records: list[dict[str, Any]]) -> Path:
+    """A journal segment after the last one, holding ``records`` (canner's line format)."""
+    journal = data_dir / "journal"
+    journal.mkdir(exist_ok=True)
+    names = sorted(p.name for p in journal.glob("*.jsonl"))
+    segment = journal / f"{int(names[-1][:12]) + 1 if names else 1:012d}.jsonl"
+    lines = [json.dumps(r, separators=(",", ":"), sort_keys=True) + "\n" for r in records]
+    segment.write_text("".join(lines), encoding="utf-8")
+    return segment
+
+
+def test_rebuild_purges_again_a_payload_a_crash_left_after_its_purge_record(
+    env_factory: Callable[..., Env],
+) -> None:
+    """A crash between a purge's journal records and its unlink leaves the records and the
+    payload: after the index is lost and deliver restarted, the row comes back not purged, the
+    payload is purged (again), and the row records it; the other object is left alone."""
+    env = env_factory(metadata_lag=0.0, retention="1h")
+    payloads = _upload_some(env, 2)
+    left, other = list(payloads)
+    row = env.wait_state([left, other], 20, "delivered and verified", verified_at=...)[left]
+    assert_clean_exit(env.deliver, env.deliver.stop())
+    now = time.time()
+    # What delete_payload appends before it unlinks anything.
+    _append_segment(
+        env.data_dir,
+        [
+            {"kind": "origin", "object_id": left, "project": PROJECT, "filename": row["filename"]},
+            {
+                "kind": "delivery",
+                "object_id": left,
+                "identifier": row["remote_identifier"],
+                "remote_name": row["remote_name"],
+                "content_md5": row["content_md5"],
+                "delivered_at": row["delivered_at"],
+                "verified_at": row["verified_at"],
+                "purge_after": now - 1,
+                "purged_at": now,
+            },
+        ],
+    )
+    assert data_files(env.data_dir, left) == {"payload": True, "info": True, "receipt": True}
+    assert "delivery.sqlite" in remove_index(env.data_dir)
+    env.deliver.start()
+
+    purged = env.wait_state([left], 20, "purged again", purged_at=...)[left]
+    assert purged["purged_at"] > now, purged
+    assert data_files(env.data_dir, left) == {"payload": False, "info": False, "receipt": True}
+    assert len(journal_records(env.data_dir, left, "delivery")) == 2
+    assert "it will be purged again" in env.deliver.current_log()
+    assert payload_intact(env, other, payloads[other])
+    assert env.row(other)["purged_at"] is None
+
+
+def test_a_damaged_journal_line_costs_only_its_object_in_a_rebuild_and_a_rescan(
+    env_factory: Callable[..., Env],
+) -> None:
+    """With the delivery record of one purged object damaged in the middle of the journal,
+    ``canner rebuild-index`` names the segment and line (exit 1) and indexes every object, the
+    others delivered and purged and that one flagged for an operator; deliver's rescan on a lost
+    index does the same."""
+    env = env_factory(metadata_lag=0.0, retention="1s")
+    ids = list(_upload_some(env, 3))
+    env.wait_state(ids, 25, "delivered, verified and purged", purged_at=...)
+    assert_clean_exit(env.deliver, env.deliver.stop())
+    damaged = ids[1]
+    segment, number = next(
+        (path, n)
+        for path in sorted((env.data_dir / "journal").glob("*.jsonl"))
+        for n, line in enumerate(path.read_bytes().splitlines(), start=1)
+        if damaged.encode() in line and b'"delivery"' in line
+    )
+    lines = segment.read_bytes().splitlines(keepends=True)
+    assert number < len(lines), "not a middle line"
+    lines[number - 1] = b"\0" * 16 + lines[number - 1][16:]  # a damaged sector
+    segment.write_bytes(b"".join(lines))
+
+    def check(rows: Rows) -> None:
+        assert set(ids) <= set(rows), rows
+        for oid in ids:
+            if oid != damaged:
+                assert rows[oid]["purged_at"] is not None and not rows[oid]["needs_operator"]
+        assert rows[damaged]["needs_operator"], rows[damaged]
+
+    remove_index(env.data_dir)
+    out = canner(env, "rebuild-index")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"damaged journal line {segment}: line {number}: " in out.stderr, out.stderr
+    assert "3 added" in out.stdout, out.stdout
+    check(env.rows())
+    # Deliver is stopped: nothing has replaced the error the rebuild flagged it with.
+    assert f"{segment}: line {number}" in env.row(damaged)["last_error"]
+
+    remove_index(env.data_dir)
+    env.deliver.start()
+    env.wait_rows(lambda rows: set(ids) <= set(rows), 20, "the rescan to index every object")
+    check(env.rows())
+    assert f"damaged journal line {segment}:{number}" in env.deliver.current_log()
 
 
 # -- 5. a second deliver ---------------------------------------------------------------------------

@@ -21,9 +21,18 @@ from canner.cli import Io, main
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
+from canner.delivery.purge import purge_is_due
 from canner.fs import DataDirLock
+from canner.journal import Journal
 from canner.ledger.files import LedgerDir, Manifest, id_record
-from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.receipts import (
+    DeliveryRecord,
+    Origin,
+    Receipt,
+    ReceiptStore,
+    delivery_journal_record,
+    origin_journal_record,
+)
 from tests.fakes import SyncIndex
 
 NOW = 1_784_764_800.0
@@ -344,6 +353,80 @@ def test_rebuild_index_names_a_damaged_side_file_and_indexes_the_rest(
     ids = {row.object_id for row in index.run(lambda cur: list(sql.all_rows(cur))).result}
     index.close()
     assert ids == {oid(n) for n in (1, 2, 4, 5)}
+
+
+def _purged(run: Run, ns: range) -> str:
+    """Receipts of objects ``ns`` whose payloads were purged: their origin and delivery records
+    are in one journal segment (two lines each, in order), their origin files are gone."""
+    records: list[dict[str, Any]] = []
+    for n in ns:
+        run.receipt(n)
+        (run.data_dir / "receipts" / f"{oid(n)}.meta.json").unlink()
+        delivery = DeliveryRecord(f"item-{n}", f"f{n}.warc", "00" * 16, 10.0, 20.0, 30.0, 40.0)
+        records += [
+            origin_journal_record(oid(n), Origin("example", f"f{n}.warc")),
+            delivery_journal_record(oid(n), delivery),
+        ]
+    return Journal(run.data_dir / "journal").append(records)
+
+
+def _rows(run: Run) -> dict[str, sql.QueueRow]:
+    index = run.index()
+    try:
+        rows: list[sql.QueueRow] = index.run(lambda cur: list(sql.all_rows(cur))).result
+    finally:
+        index.close()
+    return {row.object_id: row for row in rows}
+
+
+def test_rebuild_index_flags_the_object_of_a_damaged_journal_line_and_indexes_the_rest(
+    run: Run,
+) -> None:
+    """A damaged middle line of the journal (object 3's delivery record) is named by segment
+    and line (exit 1); every other purged object comes back delivered and purged, and object 3
+    comes back flagged for an operator with that line as its error."""
+    segment = run.data_dir / "journal" / _purged(run, range(1, 6))
+    lines = segment.read_bytes().splitlines(keepends=True)
+    assert oid(3).encode() in lines[5]
+    lines[5] = b"\0" * 20 + lines[5][20:]  # the delivery record of object 3
+    segment.write_bytes(b"".join(lines))
+
+    code, out, err = run("rebuild-index")
+
+    assert code == 1
+    assert "5 added" in out
+    assert f"damaged journal line {segment}: line 6: " in err and f"object {oid(3)}" in err
+    rows = _rows(run)
+    assert set(rows) == {oid(n) for n in range(1, 6)}
+    for n in (1, 2, 4, 5):
+        row = rows[oid(n)]
+        assert (row.state, row.purged_at, row.needs_operator) == ("delivered", 40.0, 0), row
+    flagged = rows[oid(3)]
+    assert flagged.needs_operator == 1 and flagged.purged_at is None
+    assert flagged.last_error is not None and f"{segment}: line 6" in flagged.last_error
+
+
+def test_rebuild_index_purges_again_a_payload_the_journal_says_is_purged(run: Run) -> None:
+    """A crash between the purge's journal record and the unlink left the payload: the rebuilt
+    row is delivered and verified but not purged, and its purge is due again; a payload that is
+    really gone stays purged."""
+    _purged(run, range(1, 3))
+    (run.data_dir / "uploads" / oid(2)).write_bytes(b"0123456789")
+
+    code, _, err = run("rebuild-index")
+
+    assert code == 0, err
+    rows = _rows(run)
+    assert rows[oid(1)].purged_at == 40.0
+    left = rows[oid(2)]
+    assert (left.state, left.verified_at, left.purged_at) == ("delivered", 20.0, None)
+    index = run.index()
+    try:
+        due = index.run(sql.follow_ups_due, NOW, 10, ["example"]).result
+    finally:
+        index.close()
+    assert [row.object_id for row in due] == [oid(2)]
+    assert purge_is_due(due[0], NOW)
 
 
 def test_rebuild_index_creates_a_missing_index_and_shows_progress(run: Run) -> None:

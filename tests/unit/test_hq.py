@@ -235,7 +235,7 @@ def test_a_record_left_by_a_crash_is_superseded_by_the_release_that_committed(
 
 def test_spent_segments_go_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     """remove_spent deletes only segments whose every object is spent; a line that does not
-    parse is an error naming the segment and line."""
+    parse is an error naming the segment and line (a lookup skips it and names it)."""
     journal = Journal(tmp_path / "journal")
     assert journal.segments() == [] and journal.remove_spent(lambda oid: True) == 0
     first = journal.append([rel.release_record("a", 1.0, "hq"), rel.release_record("b", 1.0, "hq")])
@@ -248,8 +248,10 @@ def test_spent_segments_go_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     (journal.directory / first).write_bytes(b'{"kind":"release","object_id":"a"}\n{"kind"\n')
     with pytest.raises(ValueError, match=f"{first}: line 2"):
         list(journal.read(first))
-    with pytest.raises(ValueError, match="line 2"):
-        JournalLookup(journal).get("a", rel.RELEASE)
+    lookup = JournalLookup(journal)
+    assert lookup.get("a", rel.RELEASE) == {"kind": "release", "object_id": "a"}
+    assert [(d.path.name, d.line, d.object_id) for d in lookup.damage] == [(first, 2, None)]
+    lookup.close()
 
 
 def test_records_are_assigned_once_per_closed_period(tmp_path: Path) -> None:

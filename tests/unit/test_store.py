@@ -86,7 +86,7 @@ def _age(uploads: UploadStore, oid: str, mtime: float) -> None:
 
 
 def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) -> None:
-    """Idle partial uploads go; fresh, receipted, locked and corrupt ones stay."""
+    """Idle partial uploads go; fresh, receipted and locked ones stay."""
     uploads, receipts = stores(tmp_path)
     idle, fresh, accepted, busy, corrupt, orphan = (IDS.new() for _ in range(6))
     for oid in (idle, fresh, accepted, busy):
@@ -113,8 +113,8 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
     report = sweep_stale(uploads, receipts, Journal(journal), IDS, now, retention=1800)
     lock.close()
 
-    assert sorted(report.removed) == sorted([idle, orphan])
-    assert report.skipped_corrupt == [corrupt]
+    assert sorted(report.removed) == sorted([idle, orphan, corrupt])
+    assert report.unreadable == [corrupt]
     assert report.temps_removed == 2
     assert sorted(p.name for p in journal.iterdir()) == sorted(
         ["000000000001.jsonl", fresh_segment.name]
@@ -123,7 +123,30 @@ def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) ->
     assert idle not in remaining and f"{idle}.info" not in remaining and orphan not in remaining
     for oid in (fresh, accepted, busy):
         assert oid in remaining and f"{oid}.info" in remaining
-    assert f"{corrupt}.info" in remaining
+    assert f"{corrupt}.info" not in remaining
+
+
+@pytest.mark.parametrize("content", [b"", b'{"ID": "', b"\0" * 300])
+def test_sweep_removes_an_upload_whose_creation_was_never_durable_at_once(
+    tmp_path: Path, content: bytes
+) -> None:
+    """An unreadable sidecar without a receipt goes at once with its data (nobody can write or
+    accept that upload); with a receipt, data and sidecar stay."""
+    uploads, receipts = stores(tmp_path)
+    lost, accepted = IDS.new(), IDS.new()
+    for oid in (lost, accepted):
+        uploads.create(info(oid))
+        uploads.data_path(oid).write_bytes(b"0123456789")
+        uploads.info_path(oid).write_bytes(content)  # what a power cut left
+    receipts.commit(Receipt(accepted, "https://i", Checksum("cd" * 32), 10, 7))
+    now = os.stat(uploads.info_path(lost)).st_mtime + 1
+
+    report = sweep_stale(uploads, receipts, Journal(tmp_path / "journal"), IDS, now, 1800)
+
+    assert report.removed == report.unreadable == [lost]
+    assert sorted(p.name for p in uploads.directory.iterdir()) == sorted(
+        [accepted, f"{accepted}.info"]
+    )
 
 
 def test_open_locked_never_recreates_a_purged_upload(tmp_path: Path) -> None:
@@ -157,3 +180,19 @@ def test_open_locked_refuses_a_file_replaced_before_the_lock(tmp_path: Path) -> 
             uploads.open_locked(info(oid))
     finally:
         fs.lock_fd = real_lock  # type: ignore[assignment]
+
+
+def test_sweep_removes_an_idle_sidecar_whose_data_file_is_gone(tmp_path: Path) -> None:
+    """A sidecar left without its data file (a crash between the two unlinks of a removal) is
+    removed after the retention, and the sweep goes on to the next upload."""
+    uploads, receipts = stores(tmp_path)
+    left, idle = sorted(IDS.new() for _ in range(2))
+    for oid in (left, idle):
+        uploads.create(info(oid))
+        _age(uploads, oid, 1000.0)
+    uploads.data_path(left).unlink()
+
+    report = sweep_stale(uploads, receipts, Journal(tmp_path / "journal"), IDS, 5000.0, 1800)
+
+    assert report.removed == [left, idle]
+    assert list(uploads.directory.iterdir()) == []
