@@ -774,6 +774,18 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     )
 
 
+def check_data_dir(config: Config) -> Path:
+    """``data_dir``, which must exist: a missing one is most likely a volume that is not mounted,
+    and creating it would fill the root filesystem (:class:`ConfigError` otherwise)."""
+    if not config.data_dir.is_dir():
+        raise ConfigError(
+            "data_dir",
+            f"{config.data_dir} does not exist (create it, or mount its volume: canner never"
+            " creates it, so a missing mount cannot fill the root filesystem)",
+        )
+    return config.data_dir
+
+
 def load_config(path: Path) -> Config:
     """Read and validate a TOML config file; relative paths resolve against the file's directory.
 

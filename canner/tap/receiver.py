@@ -29,9 +29,9 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from canner.service import receiver_service
+    from canner.service import CannotStart, receiver_service
 
     try:
         return receiver_service(options.loaded, reactor)
-    except ConfigError as e:  # e.g. a manhole key file that cannot be read, no data_dir
+    except (CannotStart, ConfigError) as e:  # e.g. no data_dir, or one this user cannot write
         raise SystemExit(f"canner-receiver: {e}") from None
