@@ -51,7 +51,7 @@ from attrs import define, field, frozen
 from canner import drain as draining
 from canner import inventory
 from canner import releases as rel
-from canner.config import Config, ConfigError, load_config, parse_duration
+from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
 from canner.delivery.liveness import judge
@@ -252,12 +252,7 @@ def check_config(config_path: Path, io: Io) -> int:
     problem = _listen_problem(config.listen)
     if problem is not None:
         raise ConfigError("listen", problem)
-    if not config.data_dir.is_dir():
-        raise ConfigError(
-            "data_dir",
-            f"{config.data_dir} does not exist (create it, or mount its volume: canner never"
-            " creates it, so a missing mount cannot fill the root filesystem)",
-        )
+    check_data_dir(config)
     now = io.now()
     examples = {pid: delivery_example(config, pid, now) for pid in config.projects}
     warnings = _credential_warnings(config)

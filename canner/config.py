@@ -38,7 +38,8 @@ _DURATION_UNITS = {
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 
 
-# The issuer of the shipped example config (/etc/canner/canner.toml): the daemons refuse it.
+# The issuer of the shipped example config (/etc/canner/canner.toml): parse_config refuses it,
+# so the daemons never start with it and ``canner check-config`` fails until it is edited.
 PLACEHOLDER_ISSUER = "https://canner.example"
 
 
@@ -713,6 +714,13 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         raise ConfigError("issuer", "must not be empty")
     if len(issuer.encode("utf-8")) > ISSUER_MAX_BYTES:
         raise ConfigError("issuer", f"must be at most {ISSUER_MAX_BYTES} bytes")
+    if issuer == PLACEHOLDER_ISSUER:
+        # The shipped config: never serve (or sign receipts) as the example issuer.
+        raise ConfigError(
+            "issuer",
+            f"is still the placeholder {PLACEHOLDER_ISSUER!r} of the example config: set this"
+            " node's real issuer before starting canner",
+        )
     public_url = raw.get("public_url")
     if public_url is not None:
         public_url = _http_url(_string(raw, "public_url", "public_url"), "public_url")
@@ -764,6 +772,18 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         hq=_parse_hq(raw.get("hq"), base_dir),
         ledger=_parse_ledger(raw.get("ledger"), base_dir, node_prefix),
     )
+
+
+def check_data_dir(config: Config) -> Path:
+    """``data_dir``, which must exist: a missing one is most likely a volume that is not mounted,
+    and creating it would fill the root filesystem (:class:`ConfigError` otherwise)."""
+    if not config.data_dir.is_dir():
+        raise ConfigError(
+            "data_dir",
+            f"{config.data_dir} does not exist (create it, or mount its volume: canner never"
+            " creates it, so a missing mount cannot fill the root filesystem)",
+        )
+    return config.data_dir
 
 
 def load_config(path: Path) -> Config:

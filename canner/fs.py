@@ -120,6 +120,16 @@ def write_temp(directory: Path, stem: str, data: bytes, *, sync: bool) -> Path:
     return temp
 
 
+def check_writable(path: Path) -> None:
+    """Raise the ``OSError`` that writing at ``path`` would meet now: in a directory a file is
+    created and removed, an existing file is opened for writing.  A missing path passes (it is
+    created later, in a directory checked too)."""
+    if path.is_dir():
+        write_temp(path, "writable", b"", sync=False).unlink()
+    elif path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+
+
 def publish_once(directory: Path, name: str, data: bytes) -> bool:
     """Create ``directory/name`` holding ``data``, durably, never replacing an existing file.
 

@@ -10,6 +10,10 @@ observers (:class:`LogObservers`) added to the process's log publisher while the
 
 from __future__ import annotations
 
+import errno
+import grp
+import os
+import pwd
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -26,7 +30,7 @@ from twisted.web.server import Site
 
 from canner import fs
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config, ConfigError
+from canner.config import Config, ConfigError, check_data_dir
 from canner.connections import ConnectionLimits, raise_open_file_limit, usable_connections
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
@@ -221,16 +225,72 @@ def _add_manhole(
     return manhole_service(config.manhole, role, helpers.bind(namespace), reactor)
 
 
-def _prepare_data_dir(data_dir: Path) -> tuple[UploadStore, ReceiptStore]:
-    """``uploads/`` and ``receipts/`` in ``data_dir``, which must exist: a missing one is most
-    likely a volume that is not mounted, and creating it would fill the root filesystem."""
-    if not data_dir.is_dir():
-        raise ConfigError("data_dir", f"{data_dir} does not exist (is its volume mounted?)")
-    for sub in ("uploads", "receipts"):
-        (data_dir / sub).mkdir(parents=True, exist_ok=True)
-        # A crash between linking a receipt and fsyncing its directory leaves a name that a
-        # power cut could still erase: make every name durable before anything serves it.
-        fs.fsync_dir(data_dir / sub)
+class CannotStart(Exception):
+    """Start-up is refused for a reason the operator must fix; ``str()`` is the one line that
+    says what and how."""
+
+
+# What each daemon writes directly in its data directory ("": the directory itself); files
+# inside these directories are theirs too.
+RECEIVER_WRITES = (
+    "",
+    "uploads",
+    "receipts",
+    "journal",
+    "delivery.sqlite",
+    "delivery.sqlite-wal",
+    "delivery.sqlite-shm",
+)
+DELIVER_WRITES = (*RECEIVER_WRITES, "ledger", "deliver.lock")
+
+
+def _process_user() -> tuple[str, str]:
+    """The user and group names this process runs as (numbers when they have no name)."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    try:
+        group = grp.getgrgid(gid).gr_name
+    except KeyError:
+        group = str(gid)
+    return user, group
+
+
+def _unwritable(path: Path, tree: Path, error: OSError) -> CannotStart:
+    """The one-line refusal for ``path`` (in ``tree``, which the fix names) that this process
+    cannot write: the path, the user, the error and the fix."""
+    user, group = _process_user()
+    if error.errno in (errno.EACCES, errno.EPERM):
+        fix = f"fix the ownership: chown -R {user}:{group} {tree}"
+    elif error.errno == errno.EROFS:
+        fix = "mount it read-write (under systemd: list data_dir in ReadWritePaths=)"
+    else:
+        fix = "check the disk under it (dmesg)"
+    reason = error.strerror or str(error)
+    return CannotStart(f"cannot write {path} as user {user}: {reason}; {fix}")
+
+
+def _prepare_data_dir(config: Config, writes: Iterable[str]) -> tuple[UploadStore, ReceiptStore]:
+    """``uploads/`` and ``receipts/`` in the existing data directory (:class:`ConfigError` when
+    it is missing), and every path in ``writes`` writable by this process (:class:`CannotStart`
+    naming the first that is not)."""
+    data_dir = check_data_dir(config)
+    path = data_dir
+    try:
+        fs.check_writable(data_dir)
+        for sub in ("uploads", "receipts"):
+            path = data_dir / sub
+            path.mkdir(exist_ok=True)
+            # A crash between linking a receipt and fsyncing its directory leaves a name that a
+            # power cut could still erase: make every name durable before anything serves it.
+            fs.fsync_dir(path)
+        for name in writes:
+            path = data_dir / name
+            fs.check_writable(path)
+    except OSError as e:
+        raise _unwritable(path, data_dir, e) from None
     return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
 
 
@@ -278,7 +338,7 @@ def receiver_service(
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the manhole."""
-    uploads, receipts = _prepare_data_dir(config.data_dir)
+    uploads, receipts = _prepare_data_dir(config, RECEIVER_WRITES)
     top = MultiService()
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
@@ -409,7 +469,7 @@ def receiver_service(
 RESCAN_INTERVAL = 3600.0
 
 
-class DeliverLocked(Exception):
+class DeliverLocked(CannotStart):
     """Another canner-deliver owns this data directory."""
 
 
@@ -472,7 +532,7 @@ def deliver_service(
             pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
             for pid, p in config.projects.items()
         }
-    uploads, receipts = _prepare_data_dir(config.data_dir)
+    uploads, receipts = _prepare_data_dir(config, DELIVER_WRITES)
     # Megawarc projects are delivered a package at a time; the object queue serves the rest.
     packed = {
         pid: p
@@ -484,8 +544,9 @@ def deliver_service(
     if packed:
         try:
             packages.prepare()
+            fs.check_writable(packages.root)
         except OSError as e:
-            raise ConfigError("packages_dir", f"{packages.root}: {e.strerror}") from None
+            raise _unwritable(packages.root, packages.root, e) from None
     lock = DataDirLock(config.data_dir / "deliver.lock")
     try:
         lock.acquire()
@@ -493,6 +554,8 @@ def deliver_service(
         raise DeliverLocked(
             f"another canner-deliver already owns {config.data_dir} (see deliver.lock)"
         ) from None
+    except OSError as e:
+        raise _unwritable(lock.path, config.data_dir, e) from None
     path = config.data_dir / "delivery.sqlite"
     upgrade_schema(path)
     pool = open_pool(path)

@@ -13,9 +13,9 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from canner.config import ConfigError
-    from canner.service import DeliverLocked, deliver_service
+    from canner.service import CannotStart, deliver_service
 
     try:
         return deliver_service(options.loaded, reactor)
-    except (DeliverLocked, ConfigError) as e:
+    except (CannotStart, ConfigError) as e:  # e.g. locked, or an unwritable data directory
         raise SystemExit(f"canner-deliver: {e}") from None

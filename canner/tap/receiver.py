@@ -8,7 +8,7 @@ from typing import ClassVar
 from twisted.application.service import IService
 from twisted.python import usage
 
-from canner.config import PLACEHOLDER_ISSUER, Config, ConfigError, load_config
+from canner.config import Config, ConfigError, load_config
 
 
 class Options(usage.Options):
@@ -22,13 +22,6 @@ class Options(usage.Options):
     def postOptions(self) -> None:
         try:
             self.loaded: Config = load_config(Path(self["config"]))
-            if self.loaded.issuer == PLACEHOLDER_ISSUER:
-                # The shipped config: never serve (or sign receipts) as the example issuer.
-                raise ConfigError(
-                    "issuer",
-                    f"is still the placeholder {PLACEHOLDER_ISSUER!r}: set this node's real"
-                    f" issuer in {self['config']} before starting canner",
-                )
         except ConfigError as e:
             raise SystemExit(f"canner: {e}") from None
 
@@ -36,9 +29,9 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from canner.service import receiver_service
+    from canner.service import CannotStart, receiver_service
 
     try:
         return receiver_service(options.loaded, reactor)
-    except ConfigError as e:  # e.g. a manhole key file that cannot be read, no data_dir
+    except (CannotStart, ConfigError) as e:  # e.g. no data_dir, or one this user cannot write
         raise SystemExit(f"canner-receiver: {e}") from None

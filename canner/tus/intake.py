@@ -10,6 +10,7 @@ incomplete one is released.  The result the route renders is an :class:`Outcome`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -30,7 +31,6 @@ from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus import protocol
 from canner.tus.protocol import TusError
 from canner.tus.store import (
-    NO_SPACE_ERRNOS,
     CorruptInfo,
     LockedUpload,
     OutOfSpace,
@@ -79,12 +79,19 @@ def _rejected(info: UploadInfo) -> TusError:
 
 
 def _failure_status(failure: Failure) -> Failure:
-    """Translate acceptance outcomes into their HTTP meaning."""
+    """Translate acceptance and storage outcomes into their HTTP meaning: the one place where
+    a storage error (any ``OSError``: EACCES, EROFS, EIO, ENOSPC...) becomes 503."""
     if failure.check(ChecksumMismatch):
         return Failure(TusError(422, str(failure.value)))
-    if failure.check(AcceptanceFailed, StorageFault):
+    if failure.check(AcceptanceFailed, StorageFault, OutOfSpace):
         # 503 with Retry-After: every tus client (the Go SDK too) retries it, then HEADs.
         return Failure(protocol.storage_trouble(str(failure.value)))
+    error = failure.value
+    if isinstance(error, OSError):
+        # Logged here: nothing before this point did (the store's own faults are logged by
+        # their callers).  The client gets the reason, never a path.
+        log.error("storage failure: {error}", error=str(error))
+        return Failure(protocol.storage_trouble(f"storage failure: {error.strerror or error}"))
     return failure
 
 
@@ -233,16 +240,16 @@ class UploadIntake:
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_draining()
         self._check_free_space()
-        try:
-            self._uploads.create(info)
-        except OSError as e:
-            if e.errno not in NO_SPACE_ERRNOS:
-                raise
-            self._uploads.remove(info.upload_id)
-            raise protocol.storage_trouble(f"no space to create an upload: {e.strerror}") from None
+        self._uploads.create(info)  # all or nothing; an OSError is answered by _failure_status
         if not with_body:
             return Outcome(info.upload_id, info.size, 0, info.metadata, None, location)
-        upload = self._uploads.open_locked(info)
+        try:
+            upload = self._uploads.open_locked(info)
+        except OSError:
+            # The client never learns this id: leave nothing of it behind.
+            with contextlib.suppress(OSError):
+                self._uploads.remove(info.upload_id)
+            raise
         upload.location = location
         return upload
 
@@ -378,12 +385,10 @@ class UploadIntake:
             if failure.check(OutOfSpace):
                 log.warn("out of space while writing {object_id} at offset {offset}",
                          object_id=oid, offset=upload.offset)  # fmt: skip
-                return Failure(protocol.storage_trouble(str(failure.value)))
-            if failure.check(StorageFault):
+            elif failure.check(StorageFault):
                 log.error("writing {object_id} failed: {error}", object_id=oid,
                           error=str(failure.value))  # fmt: skip
-                return Failure(protocol.storage_trouble(str(failure.value)))
-            return failure
+            return _failure_status(failure)
 
         return self._run(self._uploads.append, upload, chunks).addErrback(failed)
 
@@ -405,8 +410,9 @@ class UploadIntake:
                 object_id=info.upload_id,
                 offset=offset,
             )
-        return self._run(upload.close).addCallback(
-            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location)
+        return self._run(upload.close).addCallbacks(
+            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
+            _failure_status,
         )
 
     # -- HEAD -----------------------------------------------------------------------------------
@@ -426,7 +432,7 @@ class UploadIntake:
                 raise _not_found()
         except TusError as e:
             return fail(e)
-        return Deferred.fromCoroutine(self._head(upload_id))
+        return Deferred.fromCoroutine(self._head(upload_id)).addErrback(_failure_status)
 
     async def _head(self, upload_id: str) -> Outcome:
         await self._take_over(upload_id, wait_for_live=False)
@@ -474,7 +480,7 @@ class UploadIntake:
     def receipt(self, object_id: str) -> Deferred[bytes | None]:
         """The committed receipt of ``object_id`` (None when there is none), waiting for a
         running acceptance like :meth:`status`."""
-        return Deferred.fromCoroutine(self._receipt(object_id))
+        return Deferred.fromCoroutine(self._receipt(object_id)).addErrback(_failure_status)
 
     async def _receipt(self, object_id: str) -> bytes | None:
         data: bytes | None = await self._committed(object_id, self._receipts.read_bytes)

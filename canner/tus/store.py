@@ -20,6 +20,7 @@ and the bytes before it are kept.  Every method blocks; call them through a bloc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -254,17 +255,24 @@ class UploadStore:
     def create(self, info: UploadInfo) -> None:
         """Create an empty upload.  Not fsynced: acceptance syncs everything it relies on.
 
-        A power cut soon after may leave the data file without a sidecar, or with an empty one
-        (the rename reached the disk before the content): such an upload was never durably
-        created, and it is gone for the client (the intake answers 404) and the sweep.
+        All or nothing: on an ``OSError`` whatever was created is removed again (as far as the
+        storage lets it) before the error propagates.  A power cut soon after may leave the data
+        file without a sidecar, or with an empty one (the rename reached the disk before the
+        content): such an upload was never durably created, and it is gone for the client (the
+        intake answers 404) and the sweep.
         """
         fd = os.open(
             self.data_path(info.upload_id),
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
             0o644,
         )
-        os.close(fd)
-        fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=False)
+        try:
+            os.close(fd)
+            fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=False)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self.remove(info.upload_id)
+            raise
 
     def read_info(self, upload_id: str) -> UploadInfo | None:
         """The sidecar, or None when there is no such upload; :class:`CorruptInfo` if unreadable."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,3 +50,15 @@ def make_receiver(tmp_path: Path) -> Iterator[Callable[..., Receiver]]:
     finally:
         for rcv in made:
             rcv.close()
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary directory the unprivileged user of ``AS_NOBODY`` can reach (``tmp_path``
+    lies under pytest's 0700 root)."""
+    folder = Path(tempfile.mkdtemp(prefix="canner-e2e-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -38,6 +38,9 @@ OBJECT_ID = re.compile(r"[0-9a-f]{32}")
 DEFAULT_MAX_UPLOAD = 64 * 1024 * 1024
 HTTP_TIMEOUT = 30.0
 START_TIMEOUT = 20.0
+# A daemon launched behind this runs as the unprivileged user nobody, whom file permissions bind
+# (the suite runs as root, who ignores them); its files must be in a directory nobody can reach.
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
 def blake3_hex(data: bytes) -> str:

@@ -1,17 +1,29 @@
 """Process-level behaviour: recovery of an upload whose acceptance a SIGKILL interrupted, the
 stale-upload sweep, graceful stop during a PATCH, two receivers sharing one data directory, and
-the ``Location`` a receiver hands out."""
+the ``Location`` a receiver hands out, and a data directory its user cannot write (at start and
+while running, with the daemons run as an unprivileged user)."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urljoin
 
 import pytest
-from e2e_support import OBJECT_ID, Receiver, blake3_hex, read_http_response
+import requests
+from e2e_support import (
+    AS_NOBODY,
+    OBJECT_ID,
+    Receiver,
+    blake3_hex,
+    end_process,
+    read_http_response,
+    spawn_daemon,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -162,3 +174,90 @@ def test_location_uses_public_url(make_receiver: Callable[..., Receiver]) -> Non
     assert location.startswith(prefix), location
     assert OBJECT_ID.fullmatch(location[len(prefix) :]), location
     assert os.path.exists(rcv.uploads_dir / location[len(prefix) :])
+
+
+NOBODY = pwd.getpwnam("nobody")
+
+
+def _refusal(role: str, rcv: Receiver, log: Path) -> list[str]:
+    """Start canner-``role`` as nobody; it must end by itself with status 1.  Its output lines."""
+    proc = spawn_daemon(role, rcv.config_path, log, 1, prefix=AS_NOBODY)
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        end_process(proc, 9)
+    text = log.read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line and not line.startswith("=====")]
+
+
+def test_a_data_dir_its_user_cannot_write_stops_both_daemons_in_one_line(open_tmp: Path) -> None:
+    """A data directory, or an ``uploads/`` in it, that the daemon's user cannot write ends
+    start-up with one line naming the path, the user and the fix."""
+    rcv = Receiver.in_dir(open_tmp / "node")
+    data = rcv.data_dir
+    fix = f"fix the ownership: chown -R nobody:nogroup {data}"
+    for role in ("receiver", "deliver"):
+        lines = _refusal(role, rcv, open_tmp / f"{role}.log")
+        assert lines == [
+            f"canner-{role}: cannot write {data} as user nobody: Permission denied; {fix}"
+        ]
+    assert os.listdir(data) == []
+    os.chown(data, NOBODY.pw_uid, NOBODY.pw_gid)
+    for sub in ("uploads", "receipts"):  # as a run as root leaves them
+        (data / sub).mkdir()
+    lines = _refusal("receiver", rcv, open_tmp / "uploads.log")
+    uploads = data / "uploads"
+    assert lines == [
+        f"canner-receiver: cannot write {uploads} as user nobody: Permission denied; {fix}"
+    ]
+
+
+def _storage_trouble(r: requests.Response, what: str) -> None:
+    assert r.status_code == 503, f"{what}: {r.status_code} {r.text}"
+    assert r.headers.get("Retry-After"), f"{what}: 503 without Retry-After"
+
+
+def _own(path: Path, user: pwd.struct_passwd, mode: int) -> None:
+    os.chown(path, user.pw_uid, user.pw_gid)
+    path.chmod(mode)
+
+
+def test_storage_failures_while_running_are_503_with_retry_after(open_tmp: Path) -> None:
+    """Files and directories the receiver's user can no longer read or write: POST, HEAD and
+    PATCH get 503 with Retry-After (never 500), nothing is left half-written, and the upload
+    completes once the permissions are fixed."""
+    rcv = Receiver.in_dir(open_tmp / "node")
+    for sub in ("", "uploads", "receipts"):
+        (rcv.data_dir / sub).mkdir(exist_ok=True)
+        _own(rcv.data_dir / sub, NOBODY, 0o755)
+    rcv.launch_prefix = AS_NOBODY
+    rcv.start()
+    root = pwd.getpwuid(0)
+    try:
+        data = os.urandom(100_000)
+        oid = rcv.new_upload(data)
+        assert rcv.patch(oid, 0, data[:40_000]).status_code == 204
+        before = rcv.upload_entries()
+        rcv.uploads_dir.chmod(0o555)
+        _storage_trouble(rcv.create(10, blake3_hex(b"0" * 10)), "POST, uploads/ read-only")
+        assert rcv.upload_entries() == before
+        rcv.uploads_dir.chmod(0o755)
+        sidecar, stored = rcv.uploads_dir / f"{oid}.info", rcv.uploads_dir / oid
+        _own(sidecar, root, 0o600)
+        _storage_trouble(rcv.head(oid), "HEAD, sidecar unreadable")
+        _storage_trouble(rcv.patch(oid, 40_000, data[40_000:]), "PATCH, sidecar unreadable")
+        _own(sidecar, NOBODY, 0o644)
+        _own(stored, root, 0o644)
+        _storage_trouble(rcv.patch(oid, 40_000, data[40_000:]), "PATCH, data file not writable")
+        assert rcv.offset(oid) == 40_000
+        _own(stored, NOBODY, 0o644)
+        rcv.receipts_dir.chmod(0o555)
+        _storage_trouble(rcv.patch(oid, 40_000, data[40_000:]), "final PATCH, receipts/ read-only")
+        assert rcv.receipt_ids_on_disk() == []
+        rcv.receipts_dir.chmod(0o755)
+        final = rcv.patch(oid, len(data), b"")
+        assert final.status_code == 204, final.text
+        rcv.verify_receipt(final.headers.get("Artifact-Receipt"), oid, data)
+    finally:
+        rcv.close()
+    assert "Traceback" not in rcv.log_text()

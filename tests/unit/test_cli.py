@@ -646,6 +646,16 @@ def test_check_config_validates_listen(run: Run, listen: str, ok: bool) -> None:
         assert code == 1 and err.startswith("canner: config key 'listen'"), err
 
 
+def test_check_config_refuses_the_placeholder_issuer_like_the_daemons(run: Run) -> None:
+    """The example config's placeholder issuer, which the daemons refuse: exit 1, key named."""
+    run.config.write_text(
+        run.config.read_text().replace("https://canner.test", "https://canner.example")
+    )
+    code, out, err = run("check-config")
+    assert code == 1 and out == ""
+    assert err.startswith("canner: config key 'issuer': is still the placeholder"), err
+
+
 def test_check_config_refuses_a_missing_data_dir(run: Run) -> None:
     """A data directory that does not exist (an unmounted volume) is refused, not created."""
     shutil.rmtree(run.data_dir)

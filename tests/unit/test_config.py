@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from canner.config import ConfigError, load_config, parse_config, parse_duration
 
 BASE: dict[str, Any] = {
-    "issuer": "https://canner.example",
+    "issuer": "https://canner.test",
     "min_free_bytes": 10,
     "projects": {"example": {}},
 }
@@ -188,9 +188,17 @@ def test_load_config_reports_unreadable_and_invalid_files(tmp_path: Path) -> Non
         load_config(broken)
 
 
-def test_example_configs_load(tmp_path: Path) -> None:
-    """The shipped example and dev configs are valid."""
+def test_example_configs_load_once_the_placeholder_issuer_is_set(tmp_path: Path) -> None:
+    """The shipped example is refused for its placeholder issuer alone; the dev config is valid."""
     root = Path(__file__).resolve().parents[2]
-    assert load_config(root / "conf" / "canner.example.toml").issuer == "https://canner.example"
+    example = (root / "conf" / "canner.example.toml").read_text(encoding="utf-8")
+    shipped = tmp_path / "canner.toml"
+    shipped.write_text(example, encoding="utf-8")
+    with pytest.raises(ConfigError, match="is still the placeholder") as refused:
+        load_config(shipped)
+    assert refused.value.key == "issuer"
+    edited = example.replace('issuer = "https://canner.example"', 'issuer = "https://node.test"')
+    shipped.write_text(edited, encoding="utf-8")
+    assert load_config(shipped).issuer == "https://node.test"
     dev = load_config(root / "conf" / "canner.dev.toml")
     assert dev.data_dir == root / "run" / "data"

@@ -328,7 +328,7 @@ def test_status_of_an_archived_object(tmp_path: Path) -> None:
 # -- config ----------------------------------------------------------------------------------------
 
 BASE: dict[str, Any] = {
-    "issuer": "https://canner.example",
+    "issuer": "https://canner.test",
     "min_free_bytes": 10,
     "projects": {"example": {}},
 }

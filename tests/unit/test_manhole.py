@@ -36,7 +36,7 @@ from canner.tus.store import UploadInfo, UploadStore
 from tests.fakes import SyncIndex, succeeded
 
 BASE: dict[str, Any] = {
-    "issuer": "https://canner.example",
+    "issuer": "https://canner.test",
     "min_free_bytes": 10,
     "projects": {"example": {}},
     "data_dir": "/srv/canner",

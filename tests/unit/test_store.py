@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -40,6 +41,21 @@ def test_sidecar_has_the_tusd_shape(tmp_path: Path) -> None:
     assert doc["MetaData"] == {"project": "example", "checksum": CHECKSUM}
     assert "Storage" not in doc
     assert uploads.read_info(oid) == info(oid)
+
+
+def test_a_creation_whose_sidecar_cannot_be_written_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage error while creating an upload propagates and leaves no file in uploads/."""
+    uploads, _ = stores(tmp_path)
+
+    def failing_replace(src: object, dst: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        uploads.create(info(IDS.new()))
+    assert os.listdir(uploads.directory) == []
 
 
 def test_offset_is_the_data_file_size_and_writes_go_at_it(tmp_path: Path) -> None:
