@@ -335,16 +335,16 @@ class Metrics:
     def observe_response(
         self,
         method: str,
-        path: bytes,
+        creation: bool,
         code: int,
         request_offset: list[bytes] | None,
         response_offset: list[bytes] | None,
         metadata: list[bytes] | None = None,
     ) -> None:
-        """Count one finished receiver request (``method`` after tus's method override)."""
+        """Count one finished receiver request (``method`` after tus's method override;
+        ``creation`` when its route was a creation)."""
         label = method if method in HTTP_METHODS else "other"
         self.http_responses.labels(label, str(code) if 100 <= code <= 599 else "other").inc()
-        creation = method == "POST" and path.split(b"?", 1)[0] in (b"/files", b"/files/")
         if creation and code == 201:
             self.uploads_created.labels(self._metadata_project(metadata)).inc()
         elif creation and code >= 400:

@@ -27,11 +27,12 @@ from canner.connections import ConnectionLimits
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
 from canner.readiness import Readiness
+from canner.routing import OTHER, Kind, Surface
 from canner.status_page import StatusSource, render_status, shorten_ids
+from canner.tus.channel import BodyRouter, ReceiverSite
 from canner.tus.intake import UploadIntake
-from canner.tus.protocol import TusError, method_override
+from canner.tus.protocol import TusError
 from canner.tus.routes import TusRoutes, render_error
-from canner.tus.stream import BodyRouter, ReceiverSite
 
 log = Logger()
 
@@ -107,7 +108,8 @@ class ReceiverRoutes:
 
 
 class _Root(Resource):
-    """Sends ``/files...`` to the tus app and everything else to :class:`ReceiverRoutes`."""
+    """Sends each request to the app of its route's surface (``canner.routing``): tus, HQ's API
+    or :class:`ReceiverRoutes`."""
 
     def __init__(self, tus: IResource, rest: IResource, hq: IResource | None = None) -> None:
         super().__init__()
@@ -116,22 +118,14 @@ class _Root(Resource):
         self._hq = hq
 
     def getChildWithDefault(self, path: bytes, request: IRequest) -> IResource:
-        if path == b"files":
-            return self._tus
+        surface = getattr(request, "route", OTHER).surface
+        if surface is Surface.TUS:
+            return self._tus  # mounted at /files: it sees the rest of the path
         # Undo the traversal step so the Klein app sees the whole path.
         request.postpath.insert(0, request.prepath.pop())
-        if self._hq is not None and _is_hq_path(request.postpath):
+        if surface is Surface.HQ and self._hq is not None:
             return self._hq
         return self._rest
-
-
-def _is_hq_path(segments: list[bytes]) -> bool:
-    """``/api/v1/objects...`` and ``/api/v1/releases`` belong to HQ's API (canner.hq)."""
-    return (
-        len(segments) >= 3
-        and segments[:2] == [b"api", b"v1"]
-        and (segments[2] == b"releases" or segments[2].startswith(b"objects"))
-    )
 
 
 access = Logger(namespace="canner.access")
@@ -166,10 +160,11 @@ class MeteredSite(ReceiverSite):
         # whose connection dropped first).
         super().log(request)
         try:
-            method = method_override(request.method, request.requestHeaders)
+            # request.method is already the overridden one (ReceiverRequest).
+            method = request.method
             self._metrics.observe_response(
                 method.decode("ascii", "replace"),
-                request.path,
+                request.route.kind is Kind.CREATE,
                 request.code,
                 request.requestHeaders.getRawHeaders(b"upload-offset"),
                 request.responseHeaders.getRawHeaders(b"upload-offset"),

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 from attrs import define, field, frozen
 from twisted.internet import defer, task
@@ -28,7 +28,9 @@ from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.routing import Kind, Route
 from canner.tus import protocol
+from canner.tus.channel import ReceiverRequest
 from canner.tus.protocol import TusError
 from canner.tus.store import (
     CorruptInfo,
@@ -39,7 +41,7 @@ from canner.tus.store import (
     UploadInfo,
     UploadStore,
 )
-from canner.tus.stream import BodyStream, ReceiverRequest
+from canner.tus.stream import BodyStream
 
 log = Logger()
 
@@ -124,16 +126,13 @@ class UploadIntake:
     # -- the streaming seam -------------------------------------------------------------------
 
     def open_body(
-        self, request: ReceiverRequest, method: bytes, path: bytes, length: int | None
+        self, request: ReceiverRequest, route: Route, length: int | None
     ) -> BodyStream | None:
-        """A stream for tus POST/PATCH bodies; None for every other request."""
-        admit: Callable[[Headers, str, int | None], Deferred[LockedUpload | Outcome]]
-        if method == b"POST" and path in (b"/files", b"/files/"):
-            admit = self._admit_creation
-            target = path.decode("ascii")
-        elif method == b"PATCH" and path.startswith(b"/files/") and path.count(b"/") == 2:
-            admit = self._admit_append
-            target = unquote_to_bytes(path[len(b"/files/") :]).decode("utf-8", "replace")
+        """The stream of a creation's or an append's body; None for any other route."""
+        if route.kind is Kind.CREATE:
+            admission = partial(self._admit_creation, request.requestHeaders, length)
+        elif route.kind is Kind.APPEND:
+            admission = partial(self._admit_append, request.requestHeaders, route.target, length)
         else:
             return None
         transport = request.transport
@@ -147,7 +146,7 @@ class UploadIntake:
             self._clock.seconds,
         )
         try:
-            admission = admit(request.requestHeaders, target, length)
+            admitting = admission()
         except TusError as e:
             stream.answered(Failure(e))
             return stream
@@ -159,7 +158,7 @@ class UploadIntake:
             self._hold(result.info.upload_id, stream)
             stream.admitted(result)
 
-        admission.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
+        admitting.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
 
     def _hold(self, upload_id: str, stream: BodyStream) -> None:
@@ -205,7 +204,7 @@ class UploadIntake:
             await task.deferLater(self._clock, TAKEOVER_QUIET - quiet)
 
     def _admit_creation(
-        self, headers: Headers, path: str, length: int | None
+        self, headers: Headers, length: int | None
     ) -> Deferred[LockedUpload | Outcome]:
         protocol.check_tus_resumable(headers)
         creation = protocol.parse_creation(

@@ -15,6 +15,7 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from canner.tus import protocol
+from canner.tus.answer import Answer
 from canner.tus.intake import Outcome, UploadIntake
 from canner.tus.protocol import TusError
 from canner.tus.stream import BodyStream
@@ -23,11 +24,8 @@ log = Logger()
 
 
 def render_error(request: IRequest, error: TusError) -> bytes:
-    request.setResponseCode(error.status, protocol.reason(error.status))
-    for name, value in error.headers:
-        request.setHeader(name, value)
-    request.setHeader("Content-Type", "text/plain; charset=utf-8")
-    return (error.message + "\n").encode("utf-8")
+    """A refusal given once the request reached its route (see ``answer.py``)."""
+    return Answer.of(error).apply(request)
 
 
 def _offset_headers(request: IRequest, outcome: Outcome) -> None:

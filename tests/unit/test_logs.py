@@ -14,6 +14,7 @@ from twisted.web.test.requesthelper import DummyRequest
 from canner.logs import json_observer
 from canner.metrics import RECEIVER, Metrics
 from canner.receiver import MeteredSite
+from canner.routing import route
 
 OID = "0123456789abcdef" * 2
 
@@ -70,9 +71,10 @@ def test_access_log_has_one_structured_line_per_request() -> None:
             access_log=False,
         )
         request = DummyRequest([b"files", OID.encode()])
-        request.method = b"POST"
+        # As a ReceiverRequest has it: the method after X-HTTP-Method-Override, and its route.
+        request.method = b"PATCH"
         request.uri = request.path = b"/files/" + OID.encode()
-        request.requestHeaders.setRawHeaders(b"X-HTTP-Method-Override", [b"PATCH"])
+        request.route = route(b"PATCH", request.path)  # type: ignore[attr-defined]
         request.code = 204
         request.sentLength = 0
         site.log(request)

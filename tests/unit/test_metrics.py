@@ -41,6 +41,7 @@ from canner.metrics import (
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
+from canner.routing import route
 from canner.service import LogObservers, PeriodicService
 from canner.status_page import (
     RecentProblems,
@@ -237,16 +238,16 @@ def test_responses_count_creations_refusals_and_bytes_received() -> None:
     """201 to POST /files/ is a creation (of a configured project); 4xx/5xx a refusal by reason;
     bytes received are the offset a request moved."""
     m = Metrics(RECEIVER, ["example"])
-    m.observe_response("POST", b"/files/", 201, None, [b"0"], metadata("example"))
-    m.observe_response("POST", b"/files", 201, None, [b"100"], metadata("example"))
-    m.observe_response("POST", b"/files/", 201, None, [b"0"], metadata("unknown"))
-    m.observe_response("POST", b"/files/", 400, None, None, metadata("unknown"))
-    m.observe_response("POST", b"/files/", 429, None, None, None)
-    m.observe_response("POST", b"/files/", 418, None, None, None)
-    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 204, [b"100"], [b"350"])
-    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 409, [b"0"], None)
-    m.observe_response("PATCH", b"/files/" + oid(1).encode(), 204, [b"x"], [b"400"])
-    m.observe_response("BREW", b"/", 405, None, None)
+    m.observe_response("POST", True, 201, None, [b"0"], metadata("example"))
+    m.observe_response("POST", True, 201, None, [b"100"], metadata("example"))
+    m.observe_response("POST", True, 201, None, [b"0"], metadata("unknown"))
+    m.observe_response("POST", True, 400, None, None, metadata("unknown"))
+    m.observe_response("POST", True, 429, None, None, None)
+    m.observe_response("POST", True, 418, None, None, None)
+    m.observe_response("PATCH", False, 204, [b"100"], [b"350"])
+    m.observe_response("PATCH", False, 409, [b"0"], None)
+    m.observe_response("PATCH", False, 204, [b"x"], [b"400"])
+    m.observe_response("BREW", False, 405, None, None)
     assert sample(m, "canner_uploads_created_total", project="example") == 2
     assert sample(m, "canner_uploads_created_total", project="") == 1
     assert sample(m, "canner_uploads_rejected_total", reason="invalid_request") == 1
@@ -258,13 +259,14 @@ def test_responses_count_creations_refusals_and_bytes_received() -> None:
 
 
 def test_metered_site_reports_finished_requests() -> None:
-    """The receiver's site hands each finished request, method override applied, to metrics."""
+    """The receiver's site hands each finished request, with its method and route as the
+    ReceiverRequest set them, to metrics."""
     m = Metrics(RECEIVER, ["example"])
     site = MeteredSite(Resource(), object(), m)  # type: ignore[arg-type]
     request = DummyRequest([b"files", oid(1).encode()])
-    request.method = b"POST"
+    request.method = b"PATCH"
     request.path = b"/files/" + oid(1).encode()
-    request.requestHeaders.setRawHeaders(b"X-HTTP-Method-Override", [b"PATCH"])
+    request.route = route(b"PATCH", request.path)  # type: ignore[attr-defined]
     request.requestHeaders.setRawHeaders(b"Upload-Offset", [b"10"])
     request.responseHeaders.setRawHeaders(b"Upload-Offset", [b"30"])
     request.code = 204  # a real Request's attribute (DummyRequest has responseCode)

@@ -1,0 +1,90 @@
+"""What a request to the receiver is, decided once, from its method and path.
+
+:func:`route` is pure and is the only place that matches receiver paths outside the Klein apps:
+the streaming seam asks it, as soon as a request's head is in, whether the body goes to an upload
+(creation or append); the root resource asks it which app serves the request (tus, HQ's API or
+the rest); the metrics ask it whether a response answered a creation.  Within an app, Klein keeps
+matching the routes it serves (and validating ids); nothing here touches the filesystem.
+"""
+
+from __future__ import annotations
+
+import enum
+from urllib.parse import unquote_to_bytes
+
+from attrs import frozen
+
+
+class Surface(enum.Enum):
+    """Which app serves a request."""
+
+    TUS = "tus"  # /files...: canner.tus.routes
+    HQ = "hq"  # /api/v1/objects..., /api/v1/releases: canner.hq
+    RECEIVER = "receiver"  # everything else: receipts, health, status page, metrics
+
+
+class Kind(enum.Enum):
+    """What a request is."""
+
+    CREATE = "create"  # POST /files/ (or /files): a new upload, maybe with its first bytes
+    APPEND = "append"  # PATCH /files/{id}: bytes for an upload
+    UPLOAD = "upload"  # another method on /files/{id} (HEAD, OPTIONS)
+    COLLECTION = "collection"  # another method on /files/ (OPTIONS)
+    RECEIPT = "receipt"  # /api/v1/receipts/{id}
+    HQ = "hq"
+    HEALTH = "health"  # /healthz
+    READY = "ready"  # /readyz
+    STATUS_PAGE = "status_page"  # /
+    METRICS = "metrics"  # /metrics
+    OTHER = "other"  # nothing canner serves (a 404 from the app of its surface)
+
+
+@frozen
+class Route:
+    """A request's route: its kind, the app that serves it and the id its path names (the
+    percent-decoded last segment for uploads and receipts, unvalidated; "" otherwise)."""
+
+    kind: Kind
+    surface: Surface
+    target: str = ""
+
+    @property
+    def streams_body(self) -> bool:
+        """True when the body is an upload's bytes, streamed to disk as it arrives."""
+        return self.kind is Kind.CREATE or self.kind is Kind.APPEND
+
+
+_FIXED = {
+    b"/": Kind.STATUS_PAGE,
+    b"/healthz": Kind.HEALTH,
+    b"/readyz": Kind.READY,
+    b"/metrics": Kind.METRICS,
+}
+OTHER = Route(Kind.OTHER, Surface.RECEIVER)
+
+
+def route(method: bytes, path: bytes) -> Route:
+    """The route of a request with ``method`` (after ``X-HTTP-Method-Override``) to ``path``
+    (the request target without its query)."""
+    segments = path.split(b"/")
+    # segments[0] is "" for every path that starts with "/".
+    if len(segments) >= 2 and segments[1] == b"files":
+        rest = segments[2:]
+        if not rest or rest == [b""]:
+            kind = Kind.CREATE if method == b"POST" else Kind.COLLECTION
+            return Route(kind, Surface.TUS)
+        if len(rest) == 1:
+            kind = Kind.APPEND if method == b"PATCH" else Kind.UPLOAD
+            return Route(kind, Surface.TUS, _segment(rest[0]))
+        return Route(Kind.OTHER, Surface.TUS)
+    if len(segments) >= 4 and segments[1:3] == [b"api", b"v1"]:
+        if segments[3] == b"releases" or segments[3].startswith(b"objects"):
+            return Route(Kind.HQ, Surface.HQ)
+        if segments[3] == b"receipts" and len(segments) == 5:
+            return Route(Kind.RECEIPT, Surface.RECEIVER, _segment(segments[4]))
+    fixed = _FIXED.get(path)
+    return OTHER if fixed is None else Route(fixed, Surface.RECEIVER)
+
+
+def _segment(raw: bytes) -> str:
+    return unquote_to_bytes(raw).decode("utf-8", "replace")
