@@ -41,8 +41,10 @@ class TusError(Exception):
         return f"{self.status} {self.message}"
 
 
-# Reason phrases Twisted's table lacks (it would send "Unknown Status").
+# Reason phrases Twisted's table lacks (it would send "Unknown Status") or words otherwise than
+# RFC 9110 ("Request Time-out").
 _REASONS = {
+    408: b"Request Timeout",
     422: b"Unprocessable Content",
     423: b"Locked",
     429: b"Too Many Requests",
@@ -52,7 +54,8 @@ _REASONS = {
 
 
 def reason(status: int) -> bytes | None:
-    """The reason phrase to send with ``status`` when Twisted does not know it (else None)."""
+    """The reason phrase to send with ``status`` where Twisted's is missing or other (else
+    None)."""
     return _REASONS.get(status)
 
 

@@ -47,7 +47,7 @@ from canner.status_page import RecentProblems, StatusSource
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
-from canner.tus.stream import ReceiverSite
+from canner.tus.channel import ReceiverSite
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -224,7 +224,7 @@ class Connection:
     """One client connection to the in-memory receiver."""
 
     _receiver: InMemoryReceiver
-    channel: Any  # a canner.tus.stream.ReceiverChannel
+    channel: Any  # a canner.tus.channel.ReceiverChannel
     transport: ClientTransport
     methods: list[bytes] = field(factory=list)
     lost: bool = False

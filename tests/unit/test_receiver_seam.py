@@ -15,7 +15,7 @@ import pytest
 
 from canner.acceptance import INLINE_HASH_MAX
 from canner.tus.intake import ACCEPTANCE_RETRY_AFTER, ACCEPTANCE_WAIT, TAKEOVER_QUIET
-from canner.tus.stream import LINGER_BYTES, LINGER_SECONDS
+from canner.tus.channel import LINGER_BYTES, LINGER_SECONDS
 from tests.unit.receiver_harness import (
     OFFSET_TYPE,
     TUS_VERSION,
