@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from attrs import define
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -207,7 +208,9 @@ def receiver_site(
     connection_limits: ConnectionLimits | None = None,
     header_timeout: float | None = None,
     hq: IResource | None = None,
+    reactor: IReactorTime | None = None,
 ) -> ReceiverSite:
+    """The receiver's site; ``reactor`` (the global one when None) times its connections."""
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
     root = _Root(tus.app.resource(), routes.app.resource(), hq)
     site = MeteredSite(
@@ -218,6 +221,7 @@ def receiver_site(
         connection_limits=connection_limits,
         header_timeout=header_timeout,
         timeout=HTTP_IDLE_TIMEOUT,
+        reactor=reactor,
     )
     site.displayTracebacks = False
     return site

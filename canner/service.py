@@ -408,6 +408,7 @@ def receiver_service(
         connection_limits=_connection_limits(config),
         header_timeout=config.connections.header_timeout,
         hq=hq.app.resource(),
+        reactor=reactor,
     )
     PeriodicService(
         reactor,

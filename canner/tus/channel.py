@@ -26,7 +26,6 @@ Twisted's private names: only ``HTTPChannel._respondToBadRequestAndDisconnect`` 
 from __future__ import annotations
 
 import enum
-import time
 from io import BytesIO
 from typing import Any, Protocol
 
@@ -129,7 +128,7 @@ class ReceiverChannel(HTTPChannel):
         if limits is not None:
             host = _peer_host(self.transport)
             if not limits.admit(host):
-                if limits.due_warning(time.monotonic()):
+                if limits.due_warning(site.reactor.seconds()):
                     log.warn(
                         "connection cap reached ({open} open, {per} per address): refusing"
                         " connections with 503; {refused} refused so far",

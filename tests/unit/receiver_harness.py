@@ -396,10 +396,8 @@ class InMemoryReceiver:
                 config.connections.max, config.connections.max_per_client
             ),
             header_timeout=config.connections.header_timeout,
+            reactor=clock,  # the channels' timers: idle timeout, head deadline, linger
         )
-        # receiver_site takes no reactor: the channels' timers (idle timeout, head deadline,
-        # linger) come from the site's.
-        site.reactor = clock
         return cls(config.data_dir, config, clock, io, hashing, site, intake, enqueued)
 
     # -- driving it -------------------------------------------------------------------------------
