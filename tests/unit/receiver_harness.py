@@ -44,10 +44,10 @@ from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
 from canner.status_page import RecentProblems, StatusSource
+from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
-from canner.tus.channel import ReceiverSite
 
 P = ParamSpec("P")
 T = TypeVar("T")
