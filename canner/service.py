@@ -11,6 +11,7 @@ observers (:class:`LogObservers`) added to the process's log publisher while the
 from __future__ import annotations
 
 import errno
+import gc
 import grp
 import os
 import pwd
@@ -333,6 +334,14 @@ def _report_sweep(report: SweepReport) -> None:
         log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)
 
 
+def freeze_startup_objects() -> None:
+    """Move every object start-up made (modules, config, the service tree: some 80,000 in the
+    receiver) to the garbage collector's permanent generation.  Each answered request leaves
+    cyclic garbage (Klein's and werkzeug's closures hold the request), so full collections come
+    every few hundred uploads; frozen objects are no longer walked by each of them."""
+    gc.freeze()
+
+
 def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
@@ -464,6 +473,7 @@ def receiver_service(
     ShutdownHook(stopping).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)
+    reactor.callWhenRunning(freeze_startup_objects)
     return top
 
 
@@ -693,6 +703,7 @@ def deliver_service(
         manhole.setServiceParent(top)
     # Ready once the index answers a query through the daemon's own connection.
     SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
+    reactor.callWhenRunning(freeze_startup_objects)
     return top
 
 

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from twisted.logger import Logger, LogPublisher, globalLogPublisher
+from twisted.logger import Logger, LogPublisher, formatEvent, globalLogPublisher
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
@@ -40,6 +40,27 @@ def test_json_lines_are_flat_and_conventional() -> None:
     assert line["message"] == f"delivery of {OID} failed: 503"
     assert (line["object_id"], line["error"], line["attempt"]) == (OID, "503", 2)
     assert not [key for key in line if key.startswith("log_")]
+
+
+def test_messages_are_twisted_s_rendering_of_the_template() -> None:
+    """Format specs, conversions, attribute and item access, Twisted's ``{name()}`` calls and
+    templates that cannot be rendered give the text ``formatEvent`` gives."""
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("accepted {object_id} ({size} bytes) for {project}", dict(object_id=OID, size=65536,
+                                                                    project="p")),
+        ("{n:>6,} {r!r} {v.real} {d[k]} {{literal}}", dict(n=12345, r="x", v=2.5, d={"k": 1})),
+        ("it took {took()} seconds", dict(took=lambda: 1.5)),
+        ("missing {absent}", {}),
+        ("positional {}", {}),
+        ("", {}),
+    ]  # fmt: skip
+    out, seen = io.StringIO(), list[dict[str, Any]]()
+    log = Logger(namespace="canner.test", observer=LogPublisher(json_observer(out), seen.append))
+    for template, fields in cases:
+        log.info(template, **fields)
+    messages = [json.loads(line)["message"] for line in out.getvalue().splitlines()]
+    assert messages == [formatEvent(event) for event in seen]
+    assert "Unable to format event" in formatEvent(seen[3])
 
 
 def test_unexpected_errors_carry_exception_and_traceback() -> None:
