@@ -36,9 +36,11 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from canner.service import receiver_service
+    from canner.service import quiet_repeated_stop_signals, receiver_service
 
     try:
-        return receiver_service(options.loaded, reactor)
+        service = receiver_service(options.loaded, reactor)
     except ConfigError as e:  # e.g. a manhole key file that cannot be read, no data_dir
         raise SystemExit(f"canner-receiver: {e}") from None
+    quiet_repeated_stop_signals(reactor)
+    return service
