@@ -2,7 +2,9 @@
 
 fsync, hashing, file and directory I/O and SQLite never run on the reactor thread.  Production uses
 :class:`ThreadPoolRunner` (a named thread pool started and stopped as a Service); unit tests use
-:func:`run_inline`, which runs ``f`` at once and returns an already-fired Deferred.
+:func:`run_inline`, which runs ``f`` at once and returns an already-fired Deferred.  A
+:class:`ThreadPoolRunner` outlives the services that call it (see ``canner.service.DaemonRoot``);
+a call after it stopped fails at once with :class:`PoolStopped` instead of never answering.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from twisted.python.threadpool import ThreadPool
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class PoolStopped(Exception):
+    """Blocking work was handed to a thread pool that has already stopped."""
 
 
 class BlockingRunner(Protocol):
@@ -48,6 +54,9 @@ class ThreadPoolRunner(Service):
         self._pool = ThreadPool(minthreads=0, maxthreads=self._size, name=self._name)
 
     def __call__(self, f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+        if self._pool.joined:
+            # A stopped ThreadPool drops new work without a word: its Deferred would never fire.
+            return fail(PoolStopped(f"the {self._name} thread pool has stopped"))
         return deferToThreadPool(self._reactor, self._pool, f, *args, **kwargs)
 
     def startService(self) -> None:
