@@ -30,7 +30,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from canner.blocking import BlockingRunner
+from canner.blocking import BlockingRunner, PoolStopped
 from canner.checksum import HashCancelled, TrailingHash
 from canner.fs import fsync_dir
 from canner.receipts import Origin, Receipt, ReceiptStore
@@ -139,7 +139,7 @@ class Acceptance:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
             raise
-        except HashCancelled:
+        except (HashCancelled, PoolStopped):
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
         except StorageFault as e:
             log.error(

@@ -2,7 +2,9 @@
 
 fsync, hashing, file and directory I/O and SQLite never run on the reactor thread.  Production uses
 :class:`ThreadPoolRunner` (a named thread pool started and stopped as a Service); unit tests use
-:func:`run_inline`, which runs ``f`` at once and returns an already-fired Deferred.
+:func:`run_inline`, which runs ``f`` at once and returns an already-fired Deferred.  A
+:class:`ThreadPoolRunner` outlives the services that call it (see ``canner.service.DaemonRoot``);
+a call after it stopped fails at once with :class:`PoolStopped` instead of never answering.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from twisted.python.failure import Failure
 P = ParamSpec("P")
 T = TypeVar("T")
 _Job = tuple[Deferred[Any], Callable[[], Any]]
+
+
+class PoolStopped(Exception):
+    """Blocking work was handed to a thread pool that has already stopped."""
 
 
 class BlockingRunner(Protocol):
@@ -54,8 +60,12 @@ class ThreadPoolRunner(Service):
     _size: int
     _jobs: SimpleQueue[_Job | None] = field(init=False, factory=SimpleQueue)
     _threads: list[threading.Thread] = field(init=False, factory=list)
+    _stopped: bool = field(init=False, default=False)
 
     def __call__(self, f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+        if self._stopped:
+            # A stopped pool has no threads: the Deferred would never fire.
+            return fail(PoolStopped(f"the {self._name} thread pool has stopped"))
         d: Deferred[T] = Deferred()
         self._jobs.put((d, partial(f, *args, **kwargs)))
         return d
@@ -81,6 +91,7 @@ class ThreadPoolRunner(Service):
 
     def stopService(self) -> None:
         super().stopService()
+        self._stopped = True
         # Jobs queued before the stop still run; blocks until they end.  Every job here is
         # bounded (one fsync, one write).
         for _ in self._threads:

@@ -57,7 +57,7 @@ from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
 from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import read_accepted, receipt_batches
-from canner.fs import DataDirLock, Locked
+from canner.fs import DataDirLock, Locked, lock_held
 from canner.journal import Journal, JournalLookup
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
@@ -350,7 +350,7 @@ def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[st
         critical.append(f"delivery index unreadable: {survey.index_error}")
     else:
         delivers = any(p.delivery is not None for p in config.projects.values())
-        liveness = judge(index.heartbeat, survey.taken_at)
+        liveness = judge(index.heartbeat, survey.taken_at, lock_held=survey.deliver_lock_held)
         if delivers and not liveness.ok:
             critical.append(liveness.text)
         if index.needs_operator:
@@ -366,6 +366,8 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     survey = inventory.take_survey(data_dir, config.object_ids, io.now())
+    # A heartbeat marked stopped is not a stop while a deliver process still holds the lock.
+    survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
     doc = inventory.survey_json(survey, config.min_free_bytes)
     code, reasons = judge_survey(survey, config)
     doc["status"] = ["ok", "warning", "critical"][code]
@@ -721,13 +723,7 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
     become_data_dir_owner(data_dir)
     if config.ledger is None:
         raise CommandError("no [ledger] table in the config: there is nowhere to archive to")
-    lock = DataDirLock(data_dir / "deliver.lock")
-    try:
-        lock.acquire()
-    except Locked:
-        pass  # canner-deliver runs: it does the work
-    else:
-        lock.release()
+    if not lock_held(data_dir / "deliver.lock"):
         raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
     requested = io.now()
     deadline = time.monotonic() + timeout

@@ -190,6 +190,23 @@ def lock_fd(fd: int) -> None:
         raise
 
 
+def lock_held(path: Path) -> bool:
+    """Whether a process holds the flock on ``path`` (a :class:`DataDirLock`); False when the
+    file does not exist.  Nothing is written: when the lock is free it is taken and let go at
+    once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        lock_fd(fd)
+    except Locked:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 @define(eq=False)
 class DataDirLock:
     """An exclusive process lock on a data directory (``<data_dir>/<name>.lock``)."""

@@ -125,6 +125,8 @@ class Survey:
     # the node's drain marker, and (only while draining) whether it can be retired
     draining: DrainMark | None = None
     retirement: Retirement | None = None
+    # whether a process holds deliver.lock; None: not looked (only ``canner status`` looks)
+    deliver_lock_held: bool | None = None
 
     @property
     def active_upload_bytes(self) -> int:
@@ -393,7 +395,11 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         ),
         "free_error": survey.free_error,
         "index_error": survey.index_error,
-        "deliver": deliver_json(index.heartbeat, survey.taken_at) if index else None,
+        "deliver": (
+            deliver_json(index.heartbeat, survey.taken_at, survey.deliver_lock_held)
+            if index
+            else None
+        ),
         "draining": survey.draining.as_dict() if survey.draining else None,
         "retirement": survey.retirement.as_dict() if survey.retirement else None,
         "packages": dict(index.packages) if index else None,
@@ -401,9 +407,12 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
     return doc
 
 
-def deliver_json(beat: Heartbeat | None, now: float) -> dict[str, Any]:
-    """canner-deliver's state from its heartbeat, and its attempts in flight while it runs."""
-    liveness = judge(beat, now)
+def deliver_json(
+    beat: Heartbeat | None, now: float, lock_held: bool | None = None
+) -> dict[str, Any]:
+    """canner-deliver's state from its heartbeat (and whether its lock is held), and its
+    attempts in flight while it runs."""
+    liveness = judge(beat, now, lock_held=lock_held)
     return {
         "state": liveness.state,
         "text": liveness.text,

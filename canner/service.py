@@ -1,10 +1,11 @@
 """Composition roots: the only place that knows the whole object graph of each daemon.
 
 ``receiver_service(config, reactor)`` and ``deliver_service(config, reactor)`` build each
-daemon's MultiService.  Work that can fail at
+daemon's :class:`DaemonRoot`.  Work that can fail at
 start-up (directories, the delivery index schema, the manhole's keys) happens here, so a failure
-aborts the launch with a clear message.  Services stop in reverse order of addition: the listener
-first, the thread pools last.  Metrics and the status page's recent errors are fed by log
+aborts the launch with a clear message.  Services stop in reverse order of addition, the listener
+first; the thread pools (and deliver's heartbeat) only once every other service has stopped, and
+the index and the lock after them.  Metrics and the status page's recent errors are fed by log
 observers (:class:`LogObservers`) added to the process's log publisher while the daemon runs.
 """
 
@@ -15,6 +16,7 @@ import gc
 import grp
 import os
 import pwd
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any, NoReturn, cast
 from attrs import define, field
 from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
@@ -113,6 +115,81 @@ class PeriodicService(Service):
         if self._loop.running:
             self._loop.stop()
         return self._done
+
+
+@define(eq=False)
+class DaemonRoot(MultiService):
+    """A daemon's top service.  Its children stop the way MultiService stops them (all at once,
+    last added first); what joined through :meth:`outlive` started before them and stops only
+    once every child has finished stopping, one at a time, last added first; then
+    ``on_stopped`` runs (close the index, free the lock).
+
+    Thread pools outlive the children: a child's in-flight work (a rescan between two batches, a
+    build between two chunks) still runs blocking steps while the child stops, and a stopped
+    pool would never answer them, so the process would wait for ever.
+    """
+
+    _on_stopped: Callable[[], None] = lambda: None
+    _outliving: list[IService] = field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        MultiService.__init__(self)
+
+    def outlive(self, service: IService) -> None:
+        """Start ``service`` before the children, and stop it after all of them."""
+        self._outliving.append(service)
+
+    def startService(self) -> None:
+        for service in self._outliving:
+            service.startService()
+        super().startService()
+
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        await super().stopService()
+        for service in reversed(self._outliving):
+            try:
+                await maybeDeferred(service.stopService)
+            except Exception:
+                log.failure("stopping {service}", service=service)
+        self._on_stopped()
+
+
+def quiet_repeated_stop_signals(reactor: Any) -> None:
+    """Once the process has begun to stop, a further SIGTERM or SIGINT is only logged.
+
+    The first one still goes to Twisted's handler, which stops the reactor.  Twisted would take
+    a second one as another request to stop the stopping reactor and log a critical
+    ``ReactorNotRunning`` traceback; the stop under way goes on either way, and SIGKILL still
+    ends the process at once.  Call it once per process, with the global reactor."""
+    stopping = False
+
+    def stop_begins() -> None:
+        nonlocal stopping
+        stopping = True
+
+    def once(first: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
+        def handler(signum: int, frame: Any) -> None:
+            if stopping:
+                name = signal.Signals(signum).name
+                log.info("{signal} while stopping: already stopping", signal=name)
+                return
+            stop_begins()
+            first(signum, frame)
+
+        return handler
+
+    def wrap_handlers() -> None:  # once the reactor has installed its own
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            first = signal.getsignal(signum)
+            if callable(first):
+                signal.signal(signum, once(first))
+
+    reactor.callWhenRunning(wrap_handlers)
+    reactor.addSystemEventTrigger("before", "shutdown", stop_begins)
 
 
 @define(eq=False)
@@ -348,17 +425,18 @@ def receiver_service(
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the manhole."""
     uploads, receipts = _prepare_data_dir(config, RECEIVER_WRITES)
-    top = MultiService()
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
-    io.setServiceParent(top)
-    hashing.setServiceParent(top)
     run: BlockingRunner = io
+    enqueue, pool, index = _index_feed(config, reactor)
+    # The index closes once every service and thread pool has stopped.
+    top = DaemonRoot(pool.close if pool is not None else lambda: None)
+    top.outlive(io)
+    top.outlive(hashing)
     problems = RecentProblems()
     metrics, survey_cache = _operator_surfaces(
         config, RECEIVER, top, run, reactor, log_publisher, [problems.observe]
     )
-    enqueue, pool, index = _index_feed(config, reactor)
     acceptance = TimedAcceptance(
         uploads,
         receipts,
@@ -465,12 +543,7 @@ def receiver_service(
     interval = max(1.0, min(60.0, config.partial_upload_retention / 4))
     PeriodicService(reactor, interval, sweep, "stale upload sweep").setServiceParent(top)
 
-    def stopping() -> None:
-        acceptance.stop()
-        if pool is not None:
-            pool.close()
-
-    ShutdownHook(stopping).setServiceParent(top)
+    ShutdownHook(acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)
     reactor.callWhenRunning(freeze_startup_objects)
@@ -482,24 +555,6 @@ RESCAN_INTERVAL = 3600.0
 
 class DeliverLocked(CannotStart):
     """Another canner-deliver owns this data directory."""
-
-
-@define(eq=False)
-class _DeliverRoot(MultiService):
-    """The deliver process: children stop first, then the index closes and the lock is freed."""
-
-    _on_stopped: Callable[[], None]
-
-    def __attrs_post_init__(self) -> None:
-        MultiService.__init__(self)
-
-    def stopService(self) -> Deferred[None]:
-        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
-        return d
-
-    async def _stop(self) -> None:
-        await super().stopService()
-        self._on_stopped()
 
 
 def _sinks(
@@ -577,9 +632,9 @@ def deliver_service(
         delivery_log.close()
         lock.release()
 
-    top = _DeliverRoot(stopped)
-    io.setServiceParent(top)
-    hashing.setServiceParent(top)
+    top = DaemonRoot(stopped)
+    top.outlive(io)
+    top.outlive(hashing)
     ids = config.object_ids
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     # canner-deliver's delivery records; its ledger prunes the journal around the open segment.
@@ -591,9 +646,10 @@ def deliver_service(
         journal = JournalLookup(Journal(config.data_dir / "journal"))
         added = 0
         # One bounded batch at a time: the directory walk advances in a thread, the index says
-        # which ids it lacks, and only those are read.
+        # which ids it lacks, and only those are read.  A stop ends it between two batches (the
+        # next start rescans from the beginning).
         try:
-            while (batch := await io(next, batches, None)) is not None:
+            while top.running and (batch := await io(next, batches, None)) is not None:
                 known = await index.run(sql.known_among, batch)
                 missing = [oid for oid in batch if oid not in known]
                 if missing:
@@ -660,14 +716,14 @@ def deliver_service(
         archived=archived.contains,
     )
     if packed:
-        # Its thread pool stops after it: a build in a thread ends at its next chunk once the
-        # service has asked it to stop.
-        packing.setServiceParent(top)
+        # A build in a thread ends at its next chunk once the service has asked it to stop.
+        top.outlive(packing)
         packaging.setServiceParent(top)
     if ledger is not None:
         ledger.setServiceParent(top)
-    # After the scheduler: stops first, marking the heartbeat stopped while the pool is open.
-    HeartbeatService(index, in_flight, reactor).setServiceParent(top)
+    # Stops after every child, before the thread pools: "stopped cleanly" is written only once
+    # deliver's work has ended, while the index is still open.
+    top.outlive(HeartbeatService(index, in_flight, reactor))
     _trend_sampler(config, index, reactor).setServiceParent(top)
     if config.metrics.deliver_listen is not None:
         PeriodicService(
@@ -732,7 +788,7 @@ def _ledger_service(
     journal: JournalLog,
     io: BlockingRunner,
     reactor: Any,
-    top: MultiService,
+    top: DaemonRoot,
 ) -> LedgerService | None:
     """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking)."""
     ledger = config.ledger
@@ -766,7 +822,7 @@ def _ledger_service(
         reactor,
         unlink=unlink,
     )
-    unlink.setServiceParent(top)  # before the ledger joins top: it stops after the ledger
+    top.outlive(unlink)
     return service
 
 

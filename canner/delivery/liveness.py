@@ -275,6 +275,8 @@ RUNNING = "running"
 STALE = "stale"
 STOPPED = "stopped"
 NEVER = "never started"
+# deliver.lock is held, but the heartbeat says stopped (or was never written)
+CHANGING = "starting or stopping"
 
 
 @frozen
@@ -288,8 +290,25 @@ class Liveness:
         return self.state == RUNNING
 
 
-def judge(beat: Heartbeat | None, now: float, stale_after: float = STALE_AFTER) -> Liveness:
-    """What an operator should read from ``beat`` at ``now``."""
+def judge(
+    beat: Heartbeat | None,
+    now: float,
+    stale_after: float = STALE_AFTER,
+    lock_held: bool | None = None,
+) -> Liveness:
+    """What an operator should read from ``beat`` at ``now``.
+
+    ``lock_held``: whether a process holds ``deliver.lock`` (None: not looked).  A heartbeat
+    marked stopped, or none at all, while the lock is held is a deliver starting or stopping:
+    never "stopped cleanly"."""
+    age = None if beat is None else max(0.0, now - beat.beat_at)
+    if lock_held and (beat is None or beat.stopped_at is not None):
+        return Liveness(
+            CHANGING,
+            age,
+            "canner-deliver holds deliver.lock but its heartbeat does not run: it is starting"
+            " or stopping",
+        )
     if beat is None:
         return Liveness(NEVER, None, "canner-deliver has never run on this data directory")
     age = max(0.0, now - beat.beat_at)
@@ -311,7 +330,8 @@ def judge(beat: Heartbeat | None, now: float, stale_after: float = STALE_AFTER) 
 class HeartbeatService(Service):
     """Writes the heartbeat every ``interval`` seconds; a clean stop marks it stopped.
 
-    Add it after the scheduler, so it stops first and its last write sees the pool still open.
+    Stop it only once every other service of the process has stopped (canner-deliver's root
+    does), while the index is still open: "stopped" must never show while deliver still works.
     """
 
     _index: Index

@@ -88,6 +88,7 @@ class DeliveryService(Service):
     _claim_again: bool = False
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
+    _starting: Deferred[None] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
     in_flight: InFlight | None = None
 
@@ -103,6 +104,7 @@ class DeliveryService(Service):
         started = self._index.run(sql.reset_delivering, self._clock.seconds())
         started.addCallback(self._begin)
         started.addErrback(lambda f: log.failure("starting the delivery queue", f))
+        self._starting = started
 
     def _begin(self, reset: int) -> None:
         if reset:
@@ -118,7 +120,8 @@ class DeliveryService(Service):
         running = list(self._active.values()) + list(self._checking.values())
         for work in running:
             work.cancel()
-        waits = [d for d in (self._loop_done,) if d is not None] + running
+        # Stopped while still starting: the start's query ends before the index closes.
+        waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
         return DeferredList(waits, consumeErrors=True)
 
     @property

@@ -175,6 +175,7 @@ class PackagingService(Service):
     _resume_after: dict[int, float] = field(factory=dict)
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
+    _starting: Deferred[None] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
     # What the last tick's batching did, and the package ids of builds running (for operators).
     last_batching: dict[str, int] = field(factory=dict)
@@ -187,6 +188,7 @@ class PackagingService(Service):
         d = Deferred.fromCoroutine(self._recover())
         d.addCallback(lambda _: self._begin())
         d.addErrback(lambda f: log.failure("starting the packaging pipeline", f))
+        self._starting = d
 
     async def _recover(self) -> None:
         """Builds and deliveries cut short start over; temp directories go; packages on disk
@@ -212,6 +214,8 @@ class PackagingService(Service):
         on_disk = await self._run(lambda: list(self._store.package_ids()))
         restored = 0
         for package_id in on_disk:
+            if self._stopping.is_set():
+                break  # the rest come back at the next start
             if package_id in known:
                 continue
             found = await self._run(
@@ -235,7 +239,8 @@ class PackagingService(Service):
         running = [*self._building.values(), *self._delivering.values(), *self._checking.values()]
         for work in running:
             work.cancel()
-        waits = [d for d in (self._loop_done,) if d is not None] + running
+        # Stopped while still recovering: its steps end before the thread pools stop.
+        waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
         return DeferredList(waits, consumeErrors=True)
 
     @property

@@ -13,9 +13,11 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from canner.config import ConfigError
-    from canner.service import CannotStart, deliver_service
+    from canner.service import CannotStart, deliver_service, quiet_repeated_stop_signals
 
     try:
-        return deliver_service(options.loaded, reactor)
+        service = deliver_service(options.loaded, reactor)
     except (CannotStart, ConfigError) as e:  # e.g. locked, or an unwritable data directory
         raise SystemExit(f"canner-deliver: {e}") from None
+    quiet_repeated_stop_signals(reactor)
+    return service

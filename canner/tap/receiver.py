@@ -29,9 +29,11 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from canner.service import CannotStart, receiver_service
+    from canner.service import CannotStart, quiet_repeated_stop_signals, receiver_service
 
     try:
-        return receiver_service(options.loaded, reactor)
+        service = receiver_service(options.loaded, reactor)
     except (CannotStart, ConfigError) as e:  # e.g. no data_dir, or one this user cannot write
         raise SystemExit(f"canner-receiver: {e}") from None
+    quiet_repeated_stop_signals(reactor)
+    return service

@@ -23,7 +23,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from canner.blocking import BlockingRunner
+from canner.blocking import BlockingRunner, PoolStopped
 from canner.tus.protocol import TusError
 from canner.tus.store import LockedUpload
 
@@ -245,7 +245,7 @@ class BodyStream:
         self._writing = False
         self.last_progress = self._now()
         if isinstance(result, Failure):
-            if not result.check(TusError):
+            if not result.check(TusError, PoolStopped):
                 log.error(
                     "writing upload {object_id} failed: {error}",
                     object_id=self._upload.info.upload_id if self._upload else None,
@@ -291,7 +291,7 @@ class BodyStream:
         self._enter(Phase.SETTLING)
         upload, answer = self._upload, self._answer
         closing: Deferred[Any] = self._run(upload.close) if upload is not None else succeed(None)
-        closing.addErrback(lambda f: log.failure("closing an upload", f))
+        closing.addErrback(lambda f: None if _stopping(f) else log.failure("closing an upload", f))
         # The lock goes first, so a client retrying at once after the answer finds it free.
         closing.addCallback(self._release).addCallback(lambda _: self._fire(answer))
 
@@ -306,6 +306,14 @@ class BodyStream:
             waiter.callback(None)
 
     def _fire(self, result: object) -> None:
+        if isinstance(result, Failure) and _stopping(result):
+            log.info("an upload stream was cut short: the receiver is stopping")
+            # The client resumes from the offset HEAD reports once the receiver is back.
+            result = Failure(
+                TusError(
+                    503, "the receiver is stopping: resume the upload", (("Retry-After", "5"),)
+                )
+            )
         if isinstance(result, Failure) and not result.check(TusError):
             log.failure("upload stream ended badly", result)
             result = Failure(TusError(500, "internal error"))
@@ -319,6 +327,12 @@ class BodyStream:
         for waiter in waiters:
             if not waiter.called:  # a waiter cancelled by its route (connection lost)
                 _deliver(waiter, result)
+
+
+def _stopping(failure: Failure) -> bool:
+    """The process stops under the stream: its thread pools take no more work.  What was
+    written stays; the upload's file and lock close with the process."""
+    return failure.check(PoolStopped) is not None
 
 
 def _deliver(waiter: Deferred[Any], result: object) -> None:

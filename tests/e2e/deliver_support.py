@@ -301,6 +301,30 @@ class DeliveryReceiver(Receiver):
         return self.data_dir / "delivery.sqlite"
 
 
+@dataclass
+class DirectoryReceiver(Receiver):
+    """A receiver whose config also delivers project ``example`` into ``archive``."""
+
+    archive: Path = Path("/nonexistent")
+    retention: str = "2s"
+
+    def write_config(self, **overrides: Any) -> None:
+        overrides.setdefault("max_upload_bytes", 512 * 1024 * 1024)
+        super().write_config(**overrides)
+        lines = [
+            "",
+            "[projects.example.delivery]",
+            'sink = "directory"',
+            f'path = "{self.archive}"',
+            'identifier = "{project}-{object_id}"',
+            'remote_name = "{filename}"',
+            f'local_artifact_retention = "{self.retention}"',
+            "",
+        ]
+        with open(self.config_path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+
+
 # -- canner-deliver ----------------------------------------------------------------------------
 
 
@@ -326,22 +350,21 @@ class Deliver:
         """Start and wait until the process holds the data directory lock (it writes its pid)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.proc = self.spawn()
-        lock = self.data_dir / "deliver.lock"
-        pid = str(self.proc.pid)
+        wait_for(self.ready, timeout, "canner-deliver to take its lock", 0.05, self.log_tail)
 
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(
-                    f"canner-deliver exited with {self.proc.returncode} during start-up:\n"
-                    + self.log_tail()
-                )
-            try:
-                locked = lock.read_text().strip() == pid
-            except FileNotFoundError:
-                return False
-            return locked and "reactor class" in self.current_log()
-
-        wait_for(ready, timeout, "canner-deliver to take its lock", 0.05, self.log_tail)
+    def ready(self) -> bool:
+        """Whether the process has taken its lock and runs its reactor (raises if it ended)."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"canner-deliver exited with {self.proc.returncode} during start-up:\n"
+                + self.log_tail()
+            )
+        try:
+            locked = (self.data_dir / "deliver.lock").read_text().strip() == str(self.proc.pid)
+        except FileNotFoundError:
+            return False
+        return locked and "reactor class" in self.current_log()
 
     @property
     def running(self) -> bool:

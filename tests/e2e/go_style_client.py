@@ -1,6 +1,6 @@
 """A tus client that follows the published rules of the Go canner's client SDK (which saveweb's
 workers use) to the letter, written here so the e2e suite can hold canner to them
-(``reference/go-canner.md`` section 1.17 of the design folder):
+(``docs/reference/go-canner.md``, section 1.17):
 
 - ``New(base)``: the base must be absolute http(s) with a host; query and fragment are dropped;
 - creation POSTs ``{base}/files/``; 429 and 503 are waited out, a transport error is fatal (the

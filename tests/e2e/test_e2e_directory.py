@@ -26,7 +26,14 @@ from typing import Any
 
 import pytest
 import requests
-from deliver_support import Deliver, deliveries, make_due_now, venv_bin, wait_for
+from deliver_support import (
+    Deliver,
+    DirectoryReceiver,
+    deliveries,
+    make_due_now,
+    venv_bin,
+    wait_for,
+)
 from e2e_support import REPO, Receiver, blake3_hex, end_process, free_port, spawn_daemon
 from tusclient import client as tus_client
 
@@ -72,30 +79,6 @@ def remount(point: Path, size: str) -> None:
 
 
 # -- receiver + deliver with a directory sink ---------------------------------------------------
-
-
-@dataclass
-class DirectoryReceiver(Receiver):
-    """A receiver whose config also delivers project ``example`` into ``archive``."""
-
-    archive: Path = Path("/nonexistent")
-    retention: str = "2s"
-
-    def write_config(self, **overrides: Any) -> None:
-        overrides.setdefault("max_upload_bytes", 512 * MiB)
-        super().write_config(**overrides)
-        lines = [
-            "",
-            "[projects.example.delivery]",
-            'sink = "directory"',
-            f'path = "{self.archive}"',
-            'identifier = "{project}-{object_id}"',
-            'remote_name = "{filename}"',
-            f'local_artifact_retention = "{self.retention}"',
-            "",
-        ]
-        with open(self.config_path, "a", encoding="utf-8") as f:
-            f.write("\n".join(lines))
 
 
 @dataclass

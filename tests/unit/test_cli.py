@@ -537,6 +537,26 @@ def test_status_exit_codes_say_ok_warning_critical(run: Run, indexed: SyncIndex)
     assert code == 2 and "critical: canner-deliver is not running (stopped cleanly)" in err
 
 
+def test_status_never_says_stopped_cleanly_while_deliver_lock_is_held(
+    run: Run, indexed: SyncIndex
+) -> None:
+    """A heartbeat marked stopped while a process still holds deliver.lock: deliver is starting
+    or stopping (critical), not stopped cleanly; once the lock is free it is."""
+    (run.root / "keys").write_text("access\nsecret\n")
+    run.write_config(DELIVERY.replace("{identifier}", "example-{date}-{object_id}"))
+    beat(indexed, 5, stopped=True)
+    lock = DataDirLock(run.data_dir / "deliver.lock")
+    lock.acquire()
+    try:
+        code, out, err = run("status")
+    finally:
+        lock.release()
+    assert code == 2 and "stopped cleanly" not in out + err
+    assert "canner-deliver   starting or stopping" in out
+    code, out, err = run("status")
+    assert code == 2 and "critical: canner-deliver is not running (stopped cleanly)" in err
+
+
 def test_status_ignores_deliver_when_nothing_is_delivered(run: Run, indexed: SyncIndex) -> None:
     """Without a delivery table anywhere, a missing canner-deliver is no problem."""
     code, out, err = run("status", "--json")

@@ -10,6 +10,7 @@ import pytest
 from canner import inventory
 from canner.delivery import index as sql
 from canner.delivery.liveness import (
+    CHANGING,
     NEVER,
     RUNNING,
     STALE,
@@ -113,6 +114,19 @@ def test_judge_tells_running_stale_stopped_and_never_apart() -> None:
     assert judge(beat, 229.0).state == RUNNING
     stale = judge(beat, 231.0)
     assert stale.state == STALE and "31s old" in stale.text and not stale.ok
+
+
+def test_judge_never_calls_deliver_stopped_while_its_lock_is_held() -> None:
+    """A heartbeat marked stopped (or none yet) while deliver.lock is held is a deliver starting
+    or stopping; once the lock is free it is a clean stop."""
+    stopped = Heartbeat(1, "1.0", 100.0, 200.0, 200.0)
+    for beat in (stopped, None):
+        held = judge(beat, 201.0, lock_held=True)
+        assert held.state == CHANGING and not held.ok and "stopped cleanly" not in held.text
+    assert judge(stopped, 201.0, lock_held=False).state == STOPPED
+    assert judge(None, 201.0, lock_held=False).state == NEVER
+    running = Heartbeat(1, "1.0", 100.0, 200.0, None)
+    assert judge(running, 201.0, lock_held=True).state == RUNNING
 
 
 def test_attempt_history_and_verified_rows_are_no_failures(harness: Harness) -> None:

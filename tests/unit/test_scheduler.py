@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
+from attrs import define, field
 from hypothesis import given
 from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from canner.blocking import run_inline
@@ -559,3 +562,36 @@ def test_a_version_0_1_delivery_side_file_still_rebuilds_a_purged_object(tmp_pat
     row = rebuilt.run(sql.get_row, oid).result
     assert row.state == "delivered" and row.purged_at == 40.0
     rebuilt.close()
+
+
+@define
+class HeldIndex:
+    """A :class:`SyncIndex` whose queries wait until :meth:`answer` runs them."""
+
+    inner: SyncIndex
+    held: list[tuple[Deferred[Any], Any, tuple[Any, ...]]] = field(factory=list)
+
+    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        self.held.append((d, f, args))
+        return d
+
+    def answer(self) -> None:
+        held, self.held = self.held, []
+        for d, f, args in held:
+            self.inner.run(f, *args).chainDeferred(d)
+
+
+def test_stop_while_starting_waits_for_the_start_up_query(tmp_path: Path) -> None:
+    """Stopped before its start-up query (interrupted attempts become due) has answered, the
+    scheduler has not stopped until that query has, and it never starts ticking."""
+    h = Harness(tmp_path)
+    held = HeldIndex(h.index)
+    h.service._index = held  # the same service, its index answering late
+    h.service.startService()
+    stopped = h.service.stopService()
+    assert not stopped.called, "stopped while its start-up query was still running"
+    held.answer()
+    assert stopped.called
+    h.clock.advance(5)
+    assert held.held == [], "a tick ran after stop"
