@@ -1,9 +1,10 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
-A small root resource hands ``/files...`` to :class:`TusRoutes` and everything else to
+A small root resource hands each request to the app of its route: ``/files...`` to
+:class:`TusRoutes`, HQ's API to ``canner.hq`` and everything else to
 :class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
 status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
-builds the streaming :class:`~canner.tus.stream.ReceiverSite` around it, and reports every
+builds the streaming :class:`~canner.tus.channel.ReceiverSite` around it, and reports every
 finished request to the metrics.
 """
 
@@ -147,14 +148,6 @@ class MeteredSite(ReceiverSite):
         super().__init__(resource, body_router, **kwargs)
         self._metrics = metrics
         self._access_log = access_log
-        make_request = self.requestFactory
-
-        def stamped(*args: Any, **kw: Any) -> Any:
-            request: Any = make_request(*args, **kw)
-            request.canner_started = self.reactor.seconds()
-            return request
-
-        self.requestFactory = stamped  # type: ignore[assignment]
 
     def log(self, request: Any) -> None:
         # Twisted calls this from Request.finish for every answered request (never for one
@@ -181,7 +174,7 @@ class MeteredSite(ReceiverSite):
                 log.failure("logging a response")
 
     def _log_access(self, request: Any, method: bytes) -> None:
-        started = getattr(request, "canner_started", None)
+        started = getattr(request, "started", None)
         duration = self.reactor.seconds() - started if started is not None else None
         client = request.getClientAddress()
         access.info(
@@ -212,7 +205,7 @@ def receiver_site(
 ) -> ReceiverSite:
     """The receiver's site; ``reactor`` (the global one when None) times its connections."""
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
-    root = _Root(tus.app.resource(), routes.app.resource(), hq)
+    root = _Root(tus, routes.app.resource(), hq)
     site = MeteredSite(
         root,
         intake,

@@ -314,6 +314,7 @@ class ReceiverRequest(Request):
     ``Tus-Resumable`` on every response."""
 
     route: Route = OTHER
+    started: float | None = None  # when the head was in
     body_sink: BodySink | None = None
     # What process() answers instead of routing: a body too large, a sink that failed to open.
     _refusal: Answer | None = None
@@ -328,6 +329,7 @@ class ReceiverRequest(Request):
 
     def gotLength(self, length: int | None) -> None:
         channel: Any = self.channel
+        self.started = channel.site.reactor.seconds()  # for the access log's duration
         self._line = line = channel.request_line
         self._body_length = length
         if line is not None:

@@ -260,6 +260,9 @@ class UploadIntake:
         if not self._config.object_ids.is_valid(upload_id):
             raise _not_found()
         offset = protocol.upload_offset(headers)
+        if upload_id not in self._writers and not self._acceptance.is_running(upload_id):
+            # The common case, without a coroutine: nobody here writes or accepts it.
+            return self._run(self._open_for_append, upload_id, offset, length)
         return Deferred.fromCoroutine(self._admit_known(upload_id, offset, length))
 
     async def _admit_known(
