@@ -22,16 +22,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from attrs import define, field
+from attrs import define, field, frozen
 from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher, globalLogPublisher
 from twisted.web.server import Site
 
 from canner import fs
+from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config, ConfigError, check_data_dir
 from canner.connections import ConnectionLimits, raise_open_file_limit, usable_connections
@@ -72,6 +74,7 @@ from canner.sinks.transport import make_http_client
 from canner.status_page import RecentProblems, StatusSource
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
+from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
@@ -419,6 +422,96 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+@frozen
+class ReceiverParts:
+    """The receiver's request-serving objects (what :func:`receiver_parts` builds)."""
+
+    acceptance: Acceptance
+    intake: UploadIntake
+    hq: HQRoutes
+    site: ReceiverSite
+    floor: FloorWatch
+    journal: Journal
+
+
+def receiver_parts(
+    config: Config,
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    *,
+    run: BlockingRunner,
+    hashing: BlockingRunner,
+    clock: IReactorTime,
+    enqueue: Callable[[Receipt, Origin], None],
+    index: DeliveryIndex | None,
+    metrics: Metrics,
+    problems: RecentProblems,
+    connection_limits: ConnectionLimits | None,
+) -> ReceiverParts:
+    """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
+    listeners or timers of its own, so the in-memory tests build the same graph with a
+    ``Clock`` and inline runners."""
+    acceptance = TimedAcceptance(
+        uploads,
+        receipts,
+        run,
+        hashing,
+        clock,
+        config.issuer,
+        enqueue,
+        observe=metrics.observe_acceptance,
+    )
+    floor = FloorWatch(config.min_free_bytes)
+    status = StatusSource(
+        run,
+        partial(take_survey, config.data_dir, config.object_ids, history=True),
+        clock,
+        problems,
+        config.issuer,
+        config.min_free_bytes,
+        version=version(),
+        item_urls=_item_urls(config),
+        started_at=clock.seconds(),
+    )
+    ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
+    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
+    reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
+    journal = Journal(config.data_dir / "journal")
+    intake = UploadIntake(
+        config,
+        uploads,
+        receipts,
+        acceptance,
+        run,
+        clock,
+        free_space_seen=floor.observe,
+        purged_origin=reader.origin,
+    )
+    hq = HQRoutes(
+        Lookups(reader, run),
+        reader,
+        Releases(index, journal, archived, config.object_ids, run, clock),
+        _hq_tokens(config),
+        run,
+    )
+    site = receiver_site(
+        intake,
+        TusRoutes(intake, config.max_upload_bytes),
+        config.object_ids,
+        config.data_dir,
+        run,
+        metrics,
+        status,
+        ready,
+        access_log=config.access_log,
+        connection_limits=connection_limits,
+        header_timeout=config.connections.header_timeout,
+        hq=hq.app.resource(),
+        reactor=clock,
+    )
+    return ReceiverParts(acceptance, intake, hq, site, floor, journal)
+
+
 def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
@@ -437,66 +530,21 @@ def receiver_service(
     metrics, survey_cache = _operator_surfaces(
         config, RECEIVER, top, run, reactor, log_publisher, [problems.observe]
     )
-    acceptance = TimedAcceptance(
-        uploads,
-        receipts,
-        run,
-        hashing,
-        reactor,
-        config.issuer,
-        enqueue,
-        observe=metrics.observe_acceptance,
-    )
-    floor = FloorWatch(config.min_free_bytes)
-    status = StatusSource(
-        run,
-        partial(take_survey, config.data_dir, config.object_ids, history=True),
-        reactor,
-        problems,
-        config.issuer,
-        config.min_free_bytes,
-        version=version(),
-        item_urls=_item_urls(config),
-        started_at=reactor.seconds(),
-    )
-    ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor)
-    archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
-    reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
-    journal = Journal(config.data_dir / "journal")
-    intake = UploadIntake(
+    parts = receiver_parts(
         config,
         uploads,
         receipts,
-        acceptance,
-        run,
-        reactor,
-        free_space_seen=floor.observe,
-        purged_origin=reader.origin,
-    )
-    tus = TusRoutes(intake, config.max_upload_bytes)
-    tokens = _hq_tokens(config)
-    hq = HQRoutes(
-        Lookups(reader, run),
-        reader,
-        Releases(index, journal, archived, config.object_ids, run, reactor),
-        tokens,
-        run,
-    )
-    site = receiver_site(
-        intake,
-        tus,
-        config.object_ids,
-        config.data_dir,
-        run,
-        metrics,
-        status,
-        ready,
-        access_log=config.access_log,
+        run=run,
+        hashing=hashing,
+        clock=reactor,
+        enqueue=enqueue,
+        index=index,
+        metrics=metrics,
+        problems=problems,
         connection_limits=_connection_limits(config),
-        header_timeout=config.connections.header_timeout,
-        hq=hq.app.resource(),
-        reactor=reactor,
     )
+    acceptance, intake, site, floor = parts.acceptance, parts.intake, parts.site, parts.floor
+    journal = parts.journal
     PeriodicService(
         reactor,
         config.metrics.refresh,
@@ -517,7 +565,7 @@ def receiver_service(
             "uploads": uploads,
             "receipts": receipts,
             "site": site,
-            "hq": hq,
+            "hq": parts.hq,
             "metrics": metrics,
             "sql": sql,
         },

@@ -36,17 +36,12 @@ from twisted.python.failure import Failure
 from canner.blocking import run_inline
 from canner.config import Config, parse_config
 from canner.connections import ConnectionLimits
-from canner.inventory import take_survey
-from canner.ledger.files import ArchivedIds, LedgerDir
-from canner.metrics import RECEIVER, Metrics, TimedAcceptance
-from canner.objects import ObjectReader
-from canner.readiness import FloorWatch, check_readiness
+from canner.metrics import RECEIVER, Metrics
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.receiver import receiver_site
-from canner.status_page import RecentProblems, StatusSource
+from canner.service import receiver_parts
+from canner.status_page import RecentProblems
 from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
-from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 
 P = ParamSpec("P")
@@ -323,10 +318,10 @@ class InMemoryReceiver:
     def build(cls, data_dir: Path, **overrides: Any) -> InMemoryReceiver:
         """A receiver for ``data_dir`` (which must exist) with the config the e2e receivers use
         (projects ``example`` and ``other``, 64 MiB uploads, ``min_free_bytes = 1``) and
-        ``overrides``.  Mirrors ``canner.service.receiver_service`` minus what needs threads,
-        listeners or the delivery index (SQLite): acceptance's enqueue records in ``enqueued``,
-        the connection caps are the configured ones (the open-file limit is not consulted) and
-        ``/api/v1/objects`` (HQ) is not mounted."""
+        ``overrides``.  The objects are the daemon's (``canner.service.receiver_parts``); what
+        it adds around them (threads, listeners, timers, the delivery index) is left out:
+        acceptance's enqueue records in ``enqueued``, and the connection caps are the
+        configured ones (the open-file limit is not consulted)."""
         raw: dict[str, Any] = {
             "issuer": ISSUER,
             "data_dir": str(data_dir),
@@ -342,62 +337,23 @@ class InMemoryReceiver:
         io, hashing = HeldRunner(), HeldRunner()
         for sub in ("uploads", "receipts"):
             (config.data_dir / sub).mkdir(exist_ok=True)
-        uploads = UploadStore(config.data_dir / "uploads")
-        receipts = ReceiptStore(config.data_dir / "receipts")
-        metrics = Metrics(RECEIVER, config.projects)
         enqueued: list[tuple[Receipt, Origin]] = []
-        acceptance = TimedAcceptance(
-            uploads,
-            receipts,
-            io,
-            hashing,
-            clock,
-            config.issuer,
-            lambda receipt, origin: enqueued.append((receipt, origin)),
-            observe=metrics.observe_acceptance,
-        )
-        floor = FloorWatch(config.min_free_bytes)
-        status = StatusSource(
-            io,
-            partial(take_survey, config.data_dir, config.object_ids, history=True),
-            clock,
-            RecentProblems(),
-            config.issuer,
-            config.min_free_bytes,
-            started_at=clock.seconds(),
-        )
-        reader = ObjectReader(
-            config.data_dir,
-            config.object_ids,
-            config.issuer,
-            ArchivedIds(LedgerDir(config.data_dir / "ledger")),
-        )
-        intake = UploadIntake(
+        parts = receiver_parts(
             config,
-            uploads,
-            receipts,
-            acceptance,
-            io,
-            clock,
-            free_space_seen=floor.observe,
-            purged_origin=reader.origin,
-        )
-        site = receiver_site(
-            intake,
-            TusRoutes(intake, config.max_upload_bytes),
-            config.object_ids,
-            config.data_dir,
-            io,
-            metrics,
-            status,
-            partial(check_readiness, config.data_dir, config.min_free_bytes, floor),
-            access_log=config.access_log,
+            UploadStore(config.data_dir / "uploads"),
+            ReceiptStore(config.data_dir / "receipts"),
+            run=io,
+            hashing=hashing,
+            clock=clock,  # also the channels' timers: idle timeout, head deadline, linger
+            enqueue=lambda receipt, origin: enqueued.append((receipt, origin)),
+            index=None,
+            metrics=Metrics(RECEIVER, config.projects),
+            problems=RecentProblems(),
             connection_limits=ConnectionLimits(
                 config.connections.max, config.connections.max_per_client
             ),
-            header_timeout=config.connections.header_timeout,
-            reactor=clock,  # the channels' timers: idle timeout, head deadline, linger
         )
+        site, intake = parts.site, parts.intake
         return cls(config.data_dir, config, clock, io, hashing, site, intake, enqueued)
 
     # -- driving it -------------------------------------------------------------------------------
