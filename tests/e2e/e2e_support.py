@@ -25,8 +25,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin
 
-import blake3
 import requests
+
+# Re-exported: the tests import them from here.
+from tests.tus_values import b64 as b64
+from tests.tus_values import blake3_hex as blake3_hex
+from tests.tus_values import metadata_header as metadata_header
 
 REPO = Path(__file__).resolve().parents[2]
 JS_DIR = Path(__file__).resolve().parent / "js"
@@ -41,20 +45,6 @@ START_TIMEOUT = 20.0
 # A daemon launched behind this runs as the unprivileged user nobody, whom file permissions bind
 # (the suite runs as root, who ignores them); its files must be in a directory nobody can reach.
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-
-
-def blake3_hex(data: bytes) -> str:
-    return "blake3:" + blake3.blake3(data).hexdigest()
-
-
-def b64(text: str | bytes) -> str:
-    raw = text.encode("utf-8") if isinstance(text, str) else text
-    return base64.b64encode(raw).decode("ascii")
-
-
-def metadata_header(pairs: Iterable[tuple[str, str | bytes | None]]) -> str:
-    """``Upload-Metadata`` from ``(key, value)`` pairs (None: a key without a value)."""
-    return ",".join(key if value is None else f"{key} {b64(value)}" for key, value in pairs)
 
 
 def upload_metadata(checksum: str, project: str = "example", filename: str | None = None) -> str:

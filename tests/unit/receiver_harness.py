@@ -24,7 +24,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-import blake3
 from attrs import define, field, frozen
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
@@ -44,6 +43,11 @@ from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.store import UploadStore
 
+# Re-exported: the tests import them from here.
+from tests.tus_values import b64 as b64
+from tests.tus_values import blake3_hex as blake3_hex
+from tests.tus_values import metadata_header as metadata_header
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -58,20 +62,6 @@ RECEIPT_FIELDS = ["id", "issuer", "object_id", "checksum", "size_bytes", "accept
 START = 1784764800.0
 
 Header = tuple[str, str | bytes]
-
-
-def blake3_hex(data: bytes) -> str:
-    return "blake3:" + blake3.blake3(data).hexdigest()
-
-
-def b64(text: str | bytes) -> str:
-    raw = text.encode("utf-8") if isinstance(text, str) else text
-    return base64.b64encode(raw).decode("ascii")
-
-
-def metadata_header(pairs: Iterable[tuple[str, str | bytes | None]]) -> str:
-    """``Upload-Metadata`` from (key, value) pairs; a None value is a key without a value."""
-    return ",".join(key if value is None else f"{key} {b64(value)}" for key, value in pairs)
 
 
 def chunked(pieces: Iterable[bytes]) -> bytes:
