@@ -232,12 +232,13 @@ class ReceiverChannel(HTTPChannel):
             self.transport.abortConnection()  # type: ignore[union-attr]
 
     def requestDone(self, request: Any) -> None:
-        super().requestDone(request)
         if self.persistent and self.phase is Phase.REQUEST:
             # An idle kept-alive connection is left to the idle timeout: the clock of the next
             # head starts with its first byte (closing it earlier would race the client's
-            # next request on its pooled connection).
+            # next request on its pooled connection).  Before Twisted's requestDone, which
+            # parses a pipelined request already buffered (and makes the phase REQUEST again).
             self.phase = Phase.IDLE
+        super().requestDone(request)
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted answers malformed framing (bad Content-Length, bad chunking, bad header

@@ -422,3 +422,26 @@ def test_a_refused_connection_does_not_use_a_slot(tmp_path: Path) -> None:
     second = rcv.connect("10.0.0.2")
     assert not second.closed
     assert_over_cap(rcv.connect("10.0.0.2"))
+
+
+def test_a_pipelined_patch_gets_100_continue_and_no_head_deadline(rcv: InMemoryReceiver) -> None:
+    """A PATCH pipelined behind another request on a kept-alive connection is a request, not an
+    idle connection: it gets its 100 Continue, and its body is not cut by a head deadline."""
+    oid = rcv.new_upload(DATA)
+    headers = patch_headers(**{"Content-Length": str(len(DATA)), "Expect": "100-continue"})
+    connection = rcv.connect()
+    pipelined = (
+        f"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nPATCH /files/{oid} HTTP/1.1\r\nHost: x\r\n"
+    )
+    pipelined += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+    rcv.io.held = True  # the first request is still being answered when the second is in
+    connection.send(pipelined.encode())
+    assert connection.responses == []
+    rcv.release(rcv.io)
+    assert [r.status for r in connection.responses] == [200, 100]
+    # The body comes slowly, over longer than a head may take: no head deadline applies.
+    connection.send(DATA[:1000])
+    rcv.advance(rcv.config.connections.header_timeout + 1)
+    assert not connection.closed, connection.responses
+    connection.send(DATA[1000:])
+    assert [r.status for r in connection.responses] == [200, 100, 204]
