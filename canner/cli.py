@@ -522,12 +522,14 @@ def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
 def _retry_one(
     cur: sqlite3.Cursor, oid: str, now: float
 ) -> tuple[str | None, QueueRow | None, QueueRow | None]:
-    """("due" | "readmitted" | None, the row before, the row after)."""
+    """("due" | "readmitted" | "cleared" | None, the row before, the row after)."""
     before = sql.get_row(cur, oid)
     if sql.operator_retry(cur, oid, now):
         return "due", before, sql.get_row(cur, oid)
     if psql.readmit(cur, oid, now):
         return "readmitted", before, sql.get_row(cur, oid)
+    if sql.clear_flag(cur, oid, now):
+        return "cleared", before, sql.get_row(cur, oid)
     return None, before, sql.get_row(cur, oid)
 
 
@@ -551,6 +553,23 @@ def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list
     return done
 
 
+def _clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
+    """Flagged rows that are delivered and verified: nothing to send, the flags are cleared."""
+    cur.execute(
+        "SELECT object_id FROM objects WHERE needs_operator != 0 AND state = 'delivered'"
+        " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
+        " ORDER BY accepted_at, object_id",
+        (project, project),
+    )
+    cleared = []
+    for (oid,) in cur.fetchall():
+        before = sql.get_row(cur, oid)
+        if sql.clear_flag(cur, oid, now):
+            assert before is not None
+            cleared.append(before)
+    return cleared
+
+
 def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> int:
     """Every row flagged for an operator (of ``project``) is retried (see :func:`retry`)."""
     config = load_config(config_path)
@@ -561,6 +580,11 @@ def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> in
     rows = _write(data_dir, _retry_flagged, project, io.now())
     for row in rows:
         io.out.write(f"{row.object_id} ({row.project}) is due now; last error: {row.last_error}\n")
+    for row in _write(data_dir, _clear_verified_flags, project, io.now()):
+        io.out.write(
+            f"{row.object_id} ({row.project}) is delivered and verified: its flag is cleared;"
+            f" it said: {row.last_error}\n"
+        )
     io.out.write(
         f"{len(rows)} deliveries needing an operator are due now: canner-deliver retries them"
         " within a second\n"
@@ -576,6 +600,12 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     made_due, before, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None or before is None:
         raise CommandError(f"{oid} is not in the delivery index")
+    if made_due == "cleared":
+        io.out.write(
+            f"{oid} is delivered and verified at its destination: nothing to send; its flag for"
+            f" an operator is cleared (it said: {row.last_error or 'nothing'})\n"
+        )
+        return 0
     if made_due == "readmitted":
         io.out.write(
             f"{oid} joins a megawarc batch again (its bytes are checked against its receipt"

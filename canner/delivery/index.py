@@ -572,6 +572,19 @@ def operator_retry(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
     return redeliver(cur, object_id, OPERATOR_REDELIVERY, now, by_operator=True)
 
 
+def clear_flag(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
+    """``canner retry`` of a delivered, verified row flagged for an operator (a rebuild could
+    not read one of its journal records): nothing is left to send, so the operator's retry
+    clears the flag; ``last_error`` stays as the record of why.  False for any other row."""
+    cur.execute(
+        "UPDATE objects SET needs_operator = 0, updated_at = ?"
+        " WHERE object_id = ? AND needs_operator != 0 AND state = 'delivered'"
+        " AND verified_at IS NOT NULL",
+        (now, object_id),
+    )
+    return cur.rowcount == 1
+
+
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:
     """The ids of ``object_ids`` (a bounded batch) that the index already holds."""
     if not object_ids:

@@ -622,6 +622,36 @@ def test_deliveries_filters(run: Run, indexed: SyncIndex) -> None:
     assert code == 1 and "neither a duration" in err
 
 
+def test_retry_clears_the_flag_of_a_verified_row(run: Run, indexed: SyncIndex) -> None:
+    """A delivered, verified row flagged for an operator (a rebuild could not read one of its
+    journal records) has nothing left to send: retry clears the flag and keeps the error as
+    the record of why, one by one or with --needs-operator; an unflagged verified row is still
+    refused."""
+    note = "a journal record of it could not be read (journal/x.jsonl: line 6: bad)"
+    indexed.query(
+        "UPDATE objects SET verified_at = ?, needs_operator = 1, last_error = ?"
+        " WHERE object_id = ?",
+        NOW - 5,
+        note,
+        oid(3),
+    )
+    code, out, err = run("retry", oid(3))
+    assert code == 0, err
+    assert "its flag for an operator is cleared" in out and "line 6" in out
+    [(flag, error)] = indexed.query(
+        "SELECT needs_operator, last_error FROM objects WHERE object_id = ?", oid(3)
+    )
+    assert (flag, error) == (0, note)
+    code, _, err = run("retry", oid(3))
+    assert code == 1 and "nothing to retry" in err
+
+    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(3))
+    code, out, err = run("retry", "--needs-operator")
+    assert code == 0, err
+    assert f"{oid(3)} (other) is delivered and verified: its flag is cleared" in out
+    assert indexed.query("SELECT count(*) FROM objects WHERE needs_operator != 0") == [(0,)]
+
+
 def test_bulk_retry_of_rows_needing_an_operator(run: Run, indexed: SyncIndex) -> None:
     """After credentials are fixed: every flagged retry_wait row (of a project) is due now;
     rows not flagged, or of another project, keep waiting."""
