@@ -311,10 +311,9 @@ class CannotStart(Exception):
     says what and how."""
 
 
-# What each daemon writes directly in its data directory ("": the directory itself); files
-# inside these directories are theirs too.
+# What each daemon writes directly in its data directory (which is always checked, first);
+# files inside these directories are theirs too.
 RECEIVER_WRITES = (
-    "",
     "uploads",
     "receipts",
     "journal",
@@ -416,9 +415,9 @@ def _report_sweep(report: SweepReport) -> None:
 
 def freeze_startup_objects() -> None:
     """Move every object start-up made (modules, config, the service tree: some 80,000 in the
-    receiver) to the garbage collector's permanent generation.  Each answered request leaves
-    cyclic garbage (Klein's and werkzeug's closures hold the request), so full collections come
-    every few hundred uploads; frozen objects are no longer walked by each of them."""
+    receiver) to the garbage collector's permanent generation.  Answered requests leave cyclic
+    garbage (on the routes Klein serves, its and werkzeug's closures hold the request), so full
+    collections come often; frozen objects are no longer walked by each of them."""
     gc.freeze()
 
 
