@@ -308,6 +308,22 @@ class DirectoryReceiver(Receiver):
     archive: Path = Path("/nonexistent")
     retention: str = "2s"
 
+    @classmethod
+    def delivering_to(cls, root: Path, archive: Path, retention: str = "2s") -> DirectoryReceiver:
+        """A receiver in ``root`` (data in ``root/data``) delivering into ``archive``; its config
+        is written, nothing is started."""
+        rcv = cls(
+            root=root,
+            port=free_port(),
+            data_dir=root / "data",
+            config_path=root / "canner.toml",
+            log_path=root / "receiver.log",
+            archive=archive,
+            retention=retention,
+        )
+        rcv.write_config()
+        return rcv
+
     def write_config(self, **overrides: Any) -> None:
         overrides.setdefault("max_upload_bytes", 512 * 1024 * 1024)
         super().write_config(**overrides)

@@ -28,9 +28,10 @@ from urllib.parse import urljoin
 import requests
 
 # Re-exported: the tests import them from here.
-from tests.tus_values import b64 as b64
-from tests.tus_values import blake3_hex as blake3_hex
-from tests.tus_values import metadata_header as metadata_header
+from tests.upload_checks import b64 as b64
+from tests.upload_checks import blake3_hex as blake3_hex
+from tests.upload_checks import metadata_header as metadata_header
+from tests.upload_checks import snapshot as snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 JS_DIR = Path(__file__).resolve().parent / "js"
@@ -544,15 +545,6 @@ def raw_exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
                 break
             received += chunk
     return received
-
-
-def snapshot(root: Path) -> set[Path]:
-    """Every file and directory below ``root``."""
-    found = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            found.add(Path(dirpath) / name)
-    return found
 
 
 def read_http_response(sock: socket.socket, method: str) -> tuple[int, dict[str, str], bytes]:

@@ -131,16 +131,7 @@ def make_env(tmp_path: Path) -> Iterator[Callable[..., DirEnv]]:
     def make(archive: Path, retention: str = "2s", start_deliver: bool = True) -> DirEnv:
         root = tmp_path / f"env{len(made)}"
         root.mkdir()
-        rcv = DirectoryReceiver(
-            root=root,
-            port=free_port(),
-            data_dir=root / "data",
-            config_path=root / "canner.toml",
-            log_path=root / "receiver.log",
-            archive=archive,
-            retention=retention,
-        )
-        rcv.write_config()
+        rcv = DirectoryReceiver.delivering_to(root, archive, retention)
         env = DirEnv(rcv, Deliver(rcv.config_path, rcv.data_dir, root / "deliver.log"), archive)
         made.append(env)
         rcv.start()

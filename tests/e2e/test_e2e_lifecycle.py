@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 from deliver_support import Deliver, DirectoryReceiver, venv_bin, wait_for
-from e2e_support import REPO, START_TIMEOUT, free_port, spawn_daemon
+from e2e_support import REPO, START_TIMEOUT, spawn_daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -32,16 +32,8 @@ DAMAGED_RECEIPTS = 1500
 
 
 def directory_receiver(root: Path) -> DirectoryReceiver:
-    rcv = DirectoryReceiver(
-        root=root,
-        port=free_port(),
-        data_dir=root / "data",
-        config_path=root / "canner.toml",
-        log_path=root / "receiver.log",
-        archive=root / "archive",
-    )
+    rcv = DirectoryReceiver.delivering_to(root, root / "archive")
     rcv.archive.mkdir(parents=True)
-    rcv.write_config()
     return rcv
 
 

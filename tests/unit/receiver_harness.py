@@ -44,9 +44,9 @@ from canner.tus.intake import UploadIntake
 from canner.tus.store import UploadStore
 
 # Re-exported: the tests import them from here.
-from tests.tus_values import b64 as b64
-from tests.tus_values import blake3_hex as blake3_hex
-from tests.tus_values import metadata_header as metadata_header
+from tests.upload_checks import b64 as b64
+from tests.upload_checks import blake3_hex as blake3_hex
+from tests.upload_checks import metadata_header as metadata_header
 
 P = ParamSpec("P")
 T = TypeVar("T")

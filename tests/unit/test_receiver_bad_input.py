@@ -11,7 +11,6 @@ outside ``uploads/`` and ``receipts/`` and that nothing was logged as a failure.
 from __future__ import annotations
 
 import gc
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,18 +34,10 @@ from tests.unit.receiver_harness import (
     chunked,
     metadata_header,
 )
+from tests.upload_checks import snapshot
 
 DATA = random.Random(7).randbytes(4096)
 CHECKSUM = blake3_hex(DATA)
-
-
-def snapshot(root: Path) -> set[Path]:
-    """Every file and directory below ``root``."""
-    found = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            found.add(Path(dirpath) / name)
-    return found
 
 
 @pytest.fixture
