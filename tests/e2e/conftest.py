@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import Receiver
+from e2e_support import AS_NOBODY, REPO, Nobody, Receiver
 
 
 @pytest.fixture
@@ -53,12 +54,22 @@ def make_receiver(tmp_path: Path) -> Iterator[Callable[..., Receiver]]:
 
 
 @pytest.fixture
-def open_tmp() -> Iterator[Path]:
-    """A temporary directory the unprivileged user of ``AS_NOBODY`` can reach (``tmp_path``
-    lies under pytest's 0700 root)."""
+def nobody() -> Iterator[Nobody]:
+    """Running a daemon as nobody: a temporary directory nobody can reach (``tmp_path`` lies
+    under pytest's 0700 root), and the repository bind-mounted into it (a clone may itself lie
+    under a directory nobody cannot search), the daemon started from that mount."""
     folder = Path(tempfile.mkdtemp(prefix="canner-e2e-", dir="/tmp"))
     folder.chmod(0o755)
+    repo = folder / "repo"
+    repo.mkdir()
+    subprocess.run(["mount", "--bind", str(REPO), str(repo)], check=True)
+    # The mount's source first on sys.path: the venv's editable install names the original path.
+    run_twistd = (
+        f"import sys; sys.path.insert(0, {str(repo)!r}); sys.argv[0] = 'twistd';"
+        " from twisted.scripts.twistd import run; run()"
+    )
     try:
-        yield folder
+        yield Nobody(folder, AS_NOBODY, [str(repo / ".venv" / "bin" / "python3"), "-c", run_twistd])
     finally:
+        subprocess.run(["umount", str(repo)], check=True)
         shutil.rmtree(folder, ignore_errors=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ DEFAULT_MAX_UPLOAD = 64 * 1024 * 1024
 HTTP_TIMEOUT = 30.0
 START_TIMEOUT = 20.0
 # A daemon launched behind this runs as the unprivileged user nobody, whom file permissions bind
-# (the suite runs as root, who ignores them); its files must be in a directory nobody can reach.
+# (the suite runs as root, who ignores them): see ``Nobody``.
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
@@ -69,6 +69,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Nobody:
+    """How a test runs a daemon as the unprivileged user nobody: ``folder`` is a temporary
+    directory nobody can reach, for its data; ``prefix`` and ``twistd`` launch it.  The
+    repository may lie below a directory nobody cannot search (a 0700 temp directory), so it is
+    bind-mounted into ``folder`` and the daemon runs from that mount."""
+
+    folder: Path
+    prefix: list[str]
+    twistd: list[str]
+
+
 def twistd_command() -> list[str]:
     candidate = Path(sys.executable).parent / "twistd"
     if not candidate.exists():
@@ -83,17 +95,18 @@ def spawn_daemon(
     start: int,
     extra: Iterable[str] = (),
     prefix: Iterable[str] = (),
+    twistd: Sequence[str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``twistd --nodaemon canner-<role> --config ...`` from the repository root, its
     output appended to ``log_path`` under a "start #N" banner; ``prefix`` wraps the command
-    (for example ``prlimit --nofile=1024``)."""
+    (for example ``prlimit --nofile=1024``), ``twistd`` replaces the venv's script."""
     with open(log_path, "ab") as log:
         log.write(f"\n===== start #{start} =====\n".encode())
         log.flush()
         return subprocess.Popen(
             [
                 *prefix,
-                *twistd_command(),
+                *(twistd if twistd is not None else twistd_command()),
                 "--nodaemon",
                 "--pidfile=",
                 *extra,
@@ -171,6 +184,7 @@ class Receiver:
     session: requests.Session = field(default_factory=requests.Session)
     starts: int = 0
     launch_prefix: list[str] = field(default_factory=list)
+    launch_twistd: list[str] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -232,7 +246,12 @@ class Receiver:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.starts += 1
         self.proc = spawn_daemon(
-            "receiver", self.config_path, self.log_path, self.starts, prefix=self.launch_prefix
+            "receiver",
+            self.config_path,
+            self.log_path,
+            self.starts,
+            prefix=self.launch_prefix,
+            twistd=self.launch_twistd,
         )
         deadline = time.monotonic() + timeout
         while True:

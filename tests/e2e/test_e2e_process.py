@@ -16,8 +16,8 @@ from urllib.parse import urljoin
 import pytest
 import requests
 from e2e_support import (
-    AS_NOBODY,
     OBJECT_ID,
+    Nobody,
     Receiver,
     blake3_hex,
     end_process,
@@ -179,9 +179,9 @@ def test_location_uses_public_url(make_receiver: Callable[..., Receiver]) -> Non
 NOBODY = pwd.getpwnam("nobody")
 
 
-def _refusal(role: str, rcv: Receiver, log: Path) -> list[str]:
+def _refusal(role: str, rcv: Receiver, log: Path, nobody: Nobody) -> list[str]:
     """Start canner-``role`` as nobody; it must end by itself with status 1.  Its output lines."""
-    proc = spawn_daemon(role, rcv.config_path, log, 1, prefix=AS_NOBODY)
+    proc = spawn_daemon(role, rcv.config_path, log, 1, prefix=nobody.prefix, twistd=nobody.twistd)
     try:
         assert proc.wait(30) == 1
     finally:
@@ -190,14 +190,15 @@ def _refusal(role: str, rcv: Receiver, log: Path) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("=====")]
 
 
-def test_a_data_dir_its_user_cannot_write_stops_both_daemons_in_one_line(open_tmp: Path) -> None:
+def test_a_data_dir_its_user_cannot_write_stops_both_daemons_in_one_line(nobody: Nobody) -> None:
     """A data directory, or an ``uploads/`` in it, that the daemon's user cannot write ends
     start-up with one line naming the path, the user and the fix."""
+    open_tmp = nobody.folder
     rcv = Receiver.in_dir(open_tmp / "node")
     data = rcv.data_dir
     fix = f"fix the ownership: chown -R nobody:nogroup {data}"
     for role in ("receiver", "deliver"):
-        lines = _refusal(role, rcv, open_tmp / f"{role}.log")
+        lines = _refusal(role, rcv, open_tmp / f"{role}.log", nobody)
         assert lines == [
             f"canner-{role}: cannot write {data} as user nobody: Permission denied; {fix}"
         ]
@@ -205,7 +206,7 @@ def test_a_data_dir_its_user_cannot_write_stops_both_daemons_in_one_line(open_tm
     os.chown(data, NOBODY.pw_uid, NOBODY.pw_gid)
     for sub in ("uploads", "receipts"):  # as a run as root leaves them
         (data / sub).mkdir()
-    lines = _refusal("receiver", rcv, open_tmp / "uploads.log")
+    lines = _refusal("receiver", rcv, open_tmp / "uploads.log", nobody)
     uploads = data / "uploads"
     assert lines == [
         f"canner-receiver: cannot write {uploads} as user nobody: Permission denied; {fix}"
@@ -222,15 +223,15 @@ def _own(path: Path, user: pwd.struct_passwd, mode: int) -> None:
     path.chmod(mode)
 
 
-def test_storage_failures_while_running_are_503_with_retry_after(open_tmp: Path) -> None:
+def test_storage_failures_while_running_are_503_with_retry_after(nobody: Nobody) -> None:
     """Files and directories the receiver's user can no longer read or write: POST, HEAD and
     PATCH get 503 with Retry-After (never 500), nothing is left half-written, and the upload
     completes once the permissions are fixed."""
-    rcv = Receiver.in_dir(open_tmp / "node")
+    rcv = Receiver.in_dir(nobody.folder / "node")
     for sub in ("", "uploads", "receipts"):
         (rcv.data_dir / sub).mkdir(exist_ok=True)
         _own(rcv.data_dir / sub, NOBODY, 0o755)
-    rcv.launch_prefix = AS_NOBODY
+    rcv.launch_prefix, rcv.launch_twistd = nobody.prefix, nobody.twistd
     rcv.start()
     root = pwd.getpwuid(0)
     try:
