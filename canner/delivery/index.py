@@ -9,6 +9,7 @@ connection.  The index is never the only copy of a fact: it can be rebuilt from 
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -70,11 +71,27 @@ class AcceptedObject:
 
 
 def configure_connection(conn: sqlite3.Connection) -> None:
-    """PRAGMAs every connection needs: WAL, full sync, busy timeout, foreign keys."""
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    """PRAGMAs every connection needs: busy timeout, WAL, full sync, foreign keys."""
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    _use_wal(conn)
+    conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Switch to WAL, waiting out another connection's switch (blocking, bounded by the busy
+    timeout).  Two connections switching a new database at once (the receiver and deliver
+    starting on a fresh data directory) deadlock on its lock, and SQLite answers one of them
+    "database is locked" at once, without its busy handler: that one tries again."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _migrations() -> list[tuple[int, str]]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sqlite3
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from canner.delivery.index import (
     AcceptedObject,
@@ -87,3 +91,55 @@ def test_transient_sqlite_errors_are_retried_then_reported() -> None:
         clock.advance(pause)
     assert len(failing) == 1
     assert clock.getDelayedCalls() == []
+
+
+def _upgrade_at(path: str, barrier: Any, results: Any) -> None:
+    barrier.wait()
+    try:
+        upgrade_schema(Path(path))
+        results.put(None)
+    except Exception as e:
+        results.put(repr(e))
+
+
+def test_receiver_and_deliver_can_open_a_new_index_at_the_same_moment(tmp_path: Path) -> None:
+    """Two processes creating delivery.sqlite at once (both daemons starting on a fresh data
+    directory) both get the schema: neither dies of "database is locked" while the other
+    switches the file to WAL (one in nine such starts did)."""
+    context = multiprocessing.get_context("fork")
+    failures = []
+    for trial in range(30):
+        path = str(tmp_path / f"delivery-{trial}.sqlite")
+        barrier, results = context.Barrier(2), context.Queue()
+        openers = [
+            context.Process(target=_upgrade_at, args=(path, barrier, results)) for _ in range(2)
+        ]
+        for opener in openers:
+            opener.start()
+        for opener in openers:
+            opener.join(30)
+        failures += [r for r in (results.get(timeout=5), results.get(timeout=5)) if r]
+    assert failures == []
+
+
+def test_a_connection_waits_out_another_switching_to_wal() -> None:
+    """ "database is locked" from the WAL switch (which SQLite gives at once, without its busy
+    handler) is tried again until it passes; any other error is raised at once."""
+
+    class Connection:
+        def __init__(self, errors: list[str]) -> None:
+            self.errors, self.statements = errors, []
+
+        def execute(self, statement: str) -> None:
+            self.statements.append(statement)
+            if statement == "PRAGMA journal_mode=WAL" and self.errors:
+                raise sqlite3.OperationalError(self.errors.pop(0))
+
+    locked = Connection(["database is locked", "database is locked"])
+    configure_connection(locked)  # type: ignore[arg-type]
+    assert locked.statements.count("PRAGMA journal_mode=WAL") == 3
+    assert locked.statements[0].startswith("PRAGMA busy_timeout=")
+    broken = Connection(["disk I/O error"])
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        configure_connection(broken)  # type: ignore[arg-type]
+    assert broken.statements.count("PRAGMA journal_mode=WAL") == 1
