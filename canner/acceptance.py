@@ -33,6 +33,7 @@ from twisted.python.failure import Failure
 from canner.blocking import BlockingRunner, PoolStopped
 from canner.checksum import HashCancelled, TrailingHash
 from canner.fs import fsync_dir
+from canner.observe import UNOBSERVED, UploadObserver
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
 
@@ -71,6 +72,7 @@ class Acceptance:
     _clock: IReactorTime
     _issuer: str
     _enqueue: Enqueue
+    observer: UploadObserver = field(default=UNOBSERVED, kw_only=True)
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
 
@@ -107,7 +109,7 @@ class Acceptance:
                 else:
                     waiter.callback(result)  # type: ignore[arg-type]
 
-        Deferred.fromCoroutine(self._accept(upload)).addBoth(done)
+        Deferred.fromCoroutine(self._accept(upload, self._clock.seconds())).addBoth(done)
         return joined
 
     def _join(self, upload_id: str) -> Deferred[Receipt]:
@@ -119,7 +121,8 @@ class Acceptance:
         """Ask running hashes to stop at their next read (process shutdown)."""
         self._stopping.set()
 
-    async def _accept(self, upload: LockedUpload) -> Receipt:
+    async def _accept(self, upload: LockedUpload, started: float) -> Receipt:
+        """The steps; ``started`` is when the last byte triggered acceptance."""
         info = upload.info
         origin = Origin(info.project, info.filename)
         receipt: Receipt | None = None
@@ -138,10 +141,12 @@ class Acceptance:
         except ChecksumMismatch as e:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
+            self.observer.checksum_mismatch(info.project)
             raise
         except (HashCancelled, PoolStopped):
             raise AcceptanceFailed("the receiver is shutting down; retry") from None
         except StorageFault as e:
+            self.observer.acceptance_failed()
             log.error(
                 "acceptance of {object_id} failed; the upload was reset: {error}",
                 object_id=info.upload_id,
@@ -150,6 +155,7 @@ class Acceptance:
             )
             raise AcceptanceFailed(str(e), no_space=e.no_space) from None
         except OSError as e:
+            self.observer.acceptance_failed()
             log.error(
                 "acceptance of {object_id} failed, will be retried: {error}",
                 object_id=info.upload_id,
@@ -168,6 +174,9 @@ class Acceptance:
             size=receipt.size_bytes,
             project=origin.project,
             hash_s=hash_seconds,
+        )
+        self.observer.upload_accepted(
+            origin.project, receipt.size_bytes, hash_seconds, self._clock.seconds() - started
         )
         self.enqueue_delivery(receipt, origin)
         return receipt

@@ -1,4 +1,4 @@
-"""Log vocabulary, the event kinds that metrics count, and the JSON observer used under systemd.
+"""Log vocabulary and the JSON observer used under systemd.
 
 Both daemons log ``twisted.logger`` events.  The message is a PEP 3101 template (``log_format``)
 that observers render; the facts travel in keyword fields whose names are stable, so that
@@ -45,9 +45,8 @@ Inside the process every event also carries Twisted's own fields: ``log_time`` (
 ``log_level``, ``log_namespace`` (the emitting module, e.g. ``canner.acceptance``),
 ``log_format`` and, for unexpected errors, ``log_failure``.
 
-The events counted by :mod:`canner.metrics` are named in :data:`EVENTS` by namespace and the
-start of their template; :func:`event_kind` classifies an event.  Changing one of those templates
-changes a metric: ``tests/unit/test_metrics.py`` checks that each one still exists.
+Metrics never read these events: the domain tells them its facts through the typed observers of
+:mod:`canner.observe`, so a log message can be reworded freely.
 
 ``twistd --logger=canner.logs.json_observer`` writes one flat JSON object per line on stdout
 (:func:`flat_event`): ``time`` (ISO 8601 UTC), ``level`` (``debug``, ``info``, ``warning``,
@@ -67,40 +66,6 @@ from typing import IO, Any, cast
 
 from twisted.logger import ILogObserver, formatEvent
 from zope.interface import provider
-
-# kind -> (log_namespace, start of log_format)
-EVENTS: Mapping[str, tuple[str, str]] = {
-    "accepted": ("canner.acceptance", "accepted {object_id} ("),
-    "rejected": ("canner.acceptance", "rejected {object_id}: "),
-    "acceptance_failed": ("canner.acceptance", "acceptance of {object_id} failed"),
-    "stale_removed": ("canner.service", "removed {count} stale uploads"),
-    "attempt": ("canner.delivery.scheduler", "delivering {object_id} (attempt"),
-    "delivered": ("canner.delivery.scheduler", "delivered {object_id} as "),
-    "delivery_failed": ("canner.delivery.scheduler", "delivery of {object_id} failed"),
-    "verified": ("canner.delivery.scheduler", "verified {object_id} at "),
-    "purged": ("canner.delivery.scheduler", "purged local payload of {object_id}"),
-    "redelivered": ("canner.delivery.scheduler", "{object_id} is still not listed at its "),
-    "copied": ("canner.sinks.directory", "copied {object_id} to "),
-}
-
-_BY_NAMESPACE: dict[str, list[tuple[str, str]]] = {}
-for _kind, (_namespace, _prefix) in EVENTS.items():
-    _BY_NAMESPACE.setdefault(_namespace, []).append((_prefix, _kind))
-
-
-def event_kind(event: Mapping[str, Any]) -> str | None:
-    """The :data:`EVENTS` kind of a log event, or None for any other event."""
-    candidates = _BY_NAMESPACE.get(event.get("log_namespace", ""))
-    if not candidates:
-        return None
-    text = event.get("log_format")
-    if not isinstance(text, str):
-        return None
-    for prefix, kind in candidates:
-        if text.startswith(prefix):
-            return kind
-    return None
-
 
 # Twisted's level names, except the conventional "warning" for "warn".
 _LEVELS = {"warn": "warning"}

@@ -2,30 +2,24 @@
 
 Two sources feed them, and neither does I/O when Prometheus scrapes:
 
-* **Log events.**  :meth:`Metrics.observe_event` is a ``twisted.logger`` observer that counts the
-  events named in :data:`canner.logs.EVENTS` (uploads created, accepted, rejected; hashing time;
-  delivery attempts, retries and failures; bytes sent to IA; purges; stale uploads removed).  The
-  receiver also reports each finished HTTP request (:meth:`Metrics.observe_response`), which
-  gives refused creations by reason and the bytes each PATCH stored.
+* **The domain's observers.**  :class:`Metrics` implements :class:`~canner.observe.UploadObserver`
+  and :class:`~canner.observe.OutboundObserver`: the upload intake, acceptance, the sweep and
+  the three outbound pipelines (objects, megawarc packages, ledgers) call it as facts happen.
+  The receiver also reports each answered HTTP request (:meth:`Metrics.observe_response`),
+  which gives responses by method and code and refused creations by reason.  No metric is
+  derived from log wording or from re-parsed headers.
 * **The survey.**  Gauges that need the disk or the index (free bytes, deliveries by state,
   oldest undelivered object, purge lag, ...) are read from the latest :class:`SurveyCache` value,
   which a periodic job recomputes in a thread.
 
-Uploads created and bytes received come from the receiver's finished HTTP requests: a creation is
-a ``201`` to ``POST /files/`` (its project read from ``Upload-Metadata``), and bytes received are
-``Upload-Offset`` of the response minus that of the request (0 for a creation).  That is exact
-for every request that finished; a PATCH whose connection dropped is not counted (its bytes are
-kept, and the next PATCH starts after them).  Acceptance time is measured around
-``Acceptance.accept`` by :class:`TimedAcceptance`, from the last byte to the durable receipt;
-hashing time is the ``hash_s`` field of the ``accepted`` event.
+Outbound counters carry a ``kind`` label (``object``, ``package``, ``ledger``): one set of
+series for everything that leaves the node.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 from attrs import define, field
 from klein import Klein
@@ -48,14 +42,11 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner
 from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
 from canner.inventory import Survey
-from canner.logs import event_kind
-from canner.receipts import Receipt
-from canner.tus.store import LockedUpload
+from canner.observe import Destination, Outbound
 from canner.version import version
 
 log = Logger()
@@ -93,18 +84,6 @@ FAILURE_CLASSES = frozenset(
 )
 # Label values come from clients: anything else is counted as "other", bounding the series.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PATCH", "OPTIONS", "DELETE", "PUT"})
-
-
-def _header_int(values: list[bytes] | None) -> int | None:
-    if not values or len(values) != 1 or not values[0].isdigit():
-        return None
-    return int(values[0])
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 @define(eq=False, slots=False)
@@ -145,7 +124,7 @@ class Metrics:
         )
         self.received_bytes = Counter(
             "canner_received_bytes",
-            "Bytes stored by completed tus requests (response minus request Upload-Offset)",
+            "Bytes of upload bodies written to the store (a dropped PATCH counts what it wrote)",
             registry=rcv,
         )
         self.http_responses = Counter(
@@ -174,52 +153,82 @@ class Metrics:
         self.stale_uploads_removed = Counter(
             "canner_stale_uploads_removed", "Abandoned partial uploads removed", registry=rcv
         )
+        kind = ["kind"]
         self.delivery_attempts = Counter(
-            "canner_delivery_attempts", "Delivery attempts started", ["project"], registry=dlv
+            "canner_delivery_attempts",
+            "Outbound attempts started (objects, package files, ledgers)",
+            ["project", *kind],
+            registry=dlv,
         )
         self.delivery_retries = Counter(
             "canner_delivery_retries",
-            "Delivery attempts after the first for the same object",
-            ["project"],
+            "Outbound attempts after the first for the same file",
+            ["project", *kind],
             registry=dlv,
         )
         self.delivery_failures = Counter(
             "canner_delivery_failures",
-            "Failed delivery attempts, by reason class (forbidden, rate_limited, network, ...)",
-            ["project", "needs_operator", "reason"],
+            "Failed outbound attempts, by reason class (forbidden, rate_limited, network, ...)",
+            ["project", "needs_operator", "reason", *kind],
             registry=dlv,
         )
         self.deliveries_completed = Counter(
-            "canner_deliveries_completed", "Objects delivered", ["project"], registry=dlv
+            "canner_deliveries_completed",
+            "Files delivered (objects, package files, ledgers)",
+            ["project", *kind],
+            registry=dlv,
         )
         self.ia_sent_bytes = Counter(
             "canner_ia_sent_bytes",
             "Payload bytes sent to the Internet Archive (counted while a PUT streams)",
+            kind,
             registry=dlv,
         )
         self.copied_bytes = Counter(
             "canner_directory_copied_bytes",
-            "Payload bytes copied by directory sinks",
+            "Payload bytes copied by directory sinks (counted while a copy runs)",
+            kind,
             registry=dlv,
         )
-        self.verified = Counter(
-            "canner_deliveries_verified", "Deliveries verified at their destination", registry=dlv
+        self.verified_files = Counter(
+            "canner_deliveries_verified",
+            "Deliveries verified at their destination",
+            kind,
+            registry=dlv,
         )
-        self.purged = Counter(
-            "canner_purged", "Local payloads purged after verified delivery", registry=dlv
+        self.purged_files = Counter(
+            "canner_purged",
+            "Local copies purged after verified delivery",
+            kind,
+            registry=dlv,
         )
         self.redeliveries = Counter(
             "canner_redeliveries",
-            "Delivered objects sent to be delivered again: still unlisted after verify_timeout",
-            ["project"],
+            "Delivered files sent to be delivered again: still unlisted after verify_timeout",
+            ["project", *kind],
             registry=dlv,
         )
         for project in self.projects:
             for family in (self.uploads_created, self.uploads_accepted, self.accepted_bytes):
                 family.labels(project)
-            for family in (self.delivery_attempts, self.delivery_retries, self.redeliveries):
-                family.labels(project)
-            self.deliveries_completed.labels(project)
+        # Every kind's series exist from the start, so rate() sees the first event.
+        for outbound in Outbound:
+            projects = ("",) if outbound is Outbound.LEDGER else self.projects
+            for project in projects:
+                for family in (
+                    self.delivery_attempts,
+                    self.delivery_retries,
+                    self.redeliveries,
+                    self.deliveries_completed,
+                ):
+                    family.labels(project, outbound.value)
+            for family in (
+                self.ia_sent_bytes,
+                self.copied_bytes,
+                self.verified_files,
+                self.purged_files,
+            ):
+                family.labels(outbound.value)
         for reason in (*CREATION_REFUSALS.values(), CHECKSUM_MISMATCH):
             self.uploads_rejected.labels(reason)
         build = Gauge(
@@ -239,150 +248,75 @@ class Metrics:
         """The text exposition format of every registered metric."""
         return _generate_latest(self.registry)
 
-    # -- log events --------------------------------------------------------------------------
+    # -- the receiver's facts (UploadObserver) ------------------------------------------------
 
-    def observe_event(self, event: Mapping[str, Any]) -> None:
-        """An ``ILogObserver``: count the events of :data:`canner.logs.EVENTS`.
+    def upload_created(self, project: str) -> None:
+        self.uploads_created.labels(self._project(project)).inc()
 
-        Called from whichever thread logged; prometheus_client's metrics are thread-safe.
-        """
-        kind = event_kind(event)
-        if kind is None:
-            return
-        handler = self._HANDLERS.get(kind)
-        if handler is not None:
-            handler(self, event)
+    def bytes_stored(self, count: int) -> None:
+        self.received_bytes.inc(count)
 
-    def _project(self, event: Mapping[str, Any]) -> str:
-        project = event.get("project")
-        return project if isinstance(project, str) else ""
-
-    def _accepted(self, event: Mapping[str, Any]) -> None:
-        project = self._project(event)
+    def upload_accepted(self, project: str, size: int, hash_seconds: float, seconds: float) -> None:
+        project = self._project(project)
         self.uploads_accepted.labels(project).inc()
-        size = _number(event.get("size", event.get("size_bytes")))
-        if size is not None:
-            self.accepted_bytes.labels(project).inc(size)
-        hashing = _number(event.get("hash_s"))
-        if hashing is not None:
-            self.hash_seconds.observe(hashing)
-
-    def _rejected(self, event: Mapping[str, Any]) -> None:
-        self.uploads_rejected.labels(CHECKSUM_MISMATCH).inc()
-
-    def _acceptance_failed(self, event: Mapping[str, Any]) -> None:
-        self.acceptance_failures.inc()
-
-    def _stale_removed(self, event: Mapping[str, Any]) -> None:
-        count = _number(event.get("count"))
-        if count is not None:
-            self.stale_uploads_removed.inc(count)
-
-    def _attempt(self, event: Mapping[str, Any]) -> None:
-        project = self._project(event)
-        self.delivery_attempts.labels(project).inc()
-        attempt = _number(event.get("attempt"))
-        if attempt is not None and attempt > 1:
-            self.delivery_retries.labels(project).inc()
-
-    def _delivered(self, event: Mapping[str, Any]) -> None:
-        self.deliveries_completed.labels(self._project(event)).inc()
-
-    def _delivery_failed(self, event: Mapping[str, Any]) -> None:
-        operator = "true" if event.get("needs_operator") else "false"
-        kind = event.get("failure_class")
-        reason = kind if isinstance(kind, str) and kind in FAILURE_CLASSES else "other"
-        self.delivery_failures.labels(self._project(event), operator, reason).inc()
-
-    def sent(self, n: int) -> None:
-        """Payload bytes handed to an IA connection (told by the attempts as they stream)."""
-        self.ia_sent_bytes.inc(n)
-
-    def _copied(self, event: Mapping[str, Any]) -> None:
-        size = _number(event.get("size"))
-        if size is not None:
-            self.copied_bytes.inc(size)
-
-    def _verified(self, event: Mapping[str, Any]) -> None:
-        self.verified.inc()
-
-    def _purged(self, event: Mapping[str, Any]) -> None:
-        self.purged.inc()
-
-    def _redelivered(self, event: Mapping[str, Any]) -> None:
-        self.redeliveries.labels(self._project(event)).inc()
-
-    _HANDLERS: ClassVar[dict[str, Callable[[Metrics, Mapping[str, Any]], None]]] = {
-        "accepted": _accepted,
-        "rejected": _rejected,
-        "acceptance_failed": _acceptance_failed,
-        "stale_removed": _stale_removed,
-        "attempt": _attempt,
-        "delivered": _delivered,
-        "delivery_failed": _delivery_failed,
-        "copied": _copied,
-        "verified": _verified,
-        "purged": _purged,
-        "redelivered": _redelivered,
-    }
-
-    # -- HTTP --------------------------------------------------------------------------------
-
-    def observe_acceptance(self, seconds: float) -> None:
-        """One acceptance finished with a receipt after ``seconds``."""
+        self.accepted_bytes.labels(project).inc(size)
+        self.hash_seconds.observe(hash_seconds)
         self.acceptance_seconds.observe(seconds)
 
-    def observe_response(
-        self,
-        method: str,
-        creation: bool,
-        code: int,
-        request_offset: list[bytes] | None,
-        response_offset: list[bytes] | None,
-        metadata: list[bytes] | None = None,
-    ) -> None:
-        """Count one finished receiver request (``method`` after tus's method override;
+    def checksum_mismatch(self, project: str) -> None:
+        self.uploads_rejected.labels(CHECKSUM_MISMATCH).inc()
+
+    def acceptance_failed(self) -> None:
+        self.acceptance_failures.inc()
+
+    def stale_removed(self, count: int) -> None:
+        self.stale_uploads_removed.inc(count)
+
+    def observe_response(self, method: str, creation: bool, code: int) -> None:
+        """Count one answered receiver request (``method`` after tus's method override;
         ``creation`` when its route was a creation)."""
         label = method if method in HTTP_METHODS else "other"
         self.http_responses.labels(label, str(code) if 100 <= code <= 599 else "other").inc()
-        if creation and code == 201:
-            self.uploads_created.labels(self._metadata_project(metadata)).inc()
-        elif creation and code >= 400:
+        if creation and code >= 400:
             self.uploads_rejected.labels(CREATION_REFUSALS.get(code, f"http_{code}")).inc()
-        if method in ("POST", "PATCH") and code in (201, 204):
-            after = _header_int(response_offset)
-            before = 0 if method == "POST" else _header_int(request_offset)
-            if after is not None and before is not None and after > before:
-                self.received_bytes.inc(after - before)
 
-    def _metadata_project(self, values: list[bytes] | None) -> str:
-        """The configured project named by ``Upload-Metadata`` ("" for anything else)."""
-        for pair in values[0].split(b",") if values and len(values) == 1 else ():
-            key, _, value = pair.strip().partition(b" ")
-            if key == b"project":
-                try:
-                    project = base64.b64decode(value, validate=True).decode("utf-8")
-                except (binascii.Error, UnicodeDecodeError):
-                    return ""
-                return project if project in self._known_projects else ""
-        return ""
+    def _project(self, project: str) -> str:
+        # Label values stay bounded: only configured projects (the intake admits no other).
+        return project if project in self._known_projects else ""
 
+    # -- every transfer that leaves the node (OutboundObserver) ---------------------------------
 
-@define(eq=False)
-class TimedAcceptance(Acceptance):
-    """:class:`~canner.acceptance.Acceptance` that reports how long each successful run took
-    (from the call, which the last byte of an upload triggers, to the durable receipt)."""
+    def attempt_started(self, kind: Outbound, project: str, attempt: int) -> None:
+        project = self._project(project)
+        self.delivery_attempts.labels(project, kind.value).inc()
+        if attempt > 1:
+            self.delivery_retries.labels(project, kind.value).inc()
 
-    _observe: Callable[[float], None] = field(kw_only=True)
+    def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
+        family = self.ia_sent_bytes if destination is Destination.IA else self.copied_bytes
+        family.labels(kind.value).inc(count)
 
-    def accept(self, upload: LockedUpload) -> Deferred[Receipt]:
-        start = self._clock.seconds()
+    def delivered(self, kind: Outbound, project: str) -> None:
+        self.deliveries_completed.labels(self._project(project), kind.value).inc()
 
-        def timed(receipt: Receipt) -> Receipt:
-            self._observe(self._clock.seconds() - start)
-            return receipt
+    def delivery_failed(
+        self, kind: Outbound, project: str, reason: str, needs_operator: bool
+    ) -> None:
+        self.delivery_failures.labels(
+            self._project(project),
+            "true" if needs_operator else "false",
+            reason if reason in FAILURE_CLASSES else "other",
+            kind.value,
+        ).inc()
 
-        return super().accept(upload).addCallback(timed)
+    def verified(self, kind: Outbound) -> None:
+        self.verified_files.labels(kind.value).inc()
+
+    def purged(self, kind: Outbound) -> None:
+        self.purged_files.labels(kind.value).inc()
+
+    def redelivered(self, kind: Outbound, project: str) -> None:
+        self.redeliveries.labels(self._project(project), kind.value).inc()
 
 
 # -- the survey gauges ----------------------------------------------------------------------

@@ -157,12 +157,7 @@ class MeteredSite(ReceiverSite):
             # request.method is already the overridden one (ReceiverRequest).
             method = request.method
             self._metrics.observe_response(
-                method.decode("ascii", "replace"),
-                request.route.kind is Kind.CREATE,
-                request.code,
-                request.requestHeaders.getRawHeaders(b"upload-offset"),
-                request.responseHeaders.getRawHeaders(b"upload-offset"),
-                request.requestHeaders.getRawHeaders(b"upload-metadata"),
+                method.decode("ascii", "replace"), request.route.kind is Kind.CREATE, request.code
             )
         except Exception:
             log.failure("counting a response")

@@ -56,9 +56,9 @@ from canner.metrics import (
     MetricsPage,
     SurveyCache,
     SurveyCollector,
-    TimedAcceptance,
 )
 from canner.objects import ObjectReader
+from canner.observe import OutboundObserver, UploadObserver
 from canner.packaging import batches as packaging_sql
 from canner.packaging.pipeline import PackageSink, PackagingService
 from canner.packaging.store import PackageStore
@@ -262,9 +262,10 @@ def _operator_surfaces(
     observers: Iterable[Observer] = (),
     in_flight: InFlight | None = None,
 ) -> tuple[Metrics, SurveyCache]:
-    """Metrics fed by log events (observers added to ``top``) and the survey cache behind them."""
+    """The process's metrics, the survey cache behind their gauges, and ``observers`` of the
+    log (added to ``top``)."""
     metrics = Metrics(role, config.projects)
-    LogObservers(publisher, [metrics.observe_event, *observers]).setServiceParent(top)
+    LogObservers(publisher, list(observers)).setServiceParent(top)
     cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), reactor)
     metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight))
     return metrics, cache
@@ -408,8 +409,9 @@ def _connection_limits(config: Config) -> ConnectionLimits:
     return ConnectionLimits(total, config.connections.max_per_client)
 
 
-def _report_sweep(report: SweepReport) -> None:
+def _report_sweep(report: SweepReport, observer: UploadObserver) -> None:
     if report.removed:
+        observer.stale_removed(len(report.removed))
         log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)
 
 
@@ -450,15 +452,8 @@ def receiver_parts(
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners."""
-    acceptance = TimedAcceptance(
-        uploads,
-        receipts,
-        run,
-        hashing,
-        clock,
-        config.issuer,
-        enqueue,
-        observe=metrics.observe_acceptance,
+    acceptance = Acceptance(
+        uploads, receipts, run, hashing, clock, config.issuer, enqueue, observer=metrics
     )
     floor = FloorWatch(config.min_free_bytes)
     status = StatusSource(
@@ -485,6 +480,7 @@ def receiver_parts(
         clock,
         free_space_seen=floor.observe,
         purged_origin=reader.origin,
+        observer=metrics,
     )
     hq = HQRoutes(
         Lookups(reader, run),
@@ -585,7 +581,7 @@ def receiver_service(
             reactor.seconds(),
             config.partial_upload_retention,
         )
-        return d.addCallback(_report_sweep)
+        return d.addCallback(_report_sweep, metrics)
 
     interval = max(1.0, min(60.0, config.partial_upload_retention / 4))
     PeriodicService(reactor, interval, sweep, "stale upload sweep").setServiceParent(top)
@@ -686,7 +682,11 @@ def deliver_service(
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     # canner-deliver's delivery records; its ledger prunes the journal around the open segment.
     delivery_log = JournalLog(Journal(config.data_dir / "journal"))
-    ledger = _ledger_service(config, index, receipts, delivery_log, io, reactor, top)
+    in_flight = InFlight(reactor)
+    metrics, survey_cache = _operator_surfaces(
+        config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
+    )
+    ledger = _ledger_service(config, index, receipts, delivery_log, io, reactor, top, metrics)
 
     async def rescan() -> None:
         batches = receipt_batches(receipts, ids)
@@ -710,12 +710,6 @@ def deliver_service(
             await io(journal.close)
         if added:
             log.info("rescan added {count} receipts to the delivery index", count=added)
-
-    in_flight = InFlight(reactor)
-    metrics, survey_cache = _operator_surfaces(
-        config, DELIVER, top, io, reactor, log_publisher, in_flight=in_flight
-    )
-    in_flight.on_sent = metrics.sent
 
     def guarded_rescan() -> Deferred[Any]:
         # Never while the ledger deletes records: the rescan could re-insert them.
@@ -743,6 +737,7 @@ def deliver_service(
             if p.delivery is not None
         },
         in_flight=in_flight,
+        observer=metrics,
     )
     scheduler.setServiceParent(top)
     packing = ThreadPoolRunner(reactor, "canner-pack", config.packaging_concurrency)
@@ -761,6 +756,7 @@ def deliver_service(
         config.delivery_concurrency,
         in_flight,
         archived=archived.contains,
+        observer=metrics,
     )
     if packed:
         # A build in a thread ends at its next chunk once the service has asked it to stop.
@@ -836,6 +832,7 @@ def _ledger_service(
     io: BlockingRunner,
     reactor: Any,
     top: DaemonRoot,
+    observer: OutboundObserver,
 ) -> LedgerService | None:
     """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking)."""
     ledger = config.ledger
@@ -868,6 +865,7 @@ def _ledger_service(
         io,
         reactor,
         unlink=unlink,
+        observer=observer,
     )
     top.outlive(unlink)
     return service

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 
 
@@ -47,6 +48,8 @@ class SyncIndex:
 @define(eq=False)
 class FakeSink:
     """A Sink whose answers the test scripts; each deliver() waits until the test resolves it."""
+
+    destination: ClassVar[Destination] = Destination.IA
 
     pending: dict[str, Deferred[Delivered]] = field(factory=dict)
     delivered: list[str] = field(factory=list)

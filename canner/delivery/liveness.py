@@ -141,12 +141,11 @@ class _Running:
 class InFlight:
     """The attempts running in this process, and every payload byte they have sent.
 
-    Everything runs on the reactor thread.  ``on_sent(n)`` is told about every chunk, so a
-    counter can move while a PUT streams.
+    Everything runs on the reactor thread.  (The metrics hear of sent bytes from the pipelines'
+    observer, :func:`canner.observe.counting_sent`.)
     """
 
     _clock: IReactorTime
-    on_sent: Callable[[int], None] = lambda n: None
     total_sent: int = 0
     _running: dict[str, _Running] = field(factory=dict)
 
@@ -161,7 +160,6 @@ class InFlight:
 
         def sent(n: int) -> None:
             self.total_sent += n
-            self.on_sent(n)
             current = self._running.get(object_id)
             if current is None:
                 return

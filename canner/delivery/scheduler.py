@@ -46,6 +46,7 @@ from canner.delivery.queue import (
     unlisted,
 )
 from canner.journal import JournalLog
+from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
 from canner.receipts import ReceiptStore
 from canner.sinks.base import DeliveryFailed, RemoteCheck, Sink
 from canner.tus.store import UploadStore
@@ -61,6 +62,7 @@ FOLLOW_UP_CONCURRENCY = 4
 FOLLOW_UP_LIMIT = 600.0
 # DeliveryFailed.kind of a local payload that is missing, unreadable or changed.
 LOCAL_PAYLOAD = "local_payload"
+OBJECT = Outbound.OBJECT
 
 
 @define(eq=False)
@@ -91,6 +93,7 @@ class DeliveryService(Service):
     _starting: Deferred[None] | None = None
     _stopping: threading.Event = field(factory=threading.Event)
     in_flight: InFlight | None = None
+    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.in_flight is None:
@@ -247,11 +250,14 @@ class DeliveryService(Service):
             project=row.project,
             attempt=row.attempts,
         )
+        self.observer.attempt_started(OBJECT, row.project, row.attempts)
+        sink = self._sinks[row.project]
         try:
             row = await self._prepare(row)
-            delivered = await self._sinks[row.project].deliver(
-                row, self._uploads.data_path(row.object_id), in_flight.uploading(row.object_id)
+            progress = counting_sent(
+                in_flight.uploading(row.object_id), self.observer, OBJECT, sink.destination
             )
+            delivered = await sink.deliver(row, self._uploads.data_path(row.object_id), progress)
         except DeliveryFailed as e:
             await self._record_failure(
                 row,
@@ -278,6 +284,7 @@ class DeliveryService(Service):
             remote_name=delivered.remote_name,
             attempt=row.attempts,
         )
+        self.observer.delivered(OBJECT, row.project)
 
     async def _prepare(self, row: QueueRow) -> QueueRow:
         """Check the local payload against its receipt, once, and store its MD5."""
@@ -332,6 +339,7 @@ class DeliveryService(Service):
             needs_operator=needs_operator,
             failure_class=kind,
         )
+        self.observer.delivery_failed(OBJECT, row.project, kind, needs_operator)
 
     def _record_interruption(self, failure: Any, row: QueueRow) -> Deferred[None]:
         """Cancelled (shutdown), timed out or crashed: back to retry_wait."""
@@ -377,6 +385,7 @@ class DeliveryService(Service):
                 )
                 return
             await self._index.run(sql.record_purged, row.object_id, now)
+            self.observer.purged(OBJECT)
             log.info(
                 "purged local payload of {object_id}",
                 object_id=row.object_id,
@@ -391,6 +400,7 @@ class DeliveryService(Service):
         check = await self._sinks[row.project].verify(row, path)
         if check.verified:
             await self._index.run(sql.record_verified, row.object_id, now)
+            self.observer.verified(OBJECT)
             log.info(
                 "verified {object_id} at its destination",
                 object_id=row.object_id,
@@ -440,6 +450,7 @@ class DeliveryService(Service):
             f" (re-delivery {count} of {MAX_REDELIVERIES})"
         )
         if await self._index.run(sql.redeliver, row.object_id, reason, now):
+            self.observer.redelivered(OBJECT, row.project)
             log.warn(
                 "{object_id} is still not listed at its destination {timeout:g}s after its"
                 " delivery: delivering it again (re-delivery {count} of {limit})",

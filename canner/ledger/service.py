@@ -48,13 +48,16 @@ from canner.ledger.steps import (
     remove_receipts,
     write_ledger,
 )
+from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver
 from canner.receipts import ReceiptStore
 from canner.sinks.internet_archive import IASink
 from canner.sinks.metadata import metadata_headers, metadata_key_problem
 from canner.sinks.plan import ItemPlan, identifier_problem
-from canner.sinks.wire import RemoteFile, Unknown
+from canner.sinks.wire import RemoteFile, Unknown, failure_class
 
 log = Logger()
+
+LEDGER = Outbound.LEDGER
 
 TICK = 1.0
 ASSIGN_INTERVAL = 60.0
@@ -133,6 +136,7 @@ class LedgerService(Service):
     _unlink: BlockingRunner | None = None
     # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
     guard: DeferredLock = field(factory=DeferredLock)
+    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
     _adopted: bool = False
     _assigned_at: float = float("-inf")
     _loop: LoopingCall | None = None
@@ -279,8 +283,18 @@ class LedgerService(Service):
 
     async def _upload(self, row: store.LedgerRow, now: float) -> bool:
         plan = ledger_plan(self._config, row)
+        # ``attempts`` counts the failed ones (uploads and verifications) so far.
+        self.observer.attempt_started(LEDGER, "", row.attempts + 1)
         result = await self._sink.deliver(plan, self._ledgers.ledger_path(row.name))
+        if result.bytes_sent:
+            self.observer.bytes_sent(LEDGER, Destination.IA, result.bytes_sent)
         if not result.delivered:
+            self.observer.delivery_failed(
+                LEDGER,
+                "",
+                failure_class(result.status, result.outcome.reason),
+                result.outcome.needs_operator,
+            )
             delay = retry_delay(row.attempts, 0.5, needs_operator=result.outcome.needs_operator)
             await self._index.run(
                 store.record_ledger_failure,
@@ -302,6 +316,7 @@ class LedgerService(Service):
             "written",
             {"state": "uploaded", "uploaded_at": self._clock.seconds()},
         )
+        self.observer.delivered(LEDGER, "")
         log.info(
             "uploaded ledger {ledger} to {identifier}", ledger=row.name, identifier=plan.identifier
         )
@@ -332,6 +347,7 @@ class LedgerService(Service):
                 "last_error": None,
             }
             await self._index.run(store.update_ledger, row.ledger_id, row.state, values)
+            self.observer.verified(LEDGER)
             log.info(
                 "verified ledger {ledger} at {identifier}",
                 ledger=row.name,
@@ -408,6 +424,8 @@ class LedgerService(Service):
             "deleting",
             {"state": "done", "done_at": self._clock.seconds()},
         )
+        # The ledger's local purge: the records it archived are gone from this node.
+        self.observer.purged(LEDGER)
         log.info(
             "ledger {ledger} done: local state of its {count} records deleted",
             ledger=row.name,

@@ -32,6 +32,7 @@ from canner.config import ProjectConfig
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.liveness import InFlight
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, retry_delay, verify_delay
+from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, PackageRow, RestoredPackage
 from canner.packaging.megawarc import (
@@ -52,6 +53,8 @@ from canner.tus.store import UploadStore
 
 log = Logger()
 
+PACKAGE = Outbound.PACKAGE
+
 TICK_INTERVAL = 1.0
 FOLLOW_UP_CONCURRENCY = 2
 JOB_LIMIT = 24 * 3600.0
@@ -67,6 +70,9 @@ class PackageSink(Protocol):
     ) -> Deferred[Delivered]: ...
 
     def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]: ...
+
+    @property
+    def destination(self) -> Destination: ...
 
 
 def purge_sources(
@@ -169,6 +175,7 @@ class PackagingService(Service):
     _in_flight: InFlight | None = None
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
+    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
     _building: dict[int, Deferred[None]] = field(factory=dict)
     _delivering: dict[int, Deferred[None]] = field(factory=dict)
     _checking: dict[int, Deferred[None]] = field(factory=dict)
@@ -496,6 +503,7 @@ class PackagingService(Service):
 
     async def _deliver(self, row: PackageRow) -> None:
         sink = self._sinks[row.project]
+        self.observer.attempt_started(PACKAGE, row.project, row.attempts)
         names: dict[str, str] = {}
         identifier = ""
         try:
@@ -522,6 +530,8 @@ class PackagingService(Service):
                 error=str(e),
                 needs_operator=needs_operator,
             )
+            reason = "other" if isinstance(e, PlanError) else e.kind
+            self.observer.delivery_failed(PACKAGE, row.project, reason, needs_operator)
             return
         retention = self._projects[row.project].delivery
         assert retention is not None
@@ -541,16 +551,20 @@ class PackagingService(Service):
             identifier=identifier,
             files=len(names),
         )
+        self.observer.delivered(PACKAGE, row.project)
 
     async def _deliver_file(
         self, sink: PackageSink, row: PackageRow, plan: ItemPlan, path: Path
     ) -> Delivered:
+        def counted(report: Callable[[int], None]) -> Callable[[int], None]:
+            return counting_sent(report, self.observer, PACKAGE, sink.destination)
+
         if self._in_flight is None:
-            return await sink.deliver_planned(plan, path, lambda n: None)
+            return await sink.deliver_planned(plan, path, counted(lambda n: None))
         key = plan.object_id  # the package id: one file of a package is in flight at a time
         self._in_flight.begin(_flight_row(row, plan))
         try:
-            return await sink.deliver_planned(plan, path, self._in_flight.uploading(key))
+            return await sink.deliver_planned(plan, path, counted(self._in_flight.uploading(key)))
         finally:
             self._in_flight.end(key)
 
@@ -577,6 +591,7 @@ class PackagingService(Service):
                 self._store.record_delivery, row.package_id, self._record(row, plans, now, None)
             )
             await self._index.run(sql.record_remote_verified, row.batch_id, now)
+            self.observer.verified(PACKAGE)
             log.info(
                 "verified package {package} at {identifier}",
                 package=row.package_id,
@@ -601,6 +616,7 @@ class PackagingService(Service):
             )
             return
         await self._index.run(sql.record_purged, row.batch_id, now)
+        self.observer.purged(PACKAGE)
         log.info("purged local package {package}", package=row.package_id, project=row.project)
 
     def _record(

@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred
 
 from canner.config import DeliveryConfig
 from canner.delivery.index import QueueRow
+from canner.observe import Destination
 from canner.sinks.plan import ItemPlan, plan_upload
 
 
@@ -64,6 +65,11 @@ class RemoteCheck:
 
 class Sink(Protocol):
     """A delivery destination (the Internet Archive in production)."""
+
+    @property
+    def destination(self) -> Destination:
+        """What the bytes it reports sending count as (IA uploads or directory copies)."""
+        ...
 
     def deliver(
         self, row: QueueRow, path: Path, progress: Callable[[int], None]

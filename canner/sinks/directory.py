@@ -23,7 +23,7 @@ import string
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from attrs import define, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
@@ -37,6 +37,7 @@ from canner.checksum import Checksum, HashCancelled, blake3_file
 from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
 from canner.fs import fsync_dir, write_all
+from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, plan_row
 from canner.sinks.plan import PlanError, validate_delivery
 
@@ -297,6 +298,8 @@ class DirectorySink:
 
     ``run`` does the copying, ``hash`` the BLAKE3 re-reads; both keep I/O off the reactor thread.
     """
+
+    destination: ClassVar[Destination] = Destination.DIRECTORY
 
     _delivery: DeliveryConfig
     _root: Path

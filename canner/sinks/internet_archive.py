@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
 from attrs import define, field, frozen
@@ -30,6 +30,7 @@ from twisted.web.http_headers import Headers
 from canner.blocking import BlockingRunner
 from canner.config import ConfigError, DeliveryConfig
 from canner.delivery.index import QueueRow
+from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
     DeliveryFailed,
@@ -653,6 +654,8 @@ class _Attempt:
 @frozen
 class IADeliverySink:
     """One project's Internet Archive destination."""
+
+    destination: ClassVar[Destination] = Destination.IA
 
     _delivery: DeliveryConfig
     _sink: IASink

@@ -27,6 +27,7 @@ from canner import drain, fs
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
+from canner.observe import UNOBSERVED, UploadObserver
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.routing import Kind, Route
 from canner.tus import protocol
@@ -120,6 +121,7 @@ class UploadIntake:
     # The origin of an accepted upload whose payload was purged (its file in receipts/ went
     # with it): the delivery index has it.  Called from a worker thread; None when unknown.
     purged_origin: Callable[[str], Origin | None] = lambda upload_id: None
+    observer: UploadObserver = field(default=UNOBSERVED, kw_only=True)
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 
@@ -225,7 +227,12 @@ class UploadIntake:
         )
         # Everything the answer needs is checked before anything exists on disk.
         location = self._location(headers, info.upload_id)
-        return self._run(self._create, info, location, length != 0)
+        created = self._run(self._create, info, location, length != 0)
+        return created.addCallback(self._created, info.project)
+
+    def _created(self, result: LockedUpload | Outcome, project: str) -> LockedUpload | Outcome:
+        self.observer.upload_created(project)
+        return result
 
     def _location(self, headers: Headers, upload_id: str) -> str:
         forwarded: list[tuple[str, str]] = []
@@ -392,7 +399,13 @@ class UploadIntake:
                           error=str(failure.value))  # fmt: skip
             return _failure_status(failure)
 
-        return self._run(self._uploads.append, upload, chunks).addErrback(failed)
+        size = sum(map(len, chunks))
+
+        def stored(offset: int) -> int:
+            self.observer.bytes_stored(size)
+            return offset
+
+        return self._run(self._uploads.append, upload, chunks).addCallbacks(stored, failed)
 
     # -- after the body -------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urljoin
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 # Re-exported: the tests import them from here.
 from tests.upload_checks import b64 as b64
@@ -61,6 +62,16 @@ def parse_metadata(header: str) -> dict[str, str]:
         key, _, value = pair.strip().partition(" ")
         result[key] = base64.b64decode(value).decode("utf-8") if value else ""
     return result
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of a Prometheus endpoint, by name and labels."""
+    text = requests.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def free_port() -> int:

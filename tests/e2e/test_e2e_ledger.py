@@ -11,9 +11,11 @@ import json
 import signal
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from deliver_support import Env, envs, remove_index, wait_for
+from deliver_support import Env, FakeIA, envs, remove_index, wait_for
+from e2e_support import free_port, scrape
 from hq_support import (
     NODE,
     canner,
@@ -140,8 +142,16 @@ def test_flush_archives_released_records_in_a_verified_ledger(
 
 def test_wrong_remote_md5_is_flagged_and_uploaded_again(env_factory: Callable[..., Env]) -> None:
     """While IA's metadata shows a different MD5 for the ledger, nothing local is deleted, the
-    ledger is flagged and uploaded again; once the remote copy verifies, it completes."""
-    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    ledger is flagged and uploaded again; once the remote copy verifies, it completes.  The
+    deliver process's metrics count the ledger's attempts, bytes, verification and purge under
+    kind="ledger", like any other transfer."""
+    port = free_port()
+
+    def tables(fake: FakeIA, root: Path) -> str:
+        listen = f'\n[metrics]\ndeliver_listen = "tcp:{port}:interface=127.0.0.1"\n'
+        return ledger_tables(fake, root) + listen
+
+    env = env_factory(extra=tables, retention="1s", metadata_lag=0.3)
     receipts = archivable(env, 2, "wrongmd5")
     env.fake.add_fault("wrong_md5", count=1000, target="metadata")
     out = flush(env, timeout=8)
@@ -164,6 +174,17 @@ def test_wrong_remote_md5_is_flagged_and_uploaded_again(env_factory: Callable[..
     assert ledger["state"] == "done" and ledger["needs_operator"] is False
     for oid in receipts:
         assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+    samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    kind = frozenset({("kind", "ledger")})
+    attempts = samples[("canner_delivery_attempts_total", kind | {("project", "")})]
+    stored = env.fake.object(ledger["identifier"], ledger["remote_name"])
+    # Each attempt PUTs the whole file, unless IA already lists it with the right MD5.
+    assert stored is not None and attempts >= stored["puts"] >= 2
+    assert samples[("canner_ia_sent_bytes_total", kind)] == stored["puts"] * ledger["bytes"]
+    assert samples[("canner_deliveries_completed_total", kind | {("project", "")})] == attempts
+    assert samples[("canner_deliveries_verified_total", kind)] == 1
+    assert samples[("canner_purged_total", kind)] == 1
+    assert samples[("canner_deliveries_verified_total", frozenset({("kind", "object")}))] == 2
 
 
 def test_sigkill_during_delete_resumes_after_restart(env_factory: Callable[..., Env]) -> None:

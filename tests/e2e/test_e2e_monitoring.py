@@ -19,6 +19,7 @@ from e2e_support import REPO, free_port
 pytestmark = pytest.mark.e2e
 
 RULES = REPO / "conf" / "prometheus" / "canner-alerts.yml"
+ALERT_TESTS = Path(__file__).parent / "data"
 DASHBOARD = REPO / "conf" / "grafana" / "canner.json"
 METRIC = re.compile(r"\b((?:canner|process)_[a-z0-9_]+)\b")
 
@@ -51,7 +52,7 @@ def test_alert_rules_pass_promtool() -> None:
         check=False,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 10 rules found" in checked.stdout
+    assert "SUCCESS: 11 rules found" in checked.stdout
     names = set(METRIC.findall(" ".join(rule_expressions())))
     for needed in (
         "canner_deliver_up",
@@ -62,6 +63,20 @@ def test_alert_rules_pass_promtool() -> None:
         "canner_acceptance_failures_total",
     ):
         assert needed in names, needed
+
+
+def test_outbound_alert_fires_for_the_kind_that_fails() -> None:
+    """``promtool test rules``: CannerOutboundFailing fires for ledgers failing an hour with none
+    delivered, and not for objects that fail now and then but keep being delivered."""
+    tested = subprocess.run(
+        [promtool(), "test", "rules", str(ALERT_TESTS / "outbound_alert_test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout
 
 
 def test_dashboard_is_grafana_json_with_a_query_per_panel() -> None:

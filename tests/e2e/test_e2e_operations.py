@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 from deliver_support import (
     PROJECT,
     Deliver,
@@ -39,8 +38,7 @@ from deliver_support import (
     venv_bin,
     wait_for,
 )
-from e2e_support import REPO, Receiver, blake3_hex, free_port
-from prometheus_client.parser import text_string_to_metric_families
+from e2e_support import REPO, Receiver, blake3_hex, free_port, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -89,15 +87,6 @@ def short_dir() -> Iterator[Path]:
 
 
 # -- helpers: metrics, the canner command, Chromium ------------------------------------------
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = requests.get(url, timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def metric(
@@ -348,7 +337,8 @@ def test_status_page_matches_status_json_and_metrics(tmp_path: Path) -> None:
     assert metric(samples, "canner_accepted_bytes_total", project="other") == 33_000
     assert metric(samples, "canner_uploads_rejected_total", reason="checksum_mismatch") == 1
     assert metric(samples, "canner_uploads_rejected_total", reason="invalid_request") == 1
-    assert metric(samples, "canner_received_bytes_total") == 253_000 + 3_000
+    # Every byte written to the store, the rejected upload's 500 included.
+    assert metric(samples, "canner_received_bytes_total") == 253_000 + 3_000 + 500
     assert metric(samples, "canner_acceptance_seconds_count") == 3
     assert metric(samples, "canner_hash_seconds_count") == 3
     assert metric(samples, "canner_oldest_undelivered_age_seconds") >= 0
@@ -503,14 +493,15 @@ def test_deliver_metrics_manhole_retry_and_rebuild_guard(tmp_path: Path, short_d
             "deliver's gauges to show the delivery",
         )
         # Bytes are counted as they stream: the refused attempt sent the body too.
-        assert metric(samples, "canner_ia_sent_bytes_total") == 2 * 200_000
+        obj = {"project": PROJECT, "kind": "object"}
+        assert metric(samples, "canner_ia_sent_bytes_total", kind="object") == 2 * 200_000
         assert metric(samples, "canner_delivered_bytes") == 200_000
-        assert metric(samples, "canner_deliveries_completed_total", project=PROJECT) == 1
-        assert metric(samples, "canner_delivery_retries_total", project=PROJECT) >= 1
+        assert metric(samples, "canner_deliveries_completed_total", **obj) == 1
+        assert metric(samples, "canner_delivery_retries_total", **obj) >= 1
         failures = metric(
             samples,
             "canner_delivery_failures_total",
-            project=PROJECT,
+            **obj,
             needs_operator="true",
             reason="forbidden",
         )

@@ -301,6 +301,7 @@ class InMemoryReceiver:
     site: ReceiverSite
     intake: UploadIntake
     enqueued: list[tuple[Receipt, Origin]]
+    metrics: Metrics
     connections: list[Connection] = field(factory=list)
     _port: int = 40000
 
@@ -328,6 +329,7 @@ class InMemoryReceiver:
         for sub in ("uploads", "receipts"):
             (config.data_dir / sub).mkdir(exist_ok=True)
         enqueued: list[tuple[Receipt, Origin]] = []
+        metrics = Metrics(RECEIVER, config.projects)
         parts = receiver_parts(
             config,
             UploadStore(config.data_dir / "uploads"),
@@ -337,14 +339,17 @@ class InMemoryReceiver:
             clock=clock,  # also the channels' timers: idle timeout, head deadline, linger
             enqueue=lambda receipt, origin: enqueued.append((receipt, origin)),
             index=None,
-            metrics=Metrics(RECEIVER, config.projects),
+            metrics=metrics,
             problems=RecentProblems(),
             connection_limits=ConnectionLimits(
                 config.connections.max, config.connections.max_per_client
             ),
         )
         site, intake = parts.site, parts.intake
-        return cls(config.data_dir, config, clock, io, hashing, site, intake, enqueued)
+        return cls(config.data_dir, config, clock, io, hashing, site, intake, enqueued, metrics)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
     # -- driving it -------------------------------------------------------------------------------
 

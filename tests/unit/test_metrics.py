@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import importlib
-import inspect
-import os
 import re
 from functools import partial
 from pathlib import Path
@@ -18,17 +14,16 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import Logger, LogLevel, LogPublisher, globalLogPublisher
-from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
 from canner import inventory
+from canner.acceptance import Acceptance
 from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
 from canner.inventory import Survey, take_survey
-from canner.logs import EVENTS, event_kind
 from canner.metrics import (
     DELIVER,
     RECEIVER,
@@ -36,8 +31,8 @@ from canner.metrics import (
     MetricsPage,
     SurveyCache,
     SurveyCollector,
-    TimedAcceptance,
 )
+from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, UploadObserver
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
@@ -68,98 +63,77 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def event(kind: str, **fields: Any) -> dict[str, Any]:
-    namespace, prefix = EVENTS[kind]
-    return {"log_namespace": namespace, "log_format": prefix + "...", "log_time": NOW, **fields}
+# -- the receiver's facts ----------------------------------------------------------------------
 
 
-# -- the event vocabulary ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", sorted(EVENTS))
-def test_counted_event_templates_exist_in_their_modules(kind: str) -> None:
-    """Every template that metrics count is still emitted, verbatim, by its module."""
-    namespace, prefix = EVENTS[kind]
-    source = inspect.getsource(importlib.import_module(namespace))
-    assert f'"{prefix}' in source, f"{namespace} no longer logs {prefix!r}: update canner.logs"
-
-
-def test_event_kind_needs_namespace_and_template() -> None:
-    """An event is classified by its emitting module and the start of its template only."""
-    assert event_kind(event("accepted")) == "accepted"
-    assert event_kind({**event("accepted"), "log_namespace": "elsewhere"}) is None
-    assert event_kind({"log_namespace": "canner.acceptance", "log_format": "other"}) is None
-    assert event_kind({"log_namespace": "canner.acceptance"}) is None
-
-
-# -- counters from events ----------------------------------------------------------------------
-
-
-def test_receiver_events_are_counted_by_project_and_reason() -> None:
-    """Accepted objects and bytes per project, hash time, checksum rejections, sweeps."""
+def test_upload_facts_are_counted_by_project_and_reason() -> None:
+    """Creations and accepted objects and bytes per configured project (anything else is ""),
+    hash and acceptance time, checksum rejections, storage failures, sweeps, bytes stored."""
     m = Metrics(RECEIVER, ["example"])
-    m.observe_event(event("accepted", project="example", size=100, hash_s=0.25))
-    m.observe_event(event("accepted", project="example", size=50, hash_s=0.5))
-    m.observe_event(event("rejected", project="example", reason="checksum mismatch"))
-    m.observe_event(event("acceptance_failed", project="example", error="EIO"))
-    m.observe_event(event("stale_removed", count=3, ids=[]))
-    m.observe_event({"log_namespace": "canner.acceptance", "log_format": "unrelated"})
+    m.upload_created("example")
+    m.upload_created("not configured")
+    m.bytes_stored(100)
+    m.bytes_stored(250)
+    m.upload_accepted("example", 100, 0.25, 0.5)
+    m.upload_accepted("example", 50, 0.5, 1.0)
+    m.checksum_mismatch("example")
+    m.acceptance_failed()
+    m.stale_removed(3)
+    assert sample(m, "canner_uploads_created_total", project="example") == 1
+    assert sample(m, "canner_uploads_created_total", project="") == 1
+    assert sample(m, "canner_received_bytes_total") == 350
     assert sample(m, "canner_uploads_accepted_total", project="example") == 2
     assert sample(m, "canner_accepted_bytes_total", project="example") == 150
     assert sample(m, "canner_hash_seconds_count") == 2
     assert sample(m, "canner_hash_seconds_sum") == 0.75
+    assert sample(m, "canner_acceptance_seconds_sum") == 1.5
     assert sample(m, "canner_uploads_rejected_total", reason="checksum_mismatch") == 1
     assert sample(m, "canner_acceptance_failures_total") == 1
     assert sample(m, "canner_stale_uploads_removed_total") == 3
 
 
-def test_deliver_events_count_attempts_retries_failures_and_bytes_sent() -> None:
-    """Attempts after the first are retries; failures are counted by reason class; IA bytes
-    are counted as the attempts report them."""
+@pytest.mark.parametrize("kind", list(Outbound))
+def test_outbound_facts_are_counted_the_same_for_every_kind(kind: Outbound) -> None:
+    """Objects, package files and ledgers: attempts after the first are retries, failures are
+    counted by reason class (an unknown class is "other"), bytes by destination, and
+    deliveries, verifications, purges and re-deliveries, each under its own kind only."""
     m = Metrics(DELIVER, ["example"])
-    m.observe_event(event("attempt", project="example", attempt=1))
-    m.observe_event(
-        event(
-            "delivery_failed",
-            project="example",
-            attempt=1,
-            needs_operator=True,
-            failure_class="forbidden",
-        )
-    )
-    m.observe_event(event("delivery_failed", project="example", failure_class="<made up>"))
-    m.observe_event(event("attempt", project="example", attempt=2))
-    m.sent(1000)
-    m.sent(234)
-    m.observe_event(event("copied", size=99, path="/archive/x/y"))
-    m.observe_event(event("delivered", project="example", identifier="x"))
-    m.observe_event(event("verified", identifier="x"))
-    m.observe_event(event("purged", identifier="x"))
-    m.observe_event(event("redelivered", project="example", count=1))
-    assert sample(m, "canner_redeliveries_total", project="example") == 1
-    assert sample(m, "canner_delivery_attempts_total", project="example") == 2
-    assert sample(m, "canner_delivery_retries_total", project="example") == 1
-    failures = sample(
-        m,
-        "canner_delivery_failures_total",
-        project="example",
-        needs_operator="true",
-        reason="forbidden",
-    )
-    assert failures == 1
-    other = sample(
-        m,
-        "canner_delivery_failures_total",
-        project="example",
-        needs_operator="false",
-        reason="other",
-    )
-    assert other == 1
-    assert sample(m, "canner_ia_sent_bytes_total") == 1234
-    assert sample(m, "canner_directory_copied_bytes_total") == 99
-    assert sample(m, "canner_deliveries_completed_total", project="example") == 1
-    assert sample(m, "canner_deliveries_verified_total") == 1
-    assert sample(m, "canner_purged_total") == 1
+    project = "" if kind is Outbound.LEDGER else "example"
+    m.attempt_started(kind, project, 1)
+    m.delivery_failed(kind, project, "forbidden", True)
+    m.delivery_failed(kind, project, "<made up>", False)
+    m.attempt_started(kind, project, 2)
+    m.bytes_sent(kind, Destination.IA, 1000)
+    m.bytes_sent(kind, Destination.IA, 234)
+    m.bytes_sent(kind, Destination.DIRECTORY, 99)
+    m.delivered(kind, project)
+    m.verified(kind)
+    m.purged(kind)
+    m.redelivered(kind, project)
+    labels = {"project": project, "kind": kind.value}
+    assert sample(m, "canner_delivery_attempts_total", **labels) == 2
+    assert sample(m, "canner_delivery_retries_total", **labels) == 1
+    assert sample(m, "canner_redeliveries_total", **labels) == 1
+    assert sample(m, "canner_deliveries_completed_total", **labels) == 1
+    failed = "canner_delivery_failures_total"
+    assert sample(m, failed, **labels, needs_operator="true", reason="forbidden") == 1
+    assert sample(m, failed, **labels, needs_operator="false", reason="other") == 1
+    assert sample(m, "canner_ia_sent_bytes_total", kind=kind.value) == 1234
+    assert sample(m, "canner_directory_copied_bytes_total", kind=kind.value) == 99
+    assert sample(m, "canner_deliveries_verified_total", kind=kind.value) == 1
+    assert sample(m, "canner_purged_total", kind=kind.value) == 1
+    for other in set(Outbound) - {kind}:
+        assert sample(m, "canner_deliveries_verified_total", kind=other.value) == 0
+
+
+def test_every_kind_is_exported_from_the_start() -> None:
+    """A fresh deliver process already shows a zero for each kind, so rate() and the
+    dashboards see the first package or ledger attempt."""
+    body = Metrics(DELIVER, ["example"]).render().decode()
+    for kind, project in (("object", "example"), ("package", "example"), ("ledger", "")):
+        line = f'canner_delivery_attempts_total{{kind="{kind}",project="{project}"}} 0.0'
+        assert line in body
+        assert f'canner_ia_sent_bytes_total{{kind="{kind}"}} 0.0' in body
 
 
 def test_each_role_exports_only_its_own_families() -> None:
@@ -172,26 +146,28 @@ def test_each_role_exports_only_its_own_families() -> None:
     assert "canner_uploads_accepted_total" not in deliver
 
 
-def test_events_with_odd_fields_are_ignored_not_fatal() -> None:
-    """Missing or non-numeric fields never raise from the observer."""
-    m = Metrics(RECEIVER, ["example"])
-    m.observe_event(event("accepted", project=None, size="big", hash_s=True))
-    m.observe_event(event("stale_removed", count=None))
-    assert sample(m, "canner_uploads_accepted_total", project="") == 1
-    assert sample(m, "canner_accepted_bytes_total", project="") == 0
-    assert sample(m, "canner_hash_seconds_count") == 0
+def test_the_metrics_implement_both_observers() -> None:
+    """Metrics is what the domain's observer seams are typed against (a method renamed on
+    either side fails here and in mypy)."""
+    upload: UploadObserver = Metrics(RECEIVER, [])
+    outbound: OutboundObserver = Metrics(DELIVER, [])
+    for protocol, observer in ((UploadObserver, upload), (OutboundObserver, outbound)):
+        for name, member in vars(protocol).items():
+            if callable(member) and not name.startswith("_"):
+                assert callable(getattr(observer, name)), name
+                assert callable(getattr(UNOBSERVED, name)), name
 
 
 def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
     """Driving the real acceptance code updates the accepted, hash, timing and rejection series
-    (so a renamed event or field breaks this test, not production dashboards)."""
+    through its observer; only an acceptance that ends with a receipt is timed."""
     (tmp_path / "uploads").mkdir()
     (tmp_path / "receipts").mkdir()
     uploads, receipts = UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
     clock = Clock()
     clock.advance(NOW)
     m = Metrics(RECEIVER, ["example"])
-    acceptance = TimedAcceptance(
+    acceptance = Acceptance(
         uploads,
         receipts,
         run_inline,
@@ -199,7 +175,7 @@ def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
         clock,
         "https://canner.test",
         lambda r, o: None,
-        observe=m.observe_acceptance,
+        observer=m,
     )
 
     def complete(object_id: str, data: bytes, declared: bytes) -> Any:
@@ -211,13 +187,9 @@ def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
         upload.write([data])
         return upload
 
-    globalLogPublisher.addObserver(m.observe_event)
-    try:
-        receipt = succeeded(acceptance.accept(complete(oid(1), b"hello", b"hello")))
-        bad = acceptance.accept(complete(oid(2), b"hello", b"other"))
-        bad.addErrback(lambda f: None)
-    finally:
-        globalLogPublisher.removeObserver(m.observe_event)
+    receipt = succeeded(acceptance.accept(complete(oid(1), b"hello", b"hello")))
+    bad = acceptance.accept(complete(oid(2), b"hello", b"other"))
+    bad.addErrback(lambda f: None)
     assert isinstance(receipt, Receipt)
     assert sample(m, "canner_uploads_accepted_total", project="example") == 1
     assert sample(m, "canner_accepted_bytes_total", project="example") == 5
@@ -229,33 +201,25 @@ def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
 # -- HTTP responses ----------------------------------------------------------------------------
 
 
-def metadata(project: str) -> list[bytes]:
-    value = base64.b64encode(project.encode()).decode()
-    return [f"checksum Zm9v,project {value}".encode()]
-
-
-def test_responses_count_creations_refusals_and_bytes_received() -> None:
-    """201 to POST /files/ is a creation (of a configured project); 4xx/5xx a refusal by reason;
-    bytes received are the offset a request moved."""
+def test_responses_count_methods_codes_and_refused_creations() -> None:
+    """Every answer by method and code; a creation answered 4xx/5xx is a refusal by reason."""
     m = Metrics(RECEIVER, ["example"])
-    m.observe_response("POST", True, 201, None, [b"0"], metadata("example"))
-    m.observe_response("POST", True, 201, None, [b"100"], metadata("example"))
-    m.observe_response("POST", True, 201, None, [b"0"], metadata("unknown"))
-    m.observe_response("POST", True, 400, None, None, metadata("unknown"))
-    m.observe_response("POST", True, 429, None, None, None)
-    m.observe_response("POST", True, 418, None, None, None)
-    m.observe_response("PATCH", False, 204, [b"100"], [b"350"])
-    m.observe_response("PATCH", False, 409, [b"0"], None)
-    m.observe_response("PATCH", False, 204, [b"x"], [b"400"])
-    m.observe_response("BREW", False, 405, None, None)
-    assert sample(m, "canner_uploads_created_total", project="example") == 2
-    assert sample(m, "canner_uploads_created_total", project="") == 1
+    m.observe_response("POST", True, 201)
+    m.observe_response("POST", True, 400)
+    m.observe_response("POST", True, 429)
+    m.observe_response("POST", True, 418)
+    m.observe_response("PATCH", False, 204)
+    m.observe_response("PATCH", False, 204)
+    m.observe_response("PATCH", False, 409)
+    m.observe_response("BREW", False, 405)
     assert sample(m, "canner_uploads_rejected_total", reason="invalid_request") == 1
     assert sample(m, "canner_uploads_rejected_total", reason="insufficient_storage") == 1
     assert sample(m, "canner_uploads_rejected_total", reason="http_418") == 1
-    assert sample(m, "canner_received_bytes_total") == 100 + 250
+    assert sample(m, "canner_uploads_rejected_total", reason="unsupported_media_type") == 0
     assert sample(m, "canner_http_responses_total", method="PATCH", code="204") == 2
     assert sample(m, "canner_http_responses_total", method="other", code="405") == 1
+    # Creations are the intake's fact, not a 201's.
+    assert sample(m, "canner_uploads_created_total", project="example") == 0
 
 
 def test_metered_site_reports_finished_requests() -> None:
@@ -263,16 +227,14 @@ def test_metered_site_reports_finished_requests() -> None:
     ReceiverRequest set them, to metrics."""
     m = Metrics(RECEIVER, ["example"])
     site = MeteredSite(Resource(), object(), m)  # type: ignore[arg-type]
-    request = DummyRequest([b"files", oid(1).encode()])
-    request.method = b"PATCH"
-    request.path = b"/files/" + oid(1).encode()
-    request.route = route(b"PATCH", request.path)  # type: ignore[attr-defined]
-    request.requestHeaders.setRawHeaders(b"Upload-Offset", [b"10"])
-    request.responseHeaders.setRawHeaders(b"Upload-Offset", [b"30"])
-    request.code = 204  # a real Request's attribute (DummyRequest has responseCode)
+    request = DummyRequest([b"files"])
+    request.method = b"POST"
+    request.path = b"/files/"
+    request.route = route(b"POST", request.path)  # type: ignore[attr-defined]
+    request.code = 413  # a real Request's attribute (DummyRequest has responseCode)
     site.log(request)
-    assert sample(m, "canner_http_responses_total", method="PATCH", code="204") == 1
-    assert sample(m, "canner_received_bytes_total") == 20
+    assert sample(m, "canner_http_responses_total", method="POST", code="413") == 1
+    assert sample(m, "canner_uploads_rejected_total", reason="too_large") == 1
 
 
 # -- the survey --------------------------------------------------------------------------------
@@ -489,13 +451,13 @@ def test_deliver_metrics_page_serves_the_exposition_format() -> None:
     assert response.code == 200
     assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
     body = succeeded(response.text())
-    assert 'canner_delivery_attempts_total{project="example"} 0.0' in body
+    assert 'canner_delivery_attempts_total{kind="object",project="example"} 0.0' in body
 
 
 def test_metrics_use_a_private_registry() -> None:
     """Two Metrics objects never share series (nor touch prometheus_client's global registry)."""
     a, b = Metrics(RECEIVER, ["example"]), Metrics(RECEIVER, ["example"])
-    a.observe_event(event("accepted", project="example", size=1))
+    a.upload_accepted("example", 1, 0.0, 0.0)
     assert sample(a, "canner_uploads_accepted_total", project="example") == 1
     assert sample(b, "canner_uploads_accepted_total", project="example") == 0
     assert isinstance(a.registry, CollectorRegistry)
@@ -638,33 +600,6 @@ def test_take_survey_records_unreadable_free_space(tmp_path: Path) -> None:
     survey = take_survey(tmp_path / "missing", IDS, NOW)
     assert survey.free_bytes is None and survey.free_error
     assert survey.active_uploads == ()
-
-
-def test_accept_records_nothing_for_a_failed_acceptance(tmp_path: Path) -> None:
-    """Only acceptances that end with a receipt are timed."""
-    (tmp_path / "uploads").mkdir()
-    (tmp_path / "receipts").mkdir()
-    uploads = UploadStore(tmp_path / "uploads")
-    seen: list[float] = []
-    acceptance = TimedAcceptance(
-        uploads,
-        ReceiptStore(tmp_path / "receipts"),
-        run_inline,
-        run_inline,
-        Clock(),
-        "https://canner.test",
-        lambda r, o: None,
-        observe=seen.append,
-    )
-    digest = blake3.blake3(b"other").hexdigest()
-    info = UploadInfo(oid(1), 5, {"project": "example", "checksum": f"blake3:{digest}"}, 1)
-    uploads.create(info)
-    upload = uploads.open_locked(info)
-    upload.write([b"hello"])
-    failed: list[Failure] = []
-    acceptance.accept(upload).addErrback(failed.append)
-    assert failed and seen == []
-    assert os.path.exists(uploads.info_path(oid(1)))
 
 
 def test_status_requests_share_surveys(data_dir: Path) -> None:

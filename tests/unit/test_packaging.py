@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
@@ -20,6 +20,7 @@ from canner.delivery.liveness import InFlight
 from canner.ids import ObjectIds
 from canner.inventory import survey_json, take_survey
 from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
+from canner.observe import Destination
 from canner.packaging import batches as sql
 from canner.packaging.megawarc import INDEX, TAR, WARC_GZ
 from canner.packaging.pipeline import PackagingService
@@ -38,6 +39,8 @@ RETENTION = 3600.0
 @define(eq=False)
 class FakeItems:
     """A PackageSink that keeps what it was sent, by item and name."""
+
+    destination: ClassVar[Destination] = Destination.IA
 
     files: dict[tuple[str, str], bytes] = field(factory=dict)
     puts: list[str] = field(factory=list)
@@ -94,6 +97,7 @@ class Harness:
         self, tmp_path: Path, target: str = "3000", max_wait: str = "1h", in_flight: Any = None
     ) -> None:
         self.in_flight = in_flight
+        self.metrics = Metrics(DELIVER, ["example"])
         self.tmp = tmp_path
         for sub in ("uploads", "receipts"):
             (tmp_path / sub).mkdir(exist_ok=True)
@@ -109,6 +113,9 @@ class Harness:
         self.accepted: dict[str, bytes] = {}
         # Ids a verified ledger owns (ArchivedIds.contains in production).
         self.archived: set[str] = set()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
     def open_index(self) -> None:
         self.index = SyncIndex(self.tmp / "delivery.sqlite")
@@ -127,6 +134,7 @@ class Harness:
             in_flight=self.in_flight,
             random=lambda: 0.0,
             archived=lambda oid: oid in self.archived,
+            observer=self.metrics,
         )
 
     def accept(self, data: bytes, name: str = "a.warc.gz") -> str:
@@ -221,6 +229,16 @@ def test_a_package_goes_from_batch_to_ia_and_sources_then_package_are_purged(
     assert row.purged_at is not None
     left = {p.name for p in h.store.directory(row.package_id).iterdir()}
     assert left == {row.package_id + INDEX, row.package_id + ".delivery.json"}
+    # Counted like objects, under kind="package" (one attempt, delivery, verification and
+    # purge for the package; every byte of its three files).
+    package = {"project": "example", "kind": "package"}
+    assert h.metric("canner_delivery_attempts_total", **package) == 1
+    assert h.metric("canner_deliveries_completed_total", **package) == 1
+    assert h.metric("canner_deliveries_verified_total", kind="package") == 1
+    assert h.metric("canner_purged_total", kind="package") == 1
+    sent = sum(len(h.items.files[key]) for key in h.items.files)
+    assert h.metric("canner_ia_sent_bytes_total", kind="package") == sent > 0
+    assert h.metric("canner_delivery_attempts_total", project="example", kind="object") == 0
 
 
 def test_a_member_corrupted_after_acceptance_is_flagged_and_the_batch_goes_on(
@@ -268,6 +286,9 @@ def test_failed_deliveries_retry_with_backoff_and_nothing_is_sent_twice(tmp_path
     (row,) = h.packages()
     assert row.delivery_state == "delivered" and len(h.items.puts) == 2
     assert row.attempts == 2
+    failed = {"project": "example", "needs_operator": "false", "reason": "other"}
+    assert h.metric("canner_delivery_failures_total", **failed, kind="package") == 1
+    assert h.metric("canner_delivery_retries_total", project="example", kind="package") == 1
 
 
 def test_rebuild_from_disk_brings_back_packages_before_and_after_purge(tmp_path: Path) -> None:

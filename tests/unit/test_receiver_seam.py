@@ -201,6 +201,10 @@ def test_a_quiet_writer_is_taken_over_and_its_bytes_are_kept(
     assert stalled.closed and stalled.transport.aborted
     assert stalled.written == b"", "the stalled request got an answer"
     rcv.verify_receipt(r.header("Artifact-Receipt"), oid, DATA)
+    # The intake counts what it stored, the unanswered request's bytes too, exactly once.
+    assert rcv.metric("canner_received_bytes_total") == len(DATA)
+    assert rcv.metric("canner_uploads_created_total", project="example") == 1
+    assert rcv.metric("canner_uploads_accepted_total", project="example") == 1
 
 
 def test_a_writer_not_yet_quiet_is_waited_for_then_taken_over(rcv: InMemoryReceiver) -> None:

@@ -33,6 +33,7 @@ from canner.delivery.queue import (
 )
 from canner.delivery.scheduler import DeliveryService
 from canner.journal import Journal, JournalLog, JournalLookup
+from canner.metrics import DELIVER, Metrics
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
 from canner.sinks.base import RemoteCheck
 from canner.tus.store import UploadStore
@@ -102,6 +103,7 @@ class Harness:
         self.clock = Clock()
         self.clock.advance(1_000_000)
         self.sink = FakeSink()
+        self.metrics = Metrics(DELIVER, ["example"])
         self.service = DeliveryService(
             self.index,
             self.uploads,
@@ -115,6 +117,7 @@ class Harness:
             concurrency,
             random=lambda: 0.0,
             verify_timeouts={"example": verify_timeout},
+            observer=self.metrics,
         )
 
     def accept(self, n: int, data: bytes = b"payload") -> list[str]:
@@ -138,6 +141,9 @@ class Harness:
 
     def tick(self) -> None:
         self.service.tick()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture
@@ -199,6 +205,8 @@ def test_operator_errors_are_flagged_and_keep_retrying(harness: Harness) -> None
     row = harness.row(oid)
     assert row.needs_operator == 1 and row.state == "retry_wait"
     assert row.next_attempt_at == pytest.approx(harness.clock.seconds() + 3600)
+    failed = {"project": "example", "needs_operator": "true", "reason": "other"}
+    assert harness.metric("canner_delivery_failures_total", **failed, kind="object") == 1
 
 
 def test_payload_that_no_longer_matches_its_receipt_is_never_sent(harness: Harness) -> None:
@@ -247,6 +255,13 @@ def test_delivery_then_verification_then_purge_after_retention(harness: Harness)
     assert (record.identifier, record.purged_at) == (f"item-{oid}", row.purged_at)
     assert origin == Origin("example", None)
     assert not harness.receipts.origin_path(oid).exists()
+    # Each step counted once, for kind="object" only.
+    obj = {"project": "example", "kind": "object"}
+    assert harness.metric("canner_delivery_attempts_total", **obj) == 1
+    assert harness.metric("canner_deliveries_completed_total", **obj) == 1
+    assert harness.metric("canner_deliveries_verified_total", kind="object") == 1
+    assert harness.metric("canner_purged_total", kind="object") == 1
+    assert harness.metric("canner_deliveries_verified_total", kind="package") == 0
 
 
 def _deliver(h: Harness, oid: str) -> None:
@@ -286,6 +301,8 @@ def test_unlisted_delivery_is_delivered_again_after_verify_timeout(harness: Harn
     row = h.row(oid)
     assert row.state == "delivered" and row.verified_at == h.clock.seconds()
     assert row.redeliveries == 1 and row.last_error is None and row.needs_operator == 0
+    assert h.metric("canner_redeliveries_total", project="example", kind="object") == 1
+    assert h.metric("canner_delivery_retries_total", project="example", kind="object") == 1
 
 
 def test_repeatedly_lost_delivery_is_flagged_not_redelivered(harness: Harness) -> None:

@@ -1,0 +1,148 @@
+"""What the domain tells the metrics: typed observers, and a silent default.
+
+The domain calls an observer at the moment a fact becomes true (an upload created, bytes stored,
+a receipt committed, an attempt started, bytes sent, a copy verified ...);
+:class:`canner.metrics.Metrics` implements both protocols.  No metric is derived from the wording
+of a log line or from headers parsed a second time: logs say what happened for people, observers
+count it for Prometheus, and either can change without the other.
+
+Calls come from the reactor thread, or from a worker thread where noted; implementations must be
+cheap and must not raise.
+
+Three kinds of file leave a node (:class:`Outbound`): objects delivered one by one, megawarc
+package files and ledgers.  Every outbound call names its kind, so a dashboard can tell a stuck
+ledger from a stuck object queue.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Outbound(enum.Enum):
+    """What kind of file an outbound transfer moves."""
+
+    OBJECT = "object"
+    PACKAGE = "package"
+    LEDGER = "ledger"
+
+
+class Destination(enum.Enum):
+    """Where a sink sends bytes."""
+
+    IA = "ia"
+    DIRECTORY = "directory"
+
+
+class UploadObserver(Protocol):
+    """The receiver's facts about uploads."""
+
+    def upload_created(self, project: str) -> None:
+        """A tus creation made a new upload (before its answer is sent)."""
+
+    def bytes_stored(self, count: int) -> None:
+        """``count`` bytes of an upload body were written (from a worker thread or not)."""
+
+    def upload_accepted(self, project: str, size: int, hash_seconds: float, seconds: float) -> None:
+        """A receipt was committed: ``seconds`` from the last byte to the durable receipt."""
+
+    def checksum_mismatch(self, project: str) -> None:
+        """An upload's stored bytes did not match its declared checksum: rejected for good."""
+
+    def acceptance_failed(self) -> None:
+        """An acceptance failed on storage; the client retries."""
+
+    def stale_removed(self, count: int) -> None:
+        """The sweep removed ``count`` abandoned partial uploads."""
+
+
+class OutboundObserver(Protocol):
+    """The facts of every transfer that leaves the node, whatever its kind."""
+
+    def attempt_started(self, kind: Outbound, project: str, attempt: int) -> None:
+        """Attempt number ``attempt`` (1-based) to send a file began."""
+
+    def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
+        """``count`` more payload bytes reached the sink's connection or copy."""
+
+    def delivered(self, kind: Outbound, project: str) -> None:
+        """The destination accepted the whole file (not yet verified)."""
+
+    def delivery_failed(
+        self, kind: Outbound, project: str, reason: str, needs_operator: bool
+    ) -> None:
+        """An attempt failed; ``reason`` is a failure class (``network``, ``forbidden`` ...)."""
+
+    def verified(self, kind: Outbound) -> None:
+        """The remote copy was checked and found right."""
+
+    def purged(self, kind: Outbound) -> None:
+        """The local copy was removed after a verified delivery."""
+
+    def redelivered(self, kind: Outbound, project: str) -> None:
+        """A delivered file still missing at its destination was sent to be delivered again."""
+
+
+class Unobserved:
+    """Both observers, doing nothing: the default where nobody counts (tests, the CLI)."""
+
+    def upload_created(self, project: str) -> None:
+        pass
+
+    def bytes_stored(self, count: int) -> None:
+        pass
+
+    def upload_accepted(self, project: str, size: int, hash_seconds: float, seconds: float) -> None:
+        pass
+
+    def checksum_mismatch(self, project: str) -> None:
+        pass
+
+    def acceptance_failed(self) -> None:
+        pass
+
+    def stale_removed(self, count: int) -> None:
+        pass
+
+    def attempt_started(self, kind: Outbound, project: str, attempt: int) -> None:
+        pass
+
+    def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
+        pass
+
+    def delivered(self, kind: Outbound, project: str) -> None:
+        pass
+
+    def delivery_failed(
+        self, kind: Outbound, project: str, reason: str, needs_operator: bool
+    ) -> None:
+        pass
+
+    def verified(self, kind: Outbound) -> None:
+        pass
+
+    def purged(self, kind: Outbound) -> None:
+        pass
+
+    def redelivered(self, kind: Outbound, project: str) -> None:
+        pass
+
+
+UNOBSERVED = Unobserved()
+
+
+def counting_sent(
+    report: Callable[[int], None],
+    observer: OutboundObserver,
+    kind: Outbound,
+    destination: Destination,
+) -> Callable[[int], None]:
+    """A sink's progress callback that also tells ``observer`` of the bytes sent."""
+
+    def sent(count: int) -> None:
+        report(count)
+        observer.bytes_sent(kind, destination, count)
+
+    return sent
