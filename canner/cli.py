@@ -585,17 +585,72 @@ def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> in
             f"{row.object_id} ({row.project}) is delivered and verified: its flag is cleared;"
             f" it said: {row.last_error}\n"
         )
+    files = _write(data_dir, _retry_flagged_files, project, io.now())
+    for kind, name, last_error in files:
+        _say_file_retried(kind, name, last_error, io)
     io.out.write(
-        f"{len(rows)} deliveries needing an operator are due now: canner-deliver retries them"
-        " within a second\n"
+        f"{len(rows) + len(files)} deliveries needing an operator are due now: canner-deliver"
+        " retries them within a second\n"
     )
     return 0
+
+
+def _retry_file(cur: sqlite3.Cursor, name: str, now: float) -> tuple[str, Any] | None:
+    """A megawarc package or a ledger named ``name`` retried: ("package" | "ledger", its row
+    before); ("package" | "ledger", None) when it exists but there is nothing to retry; None
+    when no package or ledger has that name."""
+    before = psql.operator_retry(cur, name, now)
+    if before is not None:
+        return "package", before
+    cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (name,))
+    if cur.fetchone() is not None:
+        return "package", None
+    ledger = ledger_store.operator_retry(cur, name, now)
+    if ledger is not None:
+        return "ledger", ledger
+    cur.execute("SELECT 1 FROM ledgers WHERE name = ?", (name,))
+    return ("ledger", None) if cur.fetchone() is not None else None
+
+
+def _retry_flagged_files(
+    cur: sqlite3.Cursor, project: str | None, now: float
+) -> list[tuple[str, str, str | None]]:
+    """Every flagged package (of ``project``) and, without a project, every flagged ledger,
+    retried: (kind, name, last error)."""
+    done = []
+    for package_id in psql.flagged_packages(cur, project):
+        row = psql.operator_retry(cur, package_id, now)
+        if row is not None:
+            done.append(("package", package_id, row.last_error))
+    for name in ledger_store.flagged_ledgers(cur) if project is None else []:
+        ledger = ledger_store.operator_retry(cur, name, now)
+        if ledger is not None:
+            done.append(("ledger", name, ledger.last_error))
+    return done
+
+
+def _say_file_retried(kind: str, name: str, last_error: str | None, io: Io) -> None:
+    io.out.write(
+        f"{kind} {name} is due now: canner-deliver sends it again within a second"
+        f" (last error: {last_error or 'none'})\n"
+    )
 
 
 def retry(config_path: Path, object_id: str, io: Io) -> int:
     config = load_config(config_path)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
+    named = _write(data_dir, _retry_file, object_id, io.now())
+    if named is not None:
+        kind, before = named
+        if before is None:
+            raise CommandError(
+                f"{kind} {object_id} has nothing to retry: it is delivered and verified, or"
+                " on its way (a retry takes one waiting for an attempt, or delivered and not"
+                " verified)"
+            )
+        _say_file_retried(kind, object_id, before.last_error, io)
+        return 0
     oid = _object_id(config, object_id)
     made_due, before, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None or before is None:
@@ -968,13 +1023,17 @@ def _parser() -> argparse.ArgumentParser:
     again = command(
         "retry",
         "make a retry_wait delivery due now, or deliver a delivered but unverified one again"
-        " (or every flagged one)",
+        " (an object, a megawarc package or a ledger; or every flagged one)",
     )
-    again.add_argument("object_id", nargs="?", help="an object id or a unique prefix of one")
+    again.add_argument(
+        "object_id",
+        nargs="?",
+        help="an object id (or a unique prefix of one), a megawarc package id, or a ledger name",
+    )
     again.add_argument(
         "--needs-operator",
         action="store_true",
-        help="every delivery flagged for an operator (after fixing the cause)",
+        help="every object, package and ledger flagged for an operator (after fixing the cause)",
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
     command("packages", "one JSON line per megawarc batch and package")

@@ -240,13 +240,18 @@ def summarize_index(
     )
     delivered = tuple(QueueRow(*row) for row in cur.fetchall())
     phases, phase_bytes, flagged_packages = package_phases(cur)
+    try:
+        cur.execute("SELECT count(*) FROM ledgers WHERE needs_operator != 0 AND state != 'done'")
+        flagged_ledgers = int(cur.fetchone()[0])
+    except sqlite3.OperationalError:  # an index from before ledgers
+        flagged_ledgers = 0
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,
         projects=tuple(ProjectTotals(p, **t) for p, t in sorted(totals.items())),
         oldest_undelivered_at=float(oldest) if oldest is not None else None,
-        # A package's delivery is a delivery: its flag counts like an object's.
-        needs_operator=needs_operator + flagged_packages,
+        # A package's or a ledger's delivery is a delivery: its flag counts like an object's.
+        needs_operator=needs_operator + flagged_packages + flagged_ledgers,
         purge_overdue=overdue,
         oldest_purge_due=first_due,
         recent_failures=recent,

@@ -162,6 +162,29 @@ def update_ledger(cur: sqlite3.Cursor, ledger_id: int, expect: str, values: dict
     return cur.rowcount == 1
 
 
+def operator_retry(cur: sqlite3.Cursor, name: str, now: float) -> LedgerRow | None:
+    """``canner retry LEDGER``: an unfinished ledger's next step is due now, its flag cleared.
+    The row as it was before, or None (unknown, or done)."""
+    cur.execute(_SELECT + " WHERE name = ?", (name,))
+    row = cur.fetchone()
+    if row is None:
+        return None
+    cur.execute(
+        "UPDATE ledgers SET next_attempt_at = ?, needs_operator = 0"
+        " WHERE name = ? AND state != 'done'",
+        (now, name),
+    )
+    return LedgerRow(*row) if cur.rowcount == 1 else None
+
+
+def flagged_ledgers(cur: sqlite3.Cursor) -> list[str]:
+    """Names of the unfinished ledgers flagged for an operator."""
+    cur.execute(
+        "SELECT name FROM ledgers WHERE needs_operator != 0 AND state != 'done' ORDER BY ledger_id"
+    )
+    return [row[0] for row in cur.fetchall()]
+
+
 def record_ledger_failure(
     cur: sqlite3.Cursor, ledger_id: int, error: str, retry_at: float, needs_operator: bool
 ) -> None:

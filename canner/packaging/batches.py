@@ -68,6 +68,8 @@ PACKAGE_COLUMNS = (
     "purge_after",
     "purged_at",
     "updated_at",
+    "redeliveries",
+    "force_upload",
 )
 _SELECT = "SELECT " + ", ".join(PACKAGE_COLUMNS) + " FROM packages"
 
@@ -105,6 +107,8 @@ class PackageRow:
     purge_after: float | None
     purged_at: float | None
     updated_at: float
+    redeliveries: int = 0
+    force_upload: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PACKAGE_COLUMNS}
@@ -460,11 +464,13 @@ def record_delivered(
     now: float,
     retention: float,
 ) -> bool:
-    """``delivering -> delivered``: every file of the package is at ``identifier``."""
+    """``delivering -> delivered``: every file of the package is at ``identifier`` (a forced
+    upload is done)."""
     cur.execute(
         "UPDATE packages SET delivery_state = 'delivered', remote_identifier = ?,"
         " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
-        " needs_operator = 0, updated_at = ? WHERE batch_id = ? AND delivery_state = 'delivering'",
+        " needs_operator = 0, force_upload = 0, updated_at = ?"
+        " WHERE batch_id = ? AND delivery_state = 'delivering'",
         (identifier, now, now + retention, now, now, batch_id),
     )
     if cur.rowcount != 1:
@@ -531,13 +537,69 @@ def record_check(
     error: str | None,
     needs_operator: bool,
     now: float,
+    force_upload: bool = False,
 ) -> None:
-    """Postpone a remote verification or purge of a delivered package."""
+    """Postpone a remote verification or purge of a delivered package; ``force_upload`` (a
+    read-back found IA's bytes wrong) makes its next delivery upload every file."""
     cur.execute(
-        "UPDATE packages SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?"
-        " WHERE batch_id = ? AND delivery_state = 'delivered'",
-        (next_check_at, error, int(needs_operator), now, batch_id),
+        "UPDATE packages SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?,"
+        " force_upload = max(force_upload, ?) WHERE batch_id = ? AND delivery_state = 'delivered'",
+        (next_check_at, error, int(needs_operator), now, int(force_upload), batch_id),
     )
+
+
+def redeliver(
+    cur: sqlite3.Cursor, batch_id: int, reason: str, now: float, *, by_operator: bool = False
+) -> bool:
+    """``delivered -> retry_wait``, due now, for a package not yet verified at IA.
+
+    As for objects (``canner.delivery.index.redeliver``): verify_timeout passed with a file still
+    unlisted (a re-delivery counted), or an operator's retry (the count reset).  delivered_at and
+    purge_after go; the members stay as they are (a package's members are marked delivered only
+    once it is verified).  False when the package was not eligible."""
+    cur.execute(
+        "UPDATE packages SET delivery_state = 'retry_wait', next_attempt_at = ?, last_error = ?,"
+        " needs_operator = 0, delivered_at = NULL, purge_after = NULL, next_check_at = NULL,"
+        " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
+        " WHERE batch_id = ? AND delivery_state = 'delivered' AND remote_verified_at IS NULL"
+        " AND purged_at IS NULL",
+        (now, reason[:2000], int(by_operator), now, batch_id),
+    )
+    return cur.rowcount == 1
+
+
+def operator_retry(cur: sqlite3.Cursor, package_id: str, now: float) -> PackageRow | None:
+    """``canner retry PACKAGE``: a package waiting for a retry is due now (its flag cleared); a
+    delivered one not yet verified (unlisted, or a copy IA serves wrong) is delivered again, due
+    now.  The row as it was before, or None when nothing could be retried."""
+    cur.execute(_SELECT + " WHERE package_id = ?", (package_id,))
+    found = _packages(cur)
+    if not found:
+        return None
+    before = found[0]
+    cur.execute(
+        "UPDATE packages SET next_attempt_at = ?, needs_operator = 0, updated_at = ?"
+        " WHERE batch_id = ? AND delivery_state = 'retry_wait'",
+        (now, now, before.batch_id),
+    )
+    if cur.rowcount == 1:
+        return before
+    if redeliver(cur, before.batch_id, "delivered again by an operator", now, by_operator=True):
+        return before
+    return None
+
+
+def flagged_packages(cur: sqlite3.Cursor, project: str | None) -> list[str]:
+    """Package ids flagged for an operator that a retry can act on (waiting for a retry, or
+    delivered and not verified), of ``project`` (all when None)."""
+    cur.execute(
+        "SELECT package_id FROM packages WHERE needs_operator != 0 AND package_id IS NOT NULL"
+        " AND (delivery_state = 'retry_wait' OR (delivery_state = 'delivered'"
+        "      AND remote_verified_at IS NULL AND purged_at IS NULL))"
+        " AND (? IS NULL OR project = ?) ORDER BY batch_id",
+        (project, project),
+    )
+    return [row[0] for row in cur.fetchall()]
 
 
 def record_purged(cur: sqlite3.Cursor, batch_id: int, now: float) -> bool:

@@ -31,7 +31,16 @@ from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.liveness import InFlight
-from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, retry_delay, verify_delay
+from canner.delivery.queue import (
+    DEFAULT_VERIFY_TIMEOUT,
+    MAX_REDELIVERIES,
+    MAX_RETRY,
+    PURGE_RETRY,
+    Unlisted,
+    next_verify_at,
+    retry_delay,
+    unlisted,
+)
 from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, PackageRow, RestoredPackage
@@ -66,8 +75,15 @@ class PackageSink(Protocol):
     """What packaging needs of a project's sink: deliver and check one planned file."""
 
     def deliver_planned(
-        self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
-    ) -> Deferred[Delivered]: ...
+        self,
+        plan: ItemPlan,
+        path: Path,
+        progress: Callable[[int], None],
+        *,
+        overwrite: bool = False,
+    ) -> Deferred[Delivered]:
+        """Deliver one file; ``overwrite``: upload it even if IA lists a matching one."""
+        ...
 
     def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]: ...
 
@@ -556,15 +572,16 @@ class PackagingService(Service):
     async def _deliver_file(
         self, sink: PackageSink, row: PackageRow, plan: ItemPlan, path: Path
     ) -> Delivered:
-        def counted(report: Callable[[int], None]) -> Callable[[int], None]:
-            return counting_sent(report, self.observer, PACKAGE, sink.destination)
+        def send(report: Callable[[int], None]) -> Deferred[Delivered]:
+            progress = counting_sent(report, self.observer, PACKAGE, sink.destination)
+            return sink.deliver_planned(plan, path, progress, overwrite=bool(row.force_upload))
 
         if self._in_flight is None:
-            return await sink.deliver_planned(plan, path, counted(lambda n: None))
+            return await send(lambda n: None)
         key = plan.object_id  # the package id: one file of a package is in flight at a time
         self._in_flight.begin(_flight_row(row, plan))
         try:
-            return await sink.deliver_planned(plan, path, counted(self._in_flight.uploading(key)))
+            return await send(self._in_flight.uploading(key))
         finally:
             self._in_flight.end(key)
 
@@ -577,15 +594,7 @@ class PackagingService(Service):
             for plan, path in plans:
                 check = await sink.verify_planned(plan, path)
                 if not check.verified:
-                    again = now + verify_delay(now, row.delivered_at)
-                    await self._index.run(
-                        sql.record_check,
-                        row.batch_id,
-                        again,
-                        f"{plan.remote_name}: {check.detail}",
-                        check.needs_operator,
-                        now,
-                    )
+                    await self._unverified(row, plan, check, now)
                     return
             await self._run(
                 self._store.record_delivery, row.package_id, self._record(row, plans, now, None)
@@ -618,6 +627,63 @@ class PackagingService(Service):
         await self._index.run(sql.record_purged, row.batch_id, now)
         self.observer.purged(PACKAGE)
         log.info("purged local package {package}", package=row.package_id, project=row.project)
+
+    async def _unverified(
+        self, row: PackageRow, plan: ItemPlan, check: RemoteCheck, now: float
+    ) -> None:
+        """A file of a delivered package is not (yet) verified: look again later, deliver the
+        package again (``verify_timeout`` passed with the file unlisted), or flag it; the same
+        policy as objects (``canner.delivery.queue.unlisted``)."""
+        delivery = self._projects[row.project].delivery
+        timeout = delivery.verify_timeout if delivery is not None else DEFAULT_VERIFY_TIMEOUT
+        decision = Unlisted.WAIT
+        if check.absent:
+            decision = unlisted(now, row.delivered_at, timeout, row.redeliveries)
+        if decision is Unlisted.REDELIVER:
+            count = row.redeliveries + 1
+            reason = (
+                f"{plan.remote_name} not listed {timeout:g}s after delivery ({check.detail}):"
+                f" delivering again (re-delivery {count} of {MAX_REDELIVERIES})"
+            )
+            if await self._index.run(sql.redeliver, row.batch_id, reason, now):
+                self.observer.redelivered(PACKAGE, row.project)
+                log.warn(
+                    "package {package} is still not listed at its destination {timeout:g}s"
+                    " after its delivery: delivering it again (re-delivery {count} of {limit})",
+                    package=row.package_id,
+                    project=row.project,
+                    identifier=row.remote_identifier,
+                    timeout=timeout,
+                    count=count,
+                    limit=MAX_REDELIVERIES,
+                )
+            return
+        detail, needs_operator = f"{plan.remote_name}: {check.detail}", check.needs_operator
+        if decision is Unlisted.FLAG:
+            needs_operator = True
+            detail = (
+                f"{plan.remote_name} still not listed {timeout:g}s after delivery, after"
+                f" {row.redeliveries} re-deliveries ({check.detail}); `canner retry"
+                f" {row.package_id}` delivers it again"
+            )
+        if needs_operator and not row.needs_operator:
+            log.error(
+                "the delivered package {package} needs an operator: {error}",
+                package=row.package_id,
+                project=row.project,
+                identifier=row.remote_identifier,
+                error=detail,
+                needs_operator=True,
+            )
+        await self._index.run(
+            sql.record_check,
+            row.batch_id,
+            next_verify_at(now, row.delivered_at, timeout),
+            detail,
+            needs_operator,
+            now,
+            check.bad_copy,
+        )
 
     def _record(
         self,

@@ -675,10 +675,16 @@ class IADeliverySink:
         return await self._deliver_planned(plan, path, progress, bool(row.force_upload))
 
     def deliver_planned(
-        self, plan: ItemPlan, path: Path, progress: Callable[[int], None]
+        self,
+        plan: ItemPlan,
+        path: Path,
+        progress: Callable[[int], None],
+        *,
+        overwrite: bool = False,
     ) -> Deferred[Delivered]:
-        """Deliver one planned file (a package's), like :meth:`deliver` does a row."""
-        return Deferred.fromCoroutine(self._deliver_planned(plan, path, progress))
+        """Deliver one planned file (a package's), like :meth:`deliver` does a row;
+        ``overwrite``: upload even when the metadata API lists a matching file."""
+        return Deferred.fromCoroutine(self._deliver_planned(plan, path, progress, overwrite))
 
     async def _deliver_planned(
         self,

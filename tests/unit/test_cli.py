@@ -712,3 +712,51 @@ def test_check_config_refuses_a_missing_data_dir(run: Run) -> None:
     code, _, err = run("check-config")
     assert code == 1 and err.startswith("canner: config key 'data_dir'") and "mount" in err
     assert not run.data_dir.exists()
+
+
+def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIndex) -> None:
+    """``canner retry`` takes a megawarc package id or a ledger name too; ``--needs-operator``
+    covers flagged packages and ledgers, and ``canner status`` counts them as needing an
+    operator until then."""
+    package = "a" * 32
+    indexed.query(
+        "INSERT INTO packages (project, state, opened_at, package_id, delivery_state,"
+        " needs_operator, last_error, next_attempt_at, updated_at)"
+        " VALUES ('example', 'verified', ?, ?, 'retry_wait', 1, '403 Forbidden', ?, ?)",
+        NOW - 100,
+        package,
+        NOW + 3600,
+        NOW - 100,
+    )
+    indexed.query(
+        "INSERT INTO ledgers (name, period, state, created_at, needs_operator, last_error,"
+        " next_attempt_at) VALUES ('node-2026-11-30', '2026-11-30', 'written', ?, 1,"
+        " 'upload: 403 Forbidden', ?)",
+        NOW - 100,
+        NOW + 3600,
+    )
+    indexed.query(
+        "INSERT INTO ledgers (name, period, state, created_at, next_attempt_at)"
+        " VALUES ('node-2026-11-29', '2026-11-29', 'done', ?, ?)",
+        NOW - 100,
+        NOW - 100,
+    )
+    code, out, _ = run("status", "--json")
+    assert json.loads(out)["needs_operator"] == 2
+    code, out, err = run("retry", package)
+    assert code == 0, err
+    assert f"package {package} is due now" in out and "403 Forbidden" in out
+    assert indexed.query(
+        "SELECT next_attempt_at, needs_operator FROM packages WHERE package_id = ?", package
+    ) == [(NOW, 0)]
+    code, out, err = run("retry", "--needs-operator")
+    assert code == 0, err
+    assert "ledger node-2026-11-30 is due now" in out and package not in out
+    assert "1 deliveries needing an operator are due now" in out
+    assert indexed.query(
+        "SELECT next_attempt_at, needs_operator FROM ledgers WHERE name = 'node-2026-11-30'"
+    ) == [(NOW, 0)]
+    code, out, _ = run("status", "--json")
+    assert json.loads(out)["needs_operator"] == 0
+    code, _, err = run("retry", "node-2026-11-29")
+    assert code == 1 and "ledger node-2026-11-29 has nothing to retry" in err

@@ -143,3 +143,59 @@ def test_a_connection_waits_out_another_switching_to_wal() -> None:
     with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
         configure_connection(broken)  # type: ignore[arg-type]
     assert broken.statements.count("PRAGMA journal_mode=WAL") == 1
+
+
+def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Path) -> None:
+    """An index written by the previous release (schema 5, the steps it shipped) with packages
+    in every delivery state, one of them mid-attempt, upgrades in place: every row and value
+    is kept, the new counters start at zero, and the pipeline's queries read them."""
+    from canner.packaging import batches as psql
+
+    path = tmp_path / "delivery.sqlite"
+    conn = sqlite3.connect(path, isolation_level=None)
+    configure_connection(conn)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for number, text in _migrations():
+        if number <= 5:
+            conn.executescript(text)
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
+    states = ["pending", "delivering", "retry_wait", "delivered", "delivered"]
+    for n, state in enumerate(states):
+        verified = 1000.0 + n if n == 4 else None
+        conn.execute(
+            "INSERT INTO packages (project, state, opened_at, package_id, delivery_state,"
+            " attempts, next_attempt_at, last_error, needs_operator, remote_identifier,"
+            " delivered_at, remote_verified_at, next_check_at, updated_at)"
+            " VALUES ('example', 'verified', 1.0, ?, ?, ?, 5.0, ?, ?, ?, ?, ?, ?, 7.0)",
+            (
+                f"{n:032x}",
+                state,
+                n,
+                "503" if state == "retry_wait" else None,
+                int(state == "retry_wait"),
+                "item" if state == "delivered" else None,
+                900.0 if state == "delivered" else None,
+                verified,
+                950.0 if state == "delivered" else None,
+            ),
+        )
+    before = [tuple(r) for r in conn.execute("SELECT * FROM packages ORDER BY batch_id")]
+    conn.close()
+
+    assert upgrade_schema(path) == _migrations()[-1][0]
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        rows = conn.execute("SELECT * FROM packages ORDER BY batch_id").fetchall()
+        assert [r[: len(before[0])] for r in rows] == before
+        cur = conn.cursor()
+        packages = psql.all_packages(cur)
+        assert [p.delivery_state for p in packages] == states
+        assert all(p.redeliveries == 0 and p.force_upload == 0 for p in packages)
+        # The mid-attempt one is due again after a restart, as before the upgrade.
+        psql.reset_interrupted(cur, 10.0)
+        claimed = psql.claim_deliveries(cur, 10.0, 10, ["example"])
+        assert {p.package_id for p in claimed} == {f"{n:032x}" for n in (0, 1, 2)}
+        due = psql.follow_ups_due(cur, 1000.0, 10, ["example"], [])
+        assert {p.package_id for p in due} == {f"{n:032x}" for n in (3, 4)}
+    finally:
+        conn.close()

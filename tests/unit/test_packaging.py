@@ -17,6 +17,7 @@ from canner.config import parse_config
 from canner.delivery import index as dsql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import InFlight
+from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_REDELIVERIES
 from canner.ids import ObjectIds
 from canner.inventory import survey_json, take_survey
 from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
@@ -47,8 +48,13 @@ class FakeItems:
     fail_next: int = 0
     watch: Any = None  # called during each upload (tests look at what is in flight)
     broken_verify: int = 0
+    overwrites: list[bool] = field(factory=list)
+    losing: bool = False  # acknowledge uploads without keeping them (IA lost them after a 200)
 
-    def deliver_planned(self, plan: ItemPlan, path: Path, progress: Any) -> Deferred[Delivered]:
+    def deliver_planned(
+        self, plan: ItemPlan, path: Path, progress: Any, *, overwrite: bool = False
+    ) -> Deferred[Delivered]:
+        self.overwrites.append(overwrite)
         progress(plan.size)
         if self.watch is not None:
             self.watch()
@@ -60,7 +66,8 @@ class FakeItems:
         assert hashlib.md5(data).hexdigest() == plan.content_md5 and len(data) == plan.size
         if key not in self.files:
             self.puts.append(plan.remote_name)
-        self.files[key] = data
+        if not self.losing:  # IA answers 200 either way
+            self.files[key] = data
         return succeed(Delivered(plan.identifier, plan.remote_name))
 
     def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
@@ -68,8 +75,12 @@ class FakeItems:
             self.broken_verify -= 1
             return fail(RuntimeError("a bug in the sink"))
         data = self.files.get((plan.identifier, plan.remote_name))
-        ok = data is not None and hashlib.md5(data).hexdigest() == plan.content_md5
-        return succeed(RemoteCheck(ok, "" if ok else "not listed"))
+        if data is None:
+            return succeed(RemoteCheck(False, "not listed", absent=True))
+        if hashlib.md5(data).hexdigest() != plan.content_md5:
+            detail = "the read-back found other bytes"
+            return succeed(RemoteCheck(False, detail, needs_operator=True, bad_copy=True))
+        return succeed(RemoteCheck(True))
 
 
 def project_config(tmp_path: Path, target: str, max_wait: str = "1h") -> Any:
@@ -444,3 +455,81 @@ def test_a_job_that_crashes_is_retried_a_minute_later(tmp_path: Path) -> None:
     h.clock.advance(61)
     h.tick()
     assert h.packages()[0].remote_verified_at is not None
+
+
+def test_a_package_ia_loses_is_delivered_again_then_flagged_and_an_operator_retry_sends_it(
+    tmp_path: Path,
+) -> None:
+    """As for objects: a package whose files IA never lists is delivered again each time
+    verify_timeout passes, MAX_REDELIVERIES times, then flagged (payload kept, counted as needing
+    an operator); ``canner retry PACKAGE`` sends it again and it completes."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.items.losing = True
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.remote_verified_at is None
+    assert row.needs_operator == 0
+    for n in range(1, MAX_REDELIVERIES + 1):
+        h.clock.advance(DEFAULT_VERIFY_TIMEOUT)
+        h.tick()  # the look after the timeout: back to retry_wait, due now
+        (row,) = h.packages()
+        assert row.delivery_state == "retry_wait" and row.redeliveries == n, row
+        assert f"re-delivery {n} of {MAX_REDELIVERIES}" in (row.last_error or "")
+        h.tick()  # delivered again (and lost again)
+        assert h.packages()[0].delivery_state == "delivered"
+    h.clock.advance(DEFAULT_VERIFY_TIMEOUT)
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.needs_operator == 1
+    assert f"canner retry {row.package_id}" in (row.last_error or "")
+    assert row.purged_at is None and h.store.directory(row.package_id or "").exists()
+    summary = take_survey(tmp_path, ObjectIds(""), h.clock.seconds()).index
+    assert summary is not None and summary.needs_operator == 1
+    redelivered = {"project": "example", "kind": "package"}
+    assert h.metric("canner_redeliveries_total", **redelivered) == MAX_REDELIVERIES
+    # The operator's retry: due now, count reset; IA keeps it this time.
+    h.items.losing = False
+    before = succeeded(h.index.run(sql.operator_retry, row.package_id, h.clock.seconds()))
+    assert before is not None and before.needs_operator == 1
+    (row,) = h.packages()
+    assert row.delivery_state == "retry_wait" and row.redeliveries == 0
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.remote_verified_at is not None
+    assert row.needs_operator == 0
+
+
+def test_a_package_ia_serves_wrong_is_flagged_and_a_retry_uploads_it_over_the_listing(
+    tmp_path: Path,
+) -> None:
+    """A read-back that finds other bytes flags the package (never purged, never verified);
+    the operator's retry delivers it again with overwrite, so the metadata API's listing of a
+    matching file cannot skip the upload."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.items.losing = True
+    h.tick()
+    (row,) = h.packages()
+    key = next(k for k in h.items.puts)
+    # IA stores every file, one of them with a byte flipped.
+    for plan, path in succeeded(Deferred.fromCoroutine(h.service._plans(row))):
+        data = bytearray(path.read_bytes())
+        if plan.remote_name == key:
+            data[len(data) // 2] ^= 1
+        h.items.files[(plan.identifier, plan.remote_name)] = bytes(data)
+    h.items.losing = False
+    h.clock.advance(60)
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "delivered" and row.needs_operator == 1 and row.force_upload == 1
+    assert "other bytes" in (row.last_error or "") and row.remote_verified_at is None
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    assert h.packages()[0].purged_at is None
+    h.items.overwrites.clear()
+    assert succeeded(h.index.run(sql.operator_retry, row.package_id, h.clock.seconds()))
+    h.tick()
+    (row,) = h.packages()
+    assert h.items.overwrites and all(h.items.overwrites), "the retry must upload over IA's copy"
+    assert row.remote_verified_at is not None and row.force_upload == 0
