@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from attrs import frozen
+
 
 class State(StrEnum):
     PENDING = "pending"
@@ -90,3 +92,47 @@ def unlisted(
     if delivered_at is None or now - delivered_at < verify_timeout:
         return Unlisted.WAIT
     return Unlisted.REDELIVER if redeliveries < MAX_REDELIVERIES else Unlisted.FLAG
+
+
+@frozen
+class Unverified:
+    """What to record for a delivered file its destination did not verify this time."""
+
+    redeliver: bool  # verify_timeout passed with the file unlisted: deliver it again now
+    detail: str  # the row's last_error (for a re-delivery, why)
+    needs_operator: bool
+    next_check_at: float  # when to look again (unless it is delivered again)
+
+
+def judge_unverified(
+    *,
+    absent: bool,
+    detail: str,
+    needs_operator: bool,
+    now: float,
+    delivered_at: float | None,
+    verify_timeout: float,
+    redeliveries: int,
+    retry: str,
+) -> Unverified:
+    """The one policy for every kind of file (objects, package files): look again later,
+    deliver again once ``verify_timeout`` passed with the file still unlisted (``absent``: a
+    lookup that failed never counts), and after :data:`MAX_REDELIVERIES` flag it for an
+    operator, whose ``retry`` command sends it again."""
+    decision = unlisted(now, delivered_at, verify_timeout, redeliveries) if absent else None
+    if decision is Unlisted.REDELIVER:
+        count = redeliveries + 1
+        reason = (
+            f"not listed {verify_timeout:g}s after delivery ({detail}): delivering again"
+            f" (re-delivery {count} of {MAX_REDELIVERIES})"
+        )
+        return Unverified(True, reason, False, now)
+    if decision is Unlisted.FLAG:
+        needs_operator = True
+        detail = (
+            f"still not listed {verify_timeout:g}s after delivery, after {redeliveries}"
+            f" re-deliveries ({detail}); `{retry}` delivers it again"
+        )
+    return Unverified(
+        False, detail, needs_operator, next_verify_at(now, delivered_at, verify_timeout)
+    )

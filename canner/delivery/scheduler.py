@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attrs import define, evolve, field
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
+from canner.delivery.jobs import Jobs, Ticker
 from canner.delivery.liveness import InFlight
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import (
@@ -40,15 +39,13 @@ from canner.delivery.queue import (
     MAX_RETRY,
     PURGE_RETRY,
     VERIFY_MAX,
-    Unlisted,
-    next_verify_at,
+    judge_unverified,
     retry_delay,
-    unlisted,
 )
 from canner.journal import JournalLog
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
 from canner.receipts import ReceiptStore
-from canner.sinks.base import DeliveryFailed, RemoteCheck, Sink
+from canner.sinks.base import DeliveryFailed, Sink
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -83,58 +80,45 @@ class DeliveryService(Service):
     _interval: float = TICK_INTERVAL
     # Per project: how long a delivered object may stay unlisted before it is delivered again.
     _verify_timeouts: Mapping[str, float] = field(factory=dict)
-    _active: dict[str, Deferred[None]] = field(factory=dict)
-    _checking: dict[str, Deferred[None]] = field(factory=dict)
     _claiming: bool = False
     _orphans_checked: float = 0.0
     _claim_again: bool = False
-    _loop: LoopingCall | None = None
-    _loop_done: Deferred[Any] | None = None
-    _starting: Deferred[None] | None = None
-    _stopping: threading.Event = field(factory=threading.Event)
     in_flight: InFlight | None = None
     observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
+    _active: Jobs[str] = field(init=False)  # delivery attempts, by object id
+    _checking: Jobs[str] = field(init=False)  # verifications and purges
+    _ticker: Ticker = field(init=False)
+    _stopping: threading.Event = field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.in_flight is None:
             self.in_flight = InFlight(self._clock)
+        self._active = Jobs(self._clock)
+        self._checking = Jobs(self._clock)
+        self._ticker = Ticker(self._clock, self._interval, self.tick, "delivery queue")
+        self._stopping = self._ticker.stopping
 
     def startService(self) -> None:
         super().startService()
-        self._stopping.clear()
-        self._loop = LoopingCall(self._guarded_tick)
-        self._loop.clock = self._clock
-        started = self._index.run(sql.reset_delivering, self._clock.seconds())
-        started.addCallback(self._begin)
-        started.addErrback(lambda f: log.failure("starting the delivery queue", f))
-        self._starting = started
+        self._ticker.start(self._start_up)
 
-    def _begin(self, reset: int) -> None:
-        if reset:
-            log.info("{count} interrupted attempts are due again", count=reset)
-        if self.running and self._loop is not None:
-            self._loop_done = self._loop.start(self._interval, now=True)
+    def _start_up(self) -> Deferred[None]:
+        def reset(count: int) -> None:
+            if count:
+                log.info("{count} interrupted attempts are due again", count=count)
+
+        return self._index.run(sql.reset_delivering, self._clock.seconds()).addCallback(reset)
 
     def stopService(self) -> Deferred[Any]:
         super().stopService()
-        self._stopping.set()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        running = list(self._active.values()) + list(self._checking.values())
-        for work in running:
-            work.cancel()
         # Stopped while still starting: the start's query ends before the index closes.
-        waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
-        return DeferredList(waits, consumeErrors=True)
+        return self._ticker.stop(self._active, self._checking)
 
     @property
     def active(self) -> list[dict[str, Any]]:
         """The attempts in flight: object, phase, bytes sent, rate, ETA (for the manhole)."""
         assert self.in_flight is not None
         return [p.as_dict() for p in self.in_flight.snapshot()]
-
-    def _guarded_tick(self) -> Deferred[None]:
-        return self.tick().addErrback(lambda f: log.failure("delivery tick failed", f))
 
     def tick(self) -> Deferred[None]:
         """Claim and start due attempts, then run due follow-ups (verify, purge)."""
@@ -146,7 +130,7 @@ class DeliveryService(Service):
         free_checks = FOLLOW_UP_CONCURRENCY - len(self._checking)
         if free_checks > 0 and self._sinks:
             due = await self._index.run(
-                sql.follow_ups_due, now, free_checks, list(self._sinks), list(self._checking)
+                sql.follow_ups_due, now, free_checks, list(self._sinks), self._checking.keys()
             )
             for row in due:
                 if len(self._checking) >= FOLLOW_UP_CONCURRENCY:
@@ -170,7 +154,7 @@ class DeliveryService(Service):
                 if now - self._orphans_checked >= ORPHAN_CHECK_INTERVAL:
                     # Here, between claims, every claimed row is already in _active.
                     self._orphans_checked = now
-                    await self._index.run(sql.release_orphans, list(self._active), now)
+                    await self._index.run(sql.release_orphans, self._active.keys(), now)
                 if free > 0 and self._sinks and not self._stopping.is_set():
                     for row in await self._index.run(sql.claim_due, now, free, list(self._sinks)):
                         self._start(row)
@@ -188,29 +172,12 @@ class DeliveryService(Service):
     def _start_follow_up(self, row: QueueRow) -> None:
         """Verify or purge ``row`` in the background: a slow metadata lookup never holds up the
         tick, so new deliveries keep being claimed meanwhile."""
-        self._launch(
-            self._checking, row, self._follow_up(row), FOLLOW_UP_LIMIT, self._follow_up_failed
+        self._checking.launch(
+            row.object_id,
+            self._follow_up(row),
+            FOLLOW_UP_LIMIT,
+            lambda failure: self._follow_up_failed(failure, row),
         )
-
-    def _launch(
-        self,
-        running: dict[str, Deferred[None]],
-        row: QueueRow,
-        work: Coroutine[Any, Any, None],
-        limit: float,
-        on_failure: Callable[[Failure, QueueRow], Deferred[None] | None],
-    ) -> Deferred[None]:
-        """Run ``work`` for ``row`` in the background, listed in ``running`` until it ends,
-        cut off after ``limit`` seconds; ``on_failure`` records whatever went wrong."""
-        d = Deferred.fromCoroutine(work)
-        d.addTimeout(limit, self._clock)
-        running[row.object_id] = d
-        d.addErrback(on_failure, row)
-        d.addErrback(
-            lambda f: log.failure("recording work on {object_id}", f, object_id=row.object_id)
-        )
-        d.addBoth(lambda _: _discard(running, row.object_id))
-        return d
 
     def _follow_up_failed(self, failure: Any, row: QueueRow) -> Deferred[None] | None:
         if failure.check(CancelledError) and self._stopping.is_set():
@@ -230,8 +197,11 @@ class DeliveryService(Service):
     # -- attempts ---------------------------------------------------------------------------
 
     def _start(self, row: QueueRow) -> None:
-        attempt = self._launch(
-            self._active, row, self._attempt(row), ATTEMPT_LIMIT, self._record_interruption
+        attempt = self._active.launch(
+            row.object_id,
+            self._attempt(row),
+            ATTEMPT_LIMIT,
+            lambda failure: self._record_interruption(failure, row),
         )
         attempt.addBoth(lambda _: self._refill())
 
@@ -409,46 +379,39 @@ class DeliveryService(Service):
             )
             return
         timeout = self._verify_timeouts.get(row.project, DEFAULT_VERIFY_TIMEOUT)
-        decision = Unlisted.WAIT
-        if check.absent:
-            decision = unlisted(now, row.delivered_at, timeout, row.redeliveries)
-        if decision is Unlisted.REDELIVER:
-            await self._redeliver(row, check, timeout, now)
+        verdict = judge_unverified(
+            absent=check.absent,
+            detail=check.detail,
+            needs_operator=check.needs_operator,
+            now=now,
+            delivered_at=row.delivered_at,
+            verify_timeout=timeout,
+            redeliveries=row.redeliveries,
+            retry="canner retry",
+        )
+        if verdict.redeliver:
+            await self._redeliver(row, verdict.detail, timeout, now)
             return
-        detail, needs_operator = check.detail, check.needs_operator
-        if decision is Unlisted.FLAG:
-            needs_operator = True
-            detail = (
-                f"still not listed {timeout:g}s after delivery, after {row.redeliveries}"
-                f" re-deliveries ({check.detail}); `canner retry` delivers it again"
-            )
-        if needs_operator and not row.needs_operator:
+        if verdict.needs_operator and not row.needs_operator:
             log.error(
                 "the delivered copy of {object_id} needs an operator: {error}",
                 object_id=row.object_id,
                 project=row.project,
                 identifier=row.remote_identifier,
-                error=detail,
+                error=verdict.detail,
                 needs_operator=True,
             )
         await self._index.run(
             sql.record_follow_up,
             row.object_id,
-            next_verify_at(now, row.delivered_at, timeout),
-            detail,
-            needs_operator,
+            verdict.next_check_at,
+            verdict.detail,
+            verdict.needs_operator,
             now,
             check.bad_copy,
         )
 
-    async def _redeliver(
-        self, row: QueueRow, check: RemoteCheck, timeout: float, now: float
-    ) -> None:
-        count = row.redeliveries + 1
-        reason = (
-            f"not listed {timeout:g}s after delivery ({check.detail}): delivering again"
-            f" (re-delivery {count} of {MAX_REDELIVERIES})"
-        )
+    async def _redeliver(self, row: QueueRow, reason: str, timeout: float, now: float) -> None:
         if await self._index.run(sql.redeliver, row.object_id, reason, now):
             self.observer.redelivered(OBJECT, row.project)
             log.warn(
@@ -458,11 +421,7 @@ class DeliveryService(Service):
                 project=row.project,
                 identifier=row.remote_identifier,
                 timeout=timeout,
-                count=count,
+                count=row.redeliveries + 1,
                 limit=MAX_REDELIVERIES,
             )
             self._refill()
-
-
-def _discard(running: dict[str, Deferred[None]], object_id: str) -> None:
-    del running[object_id]

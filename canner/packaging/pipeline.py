@@ -36,10 +36,8 @@ from canner.delivery.queue import (
     MAX_REDELIVERIES,
     MAX_RETRY,
     PURGE_RETRY,
-    Unlisted,
-    next_verify_at,
+    judge_unverified,
     retry_delay,
-    unlisted,
 )
 from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
@@ -636,16 +634,18 @@ class PackagingService(Service):
         policy as objects (``canner.delivery.queue.unlisted``)."""
         delivery = self._projects[row.project].delivery
         timeout = delivery.verify_timeout if delivery is not None else DEFAULT_VERIFY_TIMEOUT
-        decision = Unlisted.WAIT
-        if check.absent:
-            decision = unlisted(now, row.delivered_at, timeout, row.redeliveries)
-        if decision is Unlisted.REDELIVER:
-            count = row.redeliveries + 1
-            reason = (
-                f"{plan.remote_name} not listed {timeout:g}s after delivery ({check.detail}):"
-                f" delivering again (re-delivery {count} of {MAX_REDELIVERIES})"
-            )
-            if await self._index.run(sql.redeliver, row.batch_id, reason, now):
+        verdict = judge_unverified(
+            absent=check.absent,
+            detail=f"{plan.remote_name}: {check.detail}",
+            needs_operator=check.needs_operator,
+            now=now,
+            delivered_at=row.delivered_at,
+            verify_timeout=timeout,
+            redeliveries=row.redeliveries,
+            retry=f"canner retry {row.package_id}",
+        )
+        if verdict.redeliver:
+            if await self._index.run(sql.redeliver, row.batch_id, verdict.detail, now):
                 self.observer.redelivered(PACKAGE, row.project)
                 log.warn(
                     "package {package} is still not listed at its destination {timeout:g}s"
@@ -654,33 +654,25 @@ class PackagingService(Service):
                     project=row.project,
                     identifier=row.remote_identifier,
                     timeout=timeout,
-                    count=count,
+                    count=row.redeliveries + 1,
                     limit=MAX_REDELIVERIES,
                 )
             return
-        detail, needs_operator = f"{plan.remote_name}: {check.detail}", check.needs_operator
-        if decision is Unlisted.FLAG:
-            needs_operator = True
-            detail = (
-                f"{plan.remote_name} still not listed {timeout:g}s after delivery, after"
-                f" {row.redeliveries} re-deliveries ({check.detail}); `canner retry"
-                f" {row.package_id}` delivers it again"
-            )
-        if needs_operator and not row.needs_operator:
+        if verdict.needs_operator and not row.needs_operator:
             log.error(
                 "the delivered package {package} needs an operator: {error}",
                 package=row.package_id,
                 project=row.project,
                 identifier=row.remote_identifier,
-                error=detail,
+                error=verdict.detail,
                 needs_operator=True,
             )
         await self._index.run(
             sql.record_check,
             row.batch_id,
-            next_verify_at(now, row.delivered_at, timeout),
-            detail,
-            needs_operator,
+            verdict.next_check_at,
+            verdict.detail,
+            verdict.needs_operator,
             now,
             check.bad_copy,
         )
