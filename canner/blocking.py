@@ -37,11 +37,26 @@ class BlockingRunner(Protocol):
 
 
 def run_inline(f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
-    """A synchronous :class:`BlockingRunner` for unit tests."""
+    """A synchronous :class:`BlockingRunner`, for unit tests and the ``canner`` command (which
+    has no reactor)."""
     try:
         return succeed(f(*args, **kwargs))
     except BaseException:
         return fail()
+
+
+def result_now(d: Deferred[T]) -> T:
+    """The result of ``d``, which has already fired (its work ran through :func:`run_inline`
+    and a synchronous index); its failure is raised.  A ``d`` still waiting is a bug: it would
+    need a reactor, and raises ``AssertionError``."""
+    results: list[T] = []
+    failures: list[Failure] = []
+    d.addCallbacks(results.append, failures.append)
+    if failures:
+        failures[0].raiseException()
+    if not results:
+        raise AssertionError(f"{d!r} has not fired: its work did not run synchronously")
+    return results[0]
 
 
 @define(eq=False)

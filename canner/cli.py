@@ -51,19 +51,20 @@ from attrs import define, field, frozen
 from canner import drain as draining
 from canner import inventory
 from canner import releases as rel
+from canner.blocking import result_now, run_inline
 from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
-from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.delivery.index import ConnectionIndex, QueueRow, configure_connection, upgrade_schema
 from canner.delivery.liveness import judge
 from canner.delivery.queue import State
-from canner.delivery.rescan import read_accepted, receipt_batches
+from canner.delivery.rescan import ReceiptRescan
 from canner.fs import DataDirLock, Locked, lock_held
-from canner.journal import Journal, JournalLookup
+from canner.journal import Journal
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
 from canner.ledger.service import validate_ledger
 from canner.packaging import batches as psql
-from canner.packaging.pipeline import read_package
+from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.credentials import CredentialsError, load_credentials
@@ -83,7 +84,6 @@ DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
 EXAMPLE_FILENAME = "example.warc.gz"
 EXAMPLE_HEX = "0123456789abcdef0123456789abcdef"
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
-INSERT_BATCH = 500
 
 
 class CommandError(Exception):
@@ -506,15 +506,7 @@ def _write(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         configure_connection(conn)
-        cur = conn.cursor()
-        cur.execute("BEGIN IMMEDIATE")
-        try:
-            result = f(cur, *args)
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        cur.execute("COMMIT")
-        return result
+        return ConnectionIndex(conn).transact(f, *args)
     finally:
         conn.close()
 
@@ -902,53 +894,47 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     if io.err.isatty():
         total = sum(1 for _ in ReceiptStore(receipts_dir).object_ids())
         scan = Progress(io.err, "reading receipts", total)
-    receipts = _CountedReceipts(receipts_dir, progress=scan)
-    uploads = UploadStore(data_dir / "uploads")
     archived = ArchivedIds(LedgerDir(data_dir / "ledger"))
-    journal = JournalLookup(Journal(data_dir / "journal"))
     conn = sqlite3.connect(path, isolation_level=None)
-    added = found_total = 0
-    problems: list[str] = []
     try:
         configure_connection(conn)
+        index = ConnectionIndex(conn)
         known = sql.count_objects(conn.cursor())
-        # Bounded batches: the walk, the index lookup and the inserts never hold every receipt.
-        for batch in receipt_batches(receipts, config.object_ids, INSERT_BATCH):
-            have = sql.known_among(conn.cursor(), batch)
-            # Records a verified ledger owns stay archived: never indexed again.
-            fresh = [o for o in batch if o not in have and not archived.contains(o)]
-            found = read_accepted(receipts, uploads, journal, fresh)
-            problems += found.problems
-            if not found.objects:
-                continue
-            found_total += len(found.objects)
-            cur = conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                added += sql.insert_objects(cur, found.objects, io.now())
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            cur.execute("COMMIT")
+        # The daemon's rescan and package restore, run inline: no reactor, no threads.
+        rescan = ReceiptRescan(
+            index=index,
+            receipts=_CountedReceipts(receipts_dir, progress=scan),
+            uploads=UploadStore(data_dir / "uploads"),
+            journal=Journal(data_dir / "journal"),
+            archived=archived.contains,
+            object_ids=config.object_ids,
+            run=run_inline,
+            now=io.now,
+        )
+        scanned = result_now(rescan.run())
         if scan is not None:
             scan.finish()
-        restored = _restore_packages(
-            conn, PackageStore(config.packages_path), archived.contains, io.now()
+        restore = PackageRestore(
+            index=index,
+            store=PackageStore(config.packages_path),
+            run=run_inline,
+            now=io.now,
+            archived=archived.contains,
         )
-        damage = journal.damage
+        restored = result_now(restore.run())
     finally:
         conn.close()
-        journal.close()
     if restored:
         io.out.write(f"rebuild-index: {restored} packages restored from {config.packages_path}\n")
+    damage, problems = scanned.damage, scanned.problems
     for line in damage:
         whose = "no legible object id" if line.object_id is None else f"object {line.object_id}"
         io.err.write(f"canner: rebuild-index: damaged journal line {line.describe()} ({whose})\n")
     for problem in problems:
         io.err.write(f"canner: rebuild-index skipped {problem}\n")
     io.out.write(
-        f"rebuild-index: {known} objects were indexed, {added} added from receipts"
-        f" ({found_total - added} appeared meanwhile)\n"
+        f"rebuild-index: {known} objects were indexed, {scanned.added} added from receipts"
+        f" ({scanned.read - scanned.added} appeared meanwhile)\n"
     )
     if damage:
         io.err.write(
@@ -962,32 +948,6 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
             " above, then run rebuild-index again\n"
         )
     return 1 if problems or damage else 0
-
-
-def _restore_packages(
-    conn: sqlite3.Connection, store: PackageStore, archived: Callable[[str], bool], now: float
-) -> int:
-    """Every package on disk with no row comes back with its members (their own index), but
-    for the archived ones."""
-    if not store.root.is_dir():
-        return 0
-    known = psql.known_packages(conn.cursor())
-    restored = 0
-    for package_id in list(store.package_ids()):
-        if package_id in known:
-            continue
-        found = read_package(store, package_id, now, archived)
-        if found is None:
-            continue
-        cur = conn.cursor()
-        cur.execute("BEGIN IMMEDIATE")
-        try:
-            restored += psql.restore_package(cur, found)
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        cur.execute("COMMIT")
-    return restored
 
 
 # -- main --------------------------------------------------------------------------------------

@@ -39,13 +39,13 @@ from canner.config import Config, ConfigError, check_data_dir
 from canner.connections import ConnectionLimits, raise_open_file_limit, usable_connections
 from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
-from canner.delivery.liveness import HeartbeatService, InFlight
-from canner.delivery.rescan import read_accepted, receipt_batches
+from canner.delivery.liveness import HeartbeatService, InFlight, index_answers
+from canner.delivery.rescan import ReceiptRescan
 from canner.delivery.scheduler import DeliveryService
 from canner.fs import DataDirLock, Locked
 from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
-from canner.journal import Journal, JournalLog, JournalLookup
+from canner.journal import Journal, JournalLog
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.service import LedgerService, validate_ledger
 from canner.manhole import OperatorHelpers, manhole_service
@@ -678,7 +678,6 @@ def deliver_service(
     top = DaemonRoot(stopped)
     top.outlive(io)
     top.outlive(hashing)
-    ids = config.object_ids
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     # canner-deliver's delivery records; its ledger prunes the journal around the open segment.
     delivery_log = JournalLog(Journal(config.data_dir / "journal"))
@@ -688,38 +687,21 @@ def deliver_service(
     )
     ledger = _ledger_service(config, index, receipts, delivery_log, io, reactor, top, metrics)
 
-    async def rescan() -> None:
-        batches = receipt_batches(receipts, ids)
-        journal = JournalLookup(Journal(config.data_dir / "journal"))
-        added = 0
-        # One bounded batch at a time: the directory walk advances in a thread, the index says
-        # which ids it lacks, and only those are read.  A stop ends it between two batches (the
-        # next start rescans from the beginning).
-        try:
-            while top.running and (batch := await io(next, batches, None)) is not None:
-                known = await index.run(sql.known_among, batch)
-                missing = [oid for oid in batch if oid not in known]
-                if missing:
-                    # Records a verified ledger owns are never indexed again.
-                    missing = await io(_not_archived, archived, missing)
-                if missing:
-                    found = await io(read_accepted, receipts, uploads, journal, missing)
-                    if found.objects:
-                        added += await index.insert(found.objects)
-        finally:
-            await io(journal.close)
-        if added:
-            log.info("rescan added {count} receipts to the delivery index", count=added)
+    rescan: Callable[[], Deferred[Any]] = ReceiptRescan(
+        index=index,
+        receipts=receipts,
+        uploads=uploads,
+        journal=Journal(config.data_dir / "journal"),
+        archived=archived.contains,
+        object_ids=config.object_ids,
+        run=io,
+        now=reactor.seconds,
+        keep_going=lambda: bool(top.running),
+    ).run
 
-    def guarded_rescan() -> Deferred[Any]:
-        # Never while the ledger deletes records: the rescan could re-insert them.
-        if ledger is None:
-            return Deferred.fromCoroutine(rescan())
-        return ledger.guard.run(lambda: Deferred.fromCoroutine(rescan()))
-
-    PeriodicService(reactor, RESCAN_INTERVAL, guarded_rescan, "receipt rescan").setServiceParent(
-        top
-    )
+    if ledger is not None:  # never while the ledger deletes records: it could re-insert them
+        rescan = partial(ledger.guard.run, rescan)
+    PeriodicService(reactor, RESCAN_INTERVAL, rescan, "receipt rescan").setServiceParent(top)
     scheduler = DeliveryService(
         index,
         uploads,
@@ -801,7 +783,7 @@ def deliver_service(
     if manhole is not None:
         manhole.setServiceParent(top)
     # Ready once the index answers a query through the daemon's own connection.
-    SystemdNotifier(reactor, lambda: index.run(_index_answers)).setServiceParent(top)
+    SystemdNotifier(reactor, lambda: index.run(index_answers)).setServiceParent(top)
     reactor.callWhenRunning(freeze_startup_objects)
     return top
 
@@ -818,10 +800,6 @@ def _hq_tokens(config: Config) -> TokenFile | None:
     except TokenFileError as e:
         raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
     return tokens
-
-
-def _not_archived(archived: ArchivedIds, object_ids: list[str]) -> list[str]:
-    return [oid for oid in object_ids if not archived.contains(oid)]
 
 
 def _ledger_service(
@@ -869,8 +847,3 @@ def _ledger_service(
     )
     top.outlive(unlink)
     return service
-
-
-def _index_answers(cur: Any) -> None:
-    cur.execute("SELECT count(*) FROM deliver_heartbeat")
-    cur.fetchone()

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from attrs import define, field, frozen
 from twisted.enterprise.adbapi import ConnectionPool
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -248,6 +248,33 @@ class DeliveryIndex:
 
     def close(self) -> None:
         self._pool.close()
+
+
+@define(eq=False)
+class ConnectionIndex:
+    """The index over one open ``sqlite3`` connection, used synchronously (the ``canner``
+    command's): each cursor function runs at once in its own ``BEGIN IMMEDIATE`` transaction."""
+
+    _conn: sqlite3.Connection
+
+    def transact(self, f: Any, *args: Any) -> Any:
+        """Run the cursor function ``f`` in one write transaction; rolled back if it raises."""
+        cur = self._conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            result = f(cur, *args)
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+        return result
+
+    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+        """:meth:`transact` as an :class:`Index`: the Deferred has already fired."""
+        try:
+            return succeed(self.transact(f, *args))
+        except Exception:
+            return fail()
 
 
 @define(eq=False)

@@ -267,6 +267,13 @@ def read_heartbeat(cur: sqlite3.Cursor) -> Heartbeat | None:
     return Heartbeat(pid, ver, started, beat, stopped, progress)
 
 
+def index_answers(cur: sqlite3.Cursor) -> None:
+    """Query the heartbeat table; raises when the index cannot answer (canner-deliver is ready
+    once its own connection does)."""
+    cur.execute("SELECT count(*) FROM deliver_heartbeat")
+    cur.fetchone()
+
+
 # -- what the heartbeat means (pure) -------------------------------------------------------------
 
 RUNNING = "running"

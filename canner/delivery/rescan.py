@@ -1,8 +1,9 @@
 """Receipts on disk -> rows missing from the delivery index, in bounded batches.
 
-``receipts/`` is the source of truth for what was accepted.  :func:`receipt_batches` walks the
-directory lazily, a batch of ids at a time, so a rescan of millions of receipts never holds them
-all; the caller asks the index which ids of a batch it lacks (``known_among``) and
+``receipts/`` is the source of truth for what was accepted.  :class:`ReceiptRescan` is the one
+rescan: canner-deliver runs it every hour, ``canner rebuild-index`` once.  :func:`receipt_batches`
+walks the directory lazily, a batch of ids at a time, so a rescan of millions of receipts never
+holds them all; the index says which ids of a batch it lacks (``known_among``) and
 :func:`read_accepted` reads those: each receipt with its origin record (its file in ``receipts/``;
 once the payload was purged, the facts journal; for a receipt whose origin record was never
 written, the upload's info sidecar), for an object whose payload was purged after delivery its
@@ -12,20 +13,23 @@ file is reported by path and its object skipped (retried at the next rescan), ne
 damaged journal line costs only the record it held: its object, when its id is legible there,
 comes back flagged for an operator (``needs_operator``, with the segment and line).  A payload
 the journal records purged but that is still in ``uploads/`` (a crash between the record and
-the unlink) comes back unpurged, so it is purged again.  Blocking; run in a thread.
+the unlink) comes back unpurged, so it is purged again.  The functions block (run them in a
+thread); :class:`ReceiptRescan` sends them through a :class:`~canner.blocking.BlockingRunner`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from attrs import define, evolve, field
+from attrs import define, evolve, field, frozen
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from canner.delivery.index import AcceptedObject
+from canner.blocking import BlockingRunner
+from canner.delivery.index import AcceptedObject, Index, insert_objects, known_among
 from canner.ids import ObjectIds
-from canner.journal import JournalLookup
+from canner.journal import Damage, Journal, JournalLookup
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
 from canner.releases import RELEASE, released_at_of
 from canner.tus.store import CorruptInfo, UploadStore
@@ -130,3 +134,81 @@ def read_accepted(
             )
         found.objects.append(AcceptedObject.of(receipt, origin, delivery, released_at, flag))
     return found
+
+
+def not_archived(archived: Callable[[str], bool], object_ids: list[str]) -> list[str]:
+    """The ids of ``object_ids`` whose records no verified ledger owns (blocking)."""
+    return [oid for oid in object_ids if not archived(oid)]
+
+
+@frozen
+class Rescanned:
+    """What one :meth:`ReceiptRescan.run` did: rows ``added``, receipts ``read`` for insertion
+    (those not added appeared in the index meanwhile), the files it skipped (``problems``, tried
+    again at the next rescan) and the damaged journal lines it met."""
+
+    added: int
+    read: int
+    problems: list[str]
+    damage: list[Damage]
+
+
+def _always() -> bool:
+    return True
+
+
+@define(eq=False, kw_only=True)
+class ReceiptRescan:
+    """Inserts into the index every receipt on disk that it lacks, but for those whose records
+    a verified ledger owns (``archived``): they are never indexed again.
+
+    One bounded batch at a time: the directory walk advances through ``run`` (blocking work),
+    the index says which ids of the batch it lacks, and only those are read and inserted (one
+    transaction per batch).  ``keep_going`` is asked before each batch: once false (the daemon
+    stops) the pass ends there, and the next one starts again from the beginning.  Never run it
+    while a ledger deletes records: it could insert them again.
+    """
+
+    _index: Index
+    _receipts: ReceiptStore
+    _uploads: UploadStore
+    _journal: Journal
+    _archived: Callable[[str], bool]
+    _object_ids: ObjectIds
+    _run: BlockingRunner
+    _now: Callable[[], float]
+    _keep_going: Callable[[], bool] = _always
+    _batch: int = BATCH
+
+    def run(self) -> Deferred[Rescanned]:
+        """One pass over ``receipts/``; logs how many rows it added, when any."""
+        return Deferred.fromCoroutine(self._rescan())
+
+    async def _rescan(self) -> Rescanned:
+        batches = receipt_batches(self._receipts, self._object_ids, self._batch)
+        journal = JournalLookup(self._journal)
+        added = read = 0
+        problems: list[str] = []
+        try:
+            while self._keep_going():
+                batch = await self._run(next, batches, None)
+                if batch is None:
+                    break
+                known = await self._index.run(known_among, batch)
+                missing = [oid for oid in batch if oid not in known]
+                if missing:
+                    missing = await self._run(not_archived, self._archived, missing)
+                if missing:
+                    found = await self._run(
+                        read_accepted, self._receipts, self._uploads, journal, missing
+                    )
+                    problems += found.problems
+                    if found.objects:
+                        read += len(found.objects)
+                        added += await self._index.run(insert_objects, found.objects, self._now())
+            damage = list(journal.damage)
+        finally:
+            await self._run(journal.close)
+        if added:
+            log.info("rescan added {count} receipts to the delivery index", count=added)
+        return Rescanned(added, read, problems, damage)

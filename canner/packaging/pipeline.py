@@ -41,7 +41,7 @@ from canner.delivery.queue import (
 )
 from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
-from canner.packaging.batches import Member, PackageRow, RestoredPackage
+from canner.packaging.batches import PackageRow
 from canner.packaging.megawarc import (
     CHUNK,
     INDEX,
@@ -49,9 +49,9 @@ from canner.packaging.megawarc import (
     MemberMismatch,
     VerifyFailed,
     build_package,
-    read_index,
     verify_package,
 )
+from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
@@ -120,50 +120,6 @@ def purge_sources(
     fs.fsync_dir(uploads.directory)
 
 
-def read_package(
-    store: PackageStore, package_id: str, now: float, archived: Callable[[str], bool]
-) -> RestoredPackage | None:
-    """A package directory's membership, placements and delivery record (blocking);
-    ``archived(object_id)`` says which members a verified ledger owns."""
-    directory = store.directory(package_id)
-    members, placements = [], []
-    for line in read_index(directory / (package_id + INDEX)):
-        c = line["canner"]
-        members.append(
-            Member(
-                c["object_id"],
-                c["project"],
-                c.get("filename"),
-                c["size_bytes"],
-                c["checksum"],
-                c["accepted_at"],
-            )
-        )
-        placements.append((c["object_id"], c["file"][len(package_id) :], c["offset"]))
-    if not members:
-        return None
-    files = [
-        (p.name[len(package_id) :], p.stat().st_size)
-        for p in directory.iterdir()
-        if p.name.startswith(package_id + ".megawarc.")
-        or (p.name.startswith(package_id + ".") and p.name.endswith(".megawarc.warc.zst"))
-    ]
-    delivery = store.read_delivery(package_id)
-    if delivery is not None:
-        files = [(s, n) for s, n in delivery.get("sizes", {}).items()] or files
-    return RestoredPackage(
-        package_id,
-        members[0].project,
-        format_date(members[0].accepted_at),
-        members,
-        frozenset(m.object_id for m in members if archived(m.object_id)),
-        placements,
-        files,
-        delivery,
-        now,
-    )
-
-
 @define(eq=False)
 class PackagingService(Service):
     """Batches, builds and delivers the megawarc projects of one data directory."""
@@ -224,29 +180,20 @@ class PackagingService(Service):
         removed = await self._run(self._store.sweep_temps)
         if removed:
             log.info("removed {count} unfinished package builds", count=len(removed))
-        await self._restore_packages()
+        await self.restore_packages()
 
     def restore_packages(self) -> Deferred[int]:
-        """Bring back every package on disk that has no row (``delivery.sqlite`` was lost)."""
-        return Deferred.fromCoroutine(self._restore_packages())
-
-    async def _restore_packages(self) -> int:
-        known = await self._index.run(sql.known_packages)
-        on_disk = await self._run(lambda: list(self._store.package_ids()))
-        restored = 0
-        for package_id in on_disk:
-            if self._stopping.is_set():
-                break  # the rest come back at the next start
-            if package_id in known:
-                continue
-            found = await self._run(
-                read_package, self._store, package_id, self._clock.seconds(), self._archived
-            )
-            if found is not None and await self._index.run(sql.restore_package, found):
-                restored += 1
-        if restored:
-            log.info("restored {count} packages from disk into the index", count=restored)
-        return restored
+        """Bring back every package on disk that has no row (``delivery.sqlite`` was lost); a
+        stop ends it between two packages."""
+        restore = PackageRestore(
+            index=self._index,
+            store=self._store,
+            run=self._run,
+            now=self._clock.seconds,
+            archived=self._archived,
+            keep_going=lambda: not self._stopping.is_set(),
+        )
+        return restore.run()
 
     def _begin(self) -> None:
         if self.running and self._loop is not None:
