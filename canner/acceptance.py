@@ -61,7 +61,7 @@ class AcceptanceFailed(Exception):
 Enqueue = Callable[[Receipt, Origin], None]
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class Acceptance:
     """Turns a complete, locked upload into a receipt."""
 
@@ -72,7 +72,7 @@ class Acceptance:
     _clock: IReactorTime
     _issuer: str
     _enqueue: Enqueue
-    observer: UploadObserver = field(default=UNOBSERVED, kw_only=True)
+    observer: UploadObserver = UNOBSERVED
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
 

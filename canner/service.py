@@ -453,7 +453,14 @@ def receiver_parts(
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners."""
     acceptance = Acceptance(
-        uploads, receipts, run, hashing, clock, config.issuer, enqueue, observer=metrics
+        uploads=uploads,
+        receipts=receipts,
+        run=run,
+        hash=hashing,
+        clock=clock,
+        issuer=config.issuer,
+        enqueue=enqueue,
+        observer=metrics,
     )
     floor = FloorWatch(config.min_free_bytes)
     status = StatusSource(
@@ -472,12 +479,12 @@ def receiver_parts(
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
     journal = Journal(config.data_dir / "journal")
     intake = UploadIntake(
-        config,
-        uploads,
-        receipts,
-        acceptance,
-        run,
-        clock,
+        config=config,
+        uploads=uploads,
+        receipts=receipts,
+        acceptance=acceptance,
+        run=run,
+        clock=clock,
         free_space_seen=floor.observe,
         purged_origin=reader.origin,
         observer=metrics,
@@ -703,16 +710,16 @@ def deliver_service(
         rescan = partial(ledger.guard.run, rescan)
     PeriodicService(reactor, RESCAN_INTERVAL, rescan, "receipt rescan").setServiceParent(top)
     scheduler = DeliveryService(
-        index,
-        uploads,
-        receipts,
-        delivery_log,
-        object_sinks,
-        retention,
-        io,
-        hashing,
-        reactor,
-        config.delivery_concurrency,
+        index=index,
+        uploads=uploads,
+        receipts=receipts,
+        journal=delivery_log,
+        sinks=object_sinks,
+        retention=retention,
+        run=io,
+        hash=hashing,
+        clock=reactor,
+        concurrency=config.delivery_concurrency,
         verify_timeouts={
             pid: p.delivery.verify_timeout
             for pid, p in config.projects.items()
@@ -724,19 +731,19 @@ def deliver_service(
     scheduler.setServiceParent(top)
     packing = ThreadPoolRunner(reactor, "canner-pack", config.packaging_concurrency)
     packaging = PackagingService(
-        index,
-        uploads,
-        receipts,
-        packages,
-        packed,
-        {pid: cast(PackageSink, sinks[pid]) for pid in packed},
-        io,
-        packing,
-        reactor,
-        config.packaging_concurrency,
-        config.min_free_bytes,
-        config.delivery_concurrency,
-        in_flight,
+        index=index,
+        uploads=uploads,
+        receipts=receipts,
+        store=packages,
+        projects=packed,
+        sinks={pid: cast(PackageSink, sinks[pid]) for pid in packed},
+        run=io,
+        pack=packing,
+        clock=reactor,
+        build_concurrency=config.packaging_concurrency,
+        min_free_bytes=config.min_free_bytes,
+        delivery_concurrency=config.delivery_concurrency,
+        in_flight=in_flight,
         archived=archived.contains,
         observer=metrics,
     )

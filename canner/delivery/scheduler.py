@@ -62,9 +62,10 @@ LOCAL_PAYLOAD = "local_payload"
 OBJECT = Outbound.OBJECT
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class DeliveryService(Service):
-    """Runs deliveries, verifications and purges for one data directory."""
+    """Runs deliveries, verifications and purges for one data directory (collaborators by
+    keyword)."""
 
     _index: Index
     _uploads: UploadStore
@@ -84,7 +85,7 @@ class DeliveryService(Service):
     _orphans_checked: float = 0.0
     _claim_again: bool = False
     in_flight: InFlight | None = None
-    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
+    observer: OutboundObserver = UNOBSERVED
     _active: Jobs[str] = field(init=False)  # delivery attempts, by object id
     _checking: Jobs[str] = field(init=False)  # verifications and purges
     _ticker: Ticker = field(init=False)

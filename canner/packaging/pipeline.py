@@ -21,15 +21,15 @@ from typing import Any, Protocol
 
 from attrs import define, evolve, field
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
 from canner.delivery.index import Index, QueueRow
+from canner.delivery.jobs import Jobs, Ticker
 from canner.delivery.liveness import InFlight
 from canner.delivery.queue import (
     DEFAULT_VERIFY_TIMEOUT,
@@ -120,9 +120,10 @@ def purge_sources(
     fs.fsync_dir(uploads.directory)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class PackagingService(Service):
-    """Batches, builds and delivers the megawarc projects of one data directory."""
+    """Batches, builds and delivers the megawarc projects of one data directory (collaborators
+    by keyword)."""
 
     _index: Index
     _uploads: UploadStore
@@ -138,34 +139,34 @@ class PackagingService(Service):
     _min_free_bytes: int
     # Whether a verified ledger owns an object's record (``ArchivedIds.contains``): a package
     # restored from disk never brings such a member back.
-    _archived: Callable[[str], bool] = field(kw_only=True)
+    _archived: Callable[[str], bool]
     _delivery_concurrency: int = 1
     # The deliver process's attempts in flight (heartbeat, status page, metrics): a package
     # file being uploaded shows there under its package id and file name.
     _in_flight: InFlight | None = None
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
-    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
-    _building: dict[int, Deferred[None]] = field(factory=dict)
-    _delivering: dict[int, Deferred[None]] = field(factory=dict)
-    _checking: dict[int, Deferred[None]] = field(factory=dict)
+    observer: OutboundObserver = UNOBSERVED
     _resume_after: dict[int, float] = field(factory=dict)
-    _loop: LoopingCall | None = None
-    _loop_done: Deferred[Any] | None = None
-    _starting: Deferred[None] | None = None
-    _stopping: threading.Event = field(factory=threading.Event)
     # What the last tick's batching did, and the package ids of builds running (for operators).
     last_batching: dict[str, int] = field(factory=dict)
+    # Background work by batch id: builds, deliveries, verifications and purges.
+    _building: Jobs[int] = field(init=False)
+    _delivering: Jobs[int] = field(init=False)
+    _checking: Jobs[int] = field(init=False)
+    _ticker: Ticker = field(init=False)
+    _stopping: threading.Event = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._building = Jobs(self._clock)
+        self._delivering = Jobs(self._clock)
+        self._checking = Jobs(self._clock)
+        self._ticker = Ticker(self._clock, self._interval, self.tick, "packaging pipeline")
+        self._stopping = self._ticker.stopping
 
     def startService(self) -> None:
         super().startService()
-        self._stopping.clear()
-        self._loop = LoopingCall(self._guarded_tick)
-        self._loop.clock = self._clock
-        d = Deferred.fromCoroutine(self._recover())
-        d.addCallback(lambda _: self._begin())
-        d.addErrback(lambda f: log.failure("starting the packaging pipeline", f))
-        self._starting = d
+        self._ticker.start(lambda: Deferred.fromCoroutine(self._recover()))
 
     async def _recover(self) -> None:
         """Builds and deliveries cut short start over; temp directories go; packages on disk
@@ -195,28 +196,14 @@ class PackagingService(Service):
         )
         return restore.run()
 
-    def _begin(self) -> None:
-        if self.running and self._loop is not None:
-            self._loop_done = self._loop.start(self._interval, now=True)
-
     def stopService(self) -> Deferred[Any]:
         super().stopService()
-        self._stopping.set()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        running = [*self._building.values(), *self._delivering.values(), *self._checking.values()]
-        for work in running:
-            work.cancel()
         # Stopped while still recovering: its steps end before the thread pools stop.
-        waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
-        return DeferredList(waits, consumeErrors=True)
+        return self._ticker.stop(self._building, self._delivering, self._checking)
 
     @property
     def building(self) -> list[int]:
-        return sorted(self._building)
-
-    def _guarded_tick(self) -> Deferred[None]:
-        return self.tick().addErrback(lambda f: log.failure("packaging tick failed", f))
+        return sorted(self._building.keys())
 
     def tick(self) -> Deferred[None]:
         """Batch, then start due builds, deliveries and follow-ups up to their slots."""
@@ -235,7 +222,7 @@ class PackagingService(Service):
                 )
         free = self._build_concurrency - len(self._building)
         if free > 0:
-            for row in await self._index.run(sql.unfinished_builds, list(self._building), free):
+            for row in await self._index.run(sql.unfinished_builds, self._building.keys(), free):
                 if self._resume_after.get(row.batch_id, 0.0) <= now:
                     self._start(self._building, row, self._build(row))
             free = self._build_concurrency - len(self._building)
@@ -248,23 +235,14 @@ class PackagingService(Service):
         free = FOLLOW_UP_CONCURRENCY - len(self._checking)
         if free > 0 and self._sinks:
             due = await self._index.run(
-                sql.follow_ups_due, now, free, list(self._sinks), list(self._checking)
+                sql.follow_ups_due, now, free, list(self._sinks), self._checking.keys()
             )
             for row in due:
                 if row.batch_id not in self._checking:
                     self._start(self._checking, row, self._follow_up(row))
 
-    def _start(
-        self,
-        running: dict[int, Deferred[None]],
-        row: PackageRow,
-        work: Coroutine[Any, Any, None],
-    ) -> None:
-        d = Deferred.fromCoroutine(work)
-        d.addTimeout(JOB_LIMIT, self._clock)
-        running[row.batch_id] = d
-        d.addErrback(self._job_failed, row)
-        d.addBoth(lambda _: _discard(running, row.batch_id))
+    def _start(self, jobs: Jobs[int], row: PackageRow, work: Coroutine[Any, Any, None]) -> None:
+        jobs.launch(row.batch_id, work, JOB_LIMIT, lambda failure: self._job_failed(failure, row))
 
     def _job_failed(self, failure: Any, row: PackageRow) -> Deferred[Any] | None:
         """Anything a job did not handle: log it, and put the row back where a retry finds it."""
@@ -646,10 +624,6 @@ class PackagingService(Service):
             "md5": {p.name[len(pid) :]: plan.content_md5 for plan, p in plans},
             "sizes": {p.name[len(pid) :]: plan.size for plan, p in plans},
         }
-
-
-def _discard(running: dict[int, Deferred[None]], batch_id: int) -> None:
-    running.pop(batch_id, None)
 
 
 def _flight_row(row: PackageRow, plan: ItemPlan) -> QueueRow:

@@ -106,7 +106,7 @@ def _check_final_patch(offset: int, length: int | None, size: int) -> None:
         raise TusError(413, "the upload is already complete")
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class UploadIntake:
     """Admission, body streaming and completion for tus uploads."""
 
@@ -121,7 +121,7 @@ class UploadIntake:
     # The origin of an accepted upload whose payload was purged (its file in receipts/ went
     # with it): the delivery index has it.  Called from a worker thread; None when unknown.
     purged_origin: Callable[[str], Origin | None] = lambda upload_id: None
-    observer: UploadObserver = field(default=UNOBSERVED, kw_only=True)
+    observer: UploadObserver = UNOBSERVED
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 

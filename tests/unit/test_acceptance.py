@@ -32,13 +32,13 @@ class Env:
         self.clock.advance(1784764800.7)
         self.enqueued: list[tuple[Receipt, Origin]] = []
         self.acceptance = Acceptance(
-            self.uploads,
-            self.receipts,
-            runner,
-            run_inline,
-            self.clock,
-            "https://canner.example",
-            lambda r, o: self.enqueued.append((r, o)),
+            uploads=self.uploads,
+            receipts=self.receipts,
+            run=runner,
+            hash=run_inline,
+            clock=self.clock,
+            issuer="https://canner.example",
+            enqueue=lambda r, o: self.enqueued.append((r, o)),
         )
 
     def complete_upload(self, data: bytes, declared: bytes | None = None) -> LockedUpload:

@@ -168,13 +168,13 @@ def test_real_acceptance_feeds_the_metrics(tmp_path: Path) -> None:
     clock.advance(NOW)
     m = Metrics(RECEIVER, ["example"])
     acceptance = Acceptance(
-        uploads,
-        receipts,
-        run_inline,
-        run_inline,
-        clock,
-        "https://canner.test",
-        lambda r, o: None,
+        uploads=uploads,
+        receipts=receipts,
+        run=run_inline,
+        hash=run_inline,
+        clock=clock,
+        issuer="https://canner.test",
+        enqueue=lambda r, o: None,
         observer=m,
     )
 
