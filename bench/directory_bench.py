@@ -36,6 +36,7 @@ from twisted.internet.threads import deferToThread  # noqa: E402
 from canner.blocking import BlockingRunner  # noqa: E402
 from canner.config import DeliveryConfig  # noqa: E402
 from canner.delivery.index import QueueRow  # noqa: E402
+from canner.delivery.scheduler import plan_row  # noqa: E402
 from canner.sinks.directory import DirectorySink  # noqa: E402
 
 MiB = 1 << 20
@@ -109,7 +110,7 @@ def main() -> None:
             )
             reactor.getThreadPool().adjustPoolsize(2, 4)
             sink = DirectorySink.for_delivery("bench", config, in_thread, in_thread, reactor)
-            rows = [row(o, size, c, m) for o, _, c, m in payloads]
+            rows = [plan_row(config, row(o, size, c, m)) for o, _, c, m in payloads]
             t0 = time.monotonic()
             done = []
             for r, (_, path, _, _) in zip(rows, payloads, strict=True):
@@ -118,7 +119,7 @@ def main() -> None:
             t0 = time.monotonic()
             for r, d in zip(rows, done, strict=True):
                 check = await sink.verify(
-                    attrs.evolve(r, remote_identifier=d.identifier, remote_name=d.remote_name)
+                    attrs.evolve(r, identifier=d.identifier, remote_name=d.remote_name)
                 )
                 assert check.verified, check
             results["verify_s"] = time.monotonic() - t0

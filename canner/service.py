@@ -41,7 +41,7 @@ from canner.delivery import index as sql
 from canner.delivery.index import DeliveryIndex, IndexFeed, open_pool, upgrade_schema
 from canner.delivery.liveness import HeartbeatService, InFlight, index_answers
 from canner.delivery.rescan import ReceiptRescan
-from canner.delivery.scheduler import DeliveryService
+from canner.delivery.scheduler import DeliveryService, planner
 from canner.fs import DataDirLock, Locked
 from canner.hq import HQRoutes, Lookups, Releases
 from canner.inventory import take_survey
@@ -60,7 +60,7 @@ from canner.metrics import (
 from canner.objects import ObjectReader
 from canner.observe import OutboundObserver, UploadObserver
 from canner.packaging import batches as packaging_sql
-from canner.packaging.pipeline import PackageSink, PackagingService
+from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
@@ -720,6 +720,9 @@ def deliver_service(
         hash=hashing,
         clock=reactor,
         concurrency=config.delivery_concurrency,
+        planner=planner(
+            {pid: p.delivery for pid, p in config.projects.items() if p.delivery is not None}
+        ),
         verify_timeouts={
             pid: p.delivery.verify_timeout
             for pid, p in config.projects.items()
@@ -736,7 +739,7 @@ def deliver_service(
         receipts=receipts,
         store=packages,
         projects=packed,
-        sinks={pid: cast(PackageSink, sinks[pid]) for pid in packed},
+        sinks={pid: sinks[pid] for pid in packed},
         run=io,
         pack=packing,
         clock=reactor,

@@ -13,6 +13,7 @@ from twisted.python.failure import Failure
 from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
+from canner.sinks.plan import ItemPlan
 
 
 @define(eq=False)
@@ -57,11 +58,18 @@ class FakeSink:
     hanging_verify: Deferred[RemoteCheck] | None = None
     # each attempt's progress callback: the test reports bytes sent through it
     progress: dict[str, Any] = field(factory=dict)
+    # the plan and overwrite flag of each object's latest attempt
+    plans: dict[str, ItemPlan] = field(factory=dict)
+    overwrites: dict[str, bool] = field(factory=dict)
 
-    def deliver(self, row: QueueRow, path: Path, progress: Any = None) -> Deferred[Delivered]:
-        self.progress[row.object_id] = progress
+    def deliver(
+        self, plan: ItemPlan, path: Path, progress: Any = None, *, overwrite: bool = False
+    ) -> Deferred[Delivered]:
+        self.progress[plan.object_id] = progress
+        self.plans[plan.object_id] = plan
+        self.overwrites[plan.object_id] = overwrite
         d: Deferred[Delivered] = Deferred()
-        self.pending[row.object_id] = d
+        self.pending[plan.object_id] = d
         return d
 
     def succeed(self, object_id: str) -> None:
@@ -71,11 +79,26 @@ class FakeSink:
     def fail(self, object_id: str, reason: str = "503 SlowDown", operator: bool = False) -> None:
         self.pending.pop(object_id).errback(DeliveryFailed(reason, needs_operator=operator))
 
-    def verify(self, row: QueueRow, path: Path | None = None) -> Deferred[RemoteCheck]:
+    def verify(self, plan: ItemPlan, path: Path | None = None) -> Deferred[RemoteCheck]:
         if self.hanging_verify is not None:
             return self.hanging_verify
         default = RemoteCheck(False, "not listed yet", absent=True)
-        return succeed(self.checks.get(row.object_id, default))
+        return succeed(self.checks.get(plan.object_id, default))
+
+
+def fake_plan(row: QueueRow) -> ItemPlan:
+    """A planner for FakeSink: the place FakeSink.succeed reports."""
+    return ItemPlan(
+        project=row.project,
+        object_id=row.object_id,
+        identifier=f"item-{row.object_id}",
+        remote_name=f"{row.object_id}.warc",
+        size=row.size_bytes,
+        content_md5=row.content_md5 or "",
+        size_hint=row.size_bytes,
+        headers=(),
+        checksum=row.checksum,
+    )
 
 
 def succeeded(d: Deferred[Any]) -> Any:

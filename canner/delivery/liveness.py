@@ -24,7 +24,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from canner.delivery.index import Index, QueueRow
+from canner.delivery.index import Index
 from canner.version import version
 
 log = Logger()
@@ -113,9 +113,21 @@ def rate_and_eta(
     return rate, (max(0.0, size - sent) / rate if rate > 0 else None)
 
 
+@frozen
+class Attempt:
+    """What the in-flight list shows of one attempt: the file (an object, or a package file
+    under its package id) and which attempt it is."""
+
+    key: str
+    project: str
+    filename: str | None
+    size: int
+    attempt: int
+
+
 @define(eq=False)
 class _Running:
-    row: QueueRow
+    attempt: Attempt
     started_at: float
     phase: str = CHECKING
     sent: int = 0
@@ -149,8 +161,8 @@ class InFlight:
     total_sent: int = 0
     _running: dict[str, _Running] = field(factory=dict)
 
-    def begin(self, row: QueueRow) -> None:
-        self._running[row.object_id] = _Running(row, self._clock.seconds())
+    def begin(self, attempt: Attempt) -> None:
+        self._running[attempt.key] = _Running(attempt, self._clock.seconds())
 
     def uploading(self, object_id: str) -> Callable[[int], None]:
         """Mark the attempt uploading; returns the callback the sink reports bytes to."""
@@ -177,19 +189,20 @@ class InFlight:
     def snapshot(self) -> list[Progress]:
         now = self._clock.seconds()
         found = []
-        for r in sorted(self._running.values(), key=lambda r: (r.started_at, r.row.object_id)):
-            rate, eta = rate_and_eta(r.row.size_bytes, r.sent, r.since(now), now)
+        for r in sorted(self._running.values(), key=lambda r: (r.started_at, r.attempt.key)):
+            a = r.attempt
+            rate, eta = rate_and_eta(a.size, r.sent, r.since(now), now)
             quiet = None
             if r.phase == UPLOADING:
                 last = r.last_sent_at or r.upload_started_at or r.started_at
                 quiet = now - last if now - last >= STALL_AFTER else None
             found.append(
                 Progress(
-                    r.row.object_id,
-                    r.row.project,
-                    r.row.filename,
-                    r.row.size_bytes,
-                    r.row.attempts,
+                    a.key,
+                    a.project,
+                    a.filename,
+                    a.size,
+                    a.attempt,
                     r.phase,
                     r.sent,
                     r.started_at,

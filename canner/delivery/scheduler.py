@@ -28,10 +28,11 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
+from canner.config import DeliveryConfig
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.jobs import Jobs, Ticker
-from canner.delivery.liveness import InFlight
+from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import (
     DEFAULT_VERIFY_TIMEOUT,
@@ -46,6 +47,7 @@ from canner.journal import JournalLog
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
 from canner.receipts import ReceiptStore
 from canner.sinks.base import DeliveryFailed, Sink
+from canner.sinks.plan import ItemPlan, PlanError, plan_upload
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -72,6 +74,8 @@ class DeliveryService(Service):
     _receipts: ReceiptStore
     _journal: JournalLog
     _sinks: Mapping[str, Sink]
+    # Where a row goes (plan_row with its project's delivery table, in the daemon).
+    _planner: Callable[[QueueRow], ItemPlan]
     _retention: Mapping[str, float]
     _run: BlockingRunner
     _hash: BlockingRunner
@@ -208,7 +212,9 @@ class DeliveryService(Service):
 
     async def _attempt(self, row: QueueRow) -> None:
         assert self.in_flight is not None
-        self.in_flight.begin(row)
+        self.in_flight.begin(
+            Attempt(row.object_id, row.project, row.filename, row.size_bytes, row.attempts)
+        )
         try:
             await self._attempt_tracked(row, self.in_flight)
         finally:
@@ -225,10 +231,19 @@ class DeliveryService(Service):
         sink = self._sinks[row.project]
         try:
             row = await self._prepare(row)
+            try:
+                plan = self._planner(row)
+            except PlanError as e:
+                raise DeliveryFailed(str(e), needs_operator=True) from None
             progress = counting_sent(
                 in_flight.uploading(row.object_id), self.observer, OBJECT, sink.destination
             )
-            delivered = await sink.deliver(row, self._uploads.data_path(row.object_id), progress)
+            delivered = await sink.deliver(
+                plan,
+                self._uploads.data_path(row.object_id),
+                progress,
+                overwrite=bool(row.force_upload),
+            )
         except DeliveryFailed as e:
             await self._record_failure(
                 row,
@@ -368,7 +383,7 @@ class DeliveryService(Service):
         """Look for the delivered copy; record it verified, look again later, deliver it again
         (``verify_timeout`` passed and it is not listed), or flag the row."""
         path = self._uploads.data_path(row.object_id)
-        check = await self._sinks[row.project].verify(row, path)
+        check = await self._sinks[row.project].verify(located(row), path)
         if check.verified:
             await self._index.run(sql.record_verified, row.object_id, now)
             self.observer.verified(OBJECT)
@@ -426,3 +441,41 @@ class DeliveryService(Service):
                 limit=MAX_REDELIVERIES,
             )
             self._refill()
+
+
+def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:
+    """Where ``row`` goes, from its stable values only, so a retry resolves the same place
+    (the MD5 is computed before the first attempt)."""
+    assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
+    plan = plan_upload(
+        delivery,
+        row.project,
+        row.object_id,
+        row.filename,
+        row.accepted_at,
+        row.size_bytes,
+        row.content_md5,
+    )
+    return evolve(plan, checksum=row.checksum)
+
+
+def planner(deliveries: Mapping[str, DeliveryConfig]) -> Callable[[QueueRow], ItemPlan]:
+    """The daemon's planner: each row by its project's delivery table."""
+    return lambda row: plan_row(deliveries[row.project], row)
+
+
+def located(row: QueueRow) -> ItemPlan:
+    """A delivered row as a plan to verify: where it went (as recorded at its delivery, even if
+    the templates changed since) and what must be there."""
+    assert row.remote_identifier is not None and row.remote_name is not None
+    return ItemPlan(
+        project=row.project,
+        object_id=row.object_id,
+        identifier=row.remote_identifier,
+        remote_name=row.remote_name,
+        size=row.size_bytes,
+        content_md5=row.content_md5 or "",
+        size_hint=row.size_bytes,
+        headers=(),
+        checksum=row.checksum,
+    )

@@ -17,7 +17,7 @@ import random
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from attrs import define, evolve, field
 from twisted.application.service import Service
@@ -28,9 +28,9 @@ from twisted.logger import Logger
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
-from canner.delivery.index import Index, QueueRow
+from canner.delivery.index import Index
 from canner.delivery.jobs import Jobs, Ticker
-from canner.delivery.liveness import InFlight
+from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.queue import (
     DEFAULT_VERIFY_TIMEOUT,
     MAX_REDELIVERIES,
@@ -39,7 +39,7 @@ from canner.delivery.queue import (
     judge_unverified,
     retry_delay,
 )
-from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
+from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
 from canner.packaging.batches import PackageRow
 from canner.packaging.megawarc import (
@@ -54,7 +54,7 @@ from canner.packaging.megawarc import (
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
-from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
+from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, Sink
 from canner.sinks.plan import ItemPlan, PlanError, format_date, plan_package_file
 from canner.tus.store import UploadStore
 
@@ -67,26 +67,6 @@ FOLLOW_UP_CONCURRENCY = 2
 JOB_LIMIT = 24 * 3600.0
 # A verification or source purge that failed on I/O is tried again after this long.
 RESUME_DELAY = 60.0
-
-
-class PackageSink(Protocol):
-    """What packaging needs of a project's sink: deliver and check one planned file."""
-
-    def deliver_planned(
-        self,
-        plan: ItemPlan,
-        path: Path,
-        progress: Callable[[int], None],
-        *,
-        overwrite: bool = False,
-    ) -> Deferred[Delivered]:
-        """Deliver one file; ``overwrite``: upload it even if IA lists a matching one."""
-        ...
-
-    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]: ...
-
-    @property
-    def destination(self) -> Destination: ...
 
 
 def purge_sources(
@@ -131,7 +111,7 @@ class PackagingService(Service):
     _store: PackageStore
     # Megawarc projects only (each with a delivery table), and their sinks.
     _projects: Mapping[str, ProjectConfig]
-    _sinks: Mapping[str, PackageSink]
+    _sinks: Mapping[str, Sink]
     _run: BlockingRunner
     _pack: BlockingRunner
     _clock: IReactorTime
@@ -493,16 +473,16 @@ class PackagingService(Service):
         self.observer.delivered(PACKAGE, row.project)
 
     async def _deliver_file(
-        self, sink: PackageSink, row: PackageRow, plan: ItemPlan, path: Path
+        self, sink: Sink, row: PackageRow, plan: ItemPlan, path: Path
     ) -> Delivered:
         def send(report: Callable[[int], None]) -> Deferred[Delivered]:
             progress = counting_sent(report, self.observer, PACKAGE, sink.destination)
-            return sink.deliver_planned(plan, path, progress, overwrite=bool(row.force_upload))
+            return sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
 
         if self._in_flight is None:
             return await send(lambda n: None)
         key = plan.object_id  # the package id: one file of a package is in flight at a time
-        self._in_flight.begin(_flight_row(row, plan))
+        self._in_flight.begin(Attempt(key, row.project, plan.remote_name, plan.size, row.attempts))
         try:
             return await send(self._in_flight.uploading(key))
         finally:
@@ -515,7 +495,7 @@ class PackagingService(Service):
             sink = self._sinks[row.project]
             plans = await self._plans(row)
             for plan, path in plans:
-                check = await sink.verify_planned(plan, path)
+                check = await sink.verify(plan, path)
                 if not check.verified:
                     await self._unverified(row, plan, check, now)
                     return
@@ -624,30 +604,3 @@ class PackagingService(Service):
             "md5": {p.name[len(pid) :]: plan.content_md5 for plan, p in plans},
             "sizes": {p.name[len(pid) :]: plan.size for plan, p in plans},
         }
-
-
-def _flight_row(row: PackageRow, plan: ItemPlan) -> QueueRow:
-    """A package file's upload as the in-flight list shows attempts: the package id in place
-    of the object id, the file's name and size."""
-    return QueueRow(
-        object_id=plan.object_id,
-        project=row.project,
-        filename=plan.remote_name,
-        size_bytes=plan.size,
-        checksum="",
-        accepted_at=row.oldest_accepted_at or 0,
-        state=row.delivery_state,
-        attempts=row.attempts,
-        next_attempt_at=row.next_attempt_at,
-        last_error=row.last_error,
-        needs_operator=row.needs_operator,
-        content_md5=plan.content_md5,
-        remote_identifier=plan.identifier,
-        remote_name=plan.remote_name,
-        delivered_at=None,
-        verified_at=None,
-        purge_after=None,
-        purged_at=None,
-        next_check_at=None,
-        updated_at=row.updated_at,
-    )

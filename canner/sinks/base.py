@@ -1,8 +1,8 @@
-"""What the scheduler knows of a sink: the ``Sink`` protocol and the outcome types.
+"""What the pipelines know of a sink: the ``Sink`` protocol and the outcome types.
 
-A sink delivers one row's local payload and later verifies the remote copy; the scheduler records
-what it says.  :class:`Verdict` and :class:`Outcome` are the sinks' own reading of one attempt,
-which they turn into :class:`Delivered` or :class:`DeliveryFailed`.
+A sink delivers one planned file and later verifies the remote copy; the pipeline that sent it
+records what it says.  :class:`Verdict` and :class:`Outcome` are the sinks' own reading of one
+attempt, which they turn into :class:`Delivered` or :class:`DeliveryFailed`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from typing import Protocol
 from attrs import frozen
 from twisted.internet.defer import Deferred
 
-from canner.config import DeliveryConfig
-from canner.delivery.index import QueueRow
 from canner.observe import Destination
-from canner.sinks.plan import ItemPlan, plan_upload
+from canner.sinks.plan import ItemPlan
 
 
 @frozen
@@ -64,7 +62,9 @@ class RemoteCheck:
 
 
 class Sink(Protocol):
-    """A delivery destination (the Internet Archive in production)."""
+    """A destination (the Internet Archive in production, or a directory): it sees a plan and a
+    path, never a queue row.  Objects, package files and ledgers are sent through the same
+    two calls."""
 
     @property
     def destination(self) -> Destination:
@@ -72,16 +72,22 @@ class Sink(Protocol):
         ...
 
     def deliver(
-        self, row: QueueRow, path: Path, progress: Callable[[int], None]
+        self,
+        plan: ItemPlan,
+        path: Path,
+        progress: Callable[[int], None],
+        *,
+        overwrite: bool = False,
     ) -> Deferred[Delivered]:
-        """Upload (or find already uploaded) the object; fail with :class:`DeliveryFailed`.
-
-        ``progress(n)`` is told about payload bytes as they are sent."""
+        """Send (or find already sent) the file at ``path`` to ``plan``'s place; fail with
+        :class:`DeliveryFailed`.  ``progress(n)`` hears of payload bytes as they go;
+        ``overwrite``: a read-back found the destination's bytes wrong, so send even when its
+        listing matches."""
         ...
 
-    def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
-        """Check that the remote file exists with the right size and MD5 (and, where the sink
-        can, that its bytes equal the local payload at ``path``)."""
+    def verify(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
+        """Check that the file is at ``plan``'s place with its size and checksum (and, where the
+        sink can, that its bytes equal the local copy at ``path``)."""
         ...
 
 
@@ -108,17 +114,3 @@ class Outcome:
     @property
     def needs_operator(self) -> bool:
         return self.verdict is Verdict.OPERATOR
-
-
-def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:
-    """Where ``row`` goes, from its stable values only, so a retry resolves the same place."""
-    assert row.content_md5 is not None, "the scheduler computes the MD5 before delivering"
-    return plan_upload(
-        delivery,
-        row.project,
-        row.object_id,
-        row.filename,
-        row.accepted_at,
-        row.size_bytes,
-        row.content_md5,
-    )

@@ -35,11 +35,10 @@ from twisted.python.failure import Failure
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum, HashCancelled, blake3_file
 from canner.config import ConfigError, DeliveryConfig
-from canner.delivery.index import QueueRow
 from canner.fs import fsync_dir, write_all
 from canner.observe import Destination
-from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, plan_row
-from canner.sinks.plan import PlanError, validate_delivery
+from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
+from canner.sinks.plan import ItemPlan, validate_delivery
 
 log = Logger()
 
@@ -325,23 +324,28 @@ class DirectorySink:
         root = validate_directory(project_id, delivery)
         return cls(delivery, root, os.stat(root).st_dev, run, hash, clock)
 
-    def place(self, row: QueueRow) -> Placement:
-        plan = plan_row(self._delivery, row)
-        return Placement(self._root, plan.identifier, plan.remote_name, row.object_id)
+    def place(self, plan: ItemPlan) -> Placement:
+        return Placement(self._root, plan.identifier, plan.remote_name, plan.object_id)
 
     def deliver(
-        self, row: QueueRow, path: Path, report: Callable[[int], None]
+        self,
+        plan: ItemPlan,
+        path: Path,
+        report: Callable[[int], None],
+        *,
+        overwrite: bool = False,
     ) -> Deferred[Delivered]:
-        """Copy the object into place; ``report(n)`` hears of copied bytes about once a second."""
-        return Deferred.fromCoroutine(self._deliver(row, path, report))
+        """Copy the file into place; ``report(n)`` hears of copied bytes about once a second.
+        ``overwrite`` changes nothing: a directory sink never replaces a file it finds there
+        (a different one is flagged for an operator)."""
+        return Deferred.fromCoroutine(self._deliver(plan, path, report))
 
-    async def _deliver(self, row: QueueRow, path: Path, report: Callable[[int], None]) -> Delivered:
-        try:
-            place = self.place(row)
-        except PlanError as e:
-            raise DeliveryFailed(str(e), needs_operator=True) from None
+    async def _deliver(
+        self, plan: ItemPlan, path: Path, report: Callable[[int], None]
+    ) -> Delivered:
+        place = self.place(plan)
         delivered = Delivered(place.identifier, place.remote_name)
-        if await self._already_there(row, place):
+        if await self._already_there(plan, place):
             return delivered
         started = self._clock.seconds()
         progress = Progress()
@@ -356,7 +360,7 @@ class DirectorySink:
                 self._run,
                 path,
                 place,
-                row.size_bytes,
+                plan.size,
                 self._root_device,
                 progress,
             )
@@ -371,20 +375,20 @@ class DirectorySink:
         finally:
             ticker.stop()
             reported.tick()
-        if not placed and not await self._already_there(row, place):
+        if not placed and not await self._already_there(plan, place):
             # Someone else wrote the name while this copy ran; it must not be overwritten.
             raise DeliveryFailed(f"{place.final} appeared during the copy", needs_operator=True)
         log.info(
             "copied {object_id} to {path}",
-            object_id=row.object_id,
-            project=row.project,
+            object_id=plan.object_id,
+            project=plan.project,
             path=str(place.final),
-            size=row.size_bytes,
+            size=plan.size,
             duration_s=self._clock.seconds() - started,
         )
         return delivered
 
-    async def _already_there(self, row: QueueRow, place: Placement) -> bool:
+    async def _already_there(self, plan: ItemPlan, place: Placement) -> bool:
         """True when the final name holds this object; DeliveryFailed when it holds another."""
         try:
             found = await self._watched(
@@ -399,10 +403,10 @@ class DirectorySink:
         if found is None:
             return False
         checksum, size = found
-        if size == row.size_bytes and str(checksum) == row.checksum:
+        if size == plan.size and str(checksum) == plan.checksum:
             log.info(
                 "{object_id} is already at {path}; no copy needed",
-                object_id=row.object_id,
+                object_id=plan.object_id,
                 path=str(place.final),
             )
             return True
@@ -412,13 +416,13 @@ class DirectorySink:
             needs_operator=True,
         )
 
-    def verify(self, row: QueueRow, path: Path | None = None) -> Deferred[RemoteCheck]:
-        """Re-read the whole copy: its BLAKE3 against the receipt (``path`` is not needed)."""
-        return Deferred.fromCoroutine(self._verify(row))
+    def verify(self, plan: ItemPlan, path: Path | None = None) -> Deferred[RemoteCheck]:
+        """Re-read the whole copy: its BLAKE3 against the plan's (the receipt's); ``path`` is
+        not needed."""
+        return Deferred.fromCoroutine(self._verify(plan))
 
-    async def _verify(self, row: QueueRow) -> RemoteCheck:
-        assert row.remote_identifier is not None and row.remote_name is not None
-        final = self._root / row.remote_identifier / row.remote_name
+    async def _verify(self, plan: ItemPlan) -> RemoteCheck:
+        final = self._root / plan.identifier / plan.remote_name
         try:
             found = await self._watched(
                 inspect_file, None, self._hash, final, self._root, self._root_device
@@ -428,7 +432,7 @@ class DirectorySink:
         if found is None:
             return RemoteCheck(False, f"{final} is missing", needs_operator=True, absent=True)
         checksum, size = found
-        if size != row.size_bytes or str(checksum) != row.checksum:
+        if size != plan.size or str(checksum) != plan.checksum:
             return RemoteCheck(
                 False,
                 f"{final} differs from its receipt: {size} bytes, {checksum}",

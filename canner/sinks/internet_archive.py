@@ -29,7 +29,6 @@ from twisted.web.http_headers import Headers
 
 from canner.blocking import BlockingRunner
 from canner.config import ConfigError, DeliveryConfig
-from canner.delivery.index import QueueRow
 from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
@@ -37,7 +36,6 @@ from canner.sinks.base import (
     Outcome,
     RemoteCheck,
     Verdict,
-    plan_row,
 )
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
@@ -660,21 +658,7 @@ class IADeliverySink:
     _delivery: DeliveryConfig
     _sink: IASink
 
-    def plan(self, row: QueueRow) -> ItemPlan:
-        return plan_row(self._delivery, row)
-
     def deliver(
-        self, row: QueueRow, path: Path, progress: Callable[[int], None]
-    ) -> Deferred[Delivered]:
-        return Deferred.fromCoroutine(self._deliver(row, path, progress))
-
-    async def _deliver(
-        self, row: QueueRow, path: Path, progress: Callable[[int], None]
-    ) -> Delivered:
-        plan = self.plan(row)
-        return await self._deliver_planned(plan, path, progress, bool(row.force_upload))
-
-    def deliver_planned(
         self,
         plan: ItemPlan,
         path: Path,
@@ -682,16 +666,12 @@ class IADeliverySink:
         *,
         overwrite: bool = False,
     ) -> Deferred[Delivered]:
-        """Deliver one planned file (a package's), like :meth:`deliver` does a row;
-        ``overwrite``: upload even when the metadata API lists a matching file."""
-        return Deferred.fromCoroutine(self._deliver_planned(plan, path, progress, overwrite))
+        """One attempt (see :class:`~canner.sinks.base.Sink`); ``overwrite``: upload even when
+        the metadata API lists a matching file."""
+        return Deferred.fromCoroutine(self._deliver(plan, path, progress, overwrite))
 
-    async def _deliver_planned(
-        self,
-        plan: ItemPlan,
-        path: Path,
-        progress: Callable[[int], None],
-        overwrite: bool = False,
+    async def _deliver(
+        self, plan: ItemPlan, path: Path, progress: Callable[[int], None], overwrite: bool
     ) -> Delivered:
         result = await self._sink.deliver(plan, path, progress, overwrite=overwrite)
         if result.delivered:
@@ -703,30 +683,18 @@ class IADeliverySink:
             kind=failure_class(result.status, result.outcome.reason),
         )
 
-    def verify(self, row: QueueRow, path: Path) -> Deferred[RemoteCheck]:
-        return Deferred.fromCoroutine(self._verify(row, path))
+    def verify(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
+        """Is the file at IA with its size and MD5, and do the bytes IA serves match the local
+        copy at ``path``?"""
+        return Deferred.fromCoroutine(self._verify(plan, path))
 
-    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
-        """Is the planned file (a package's, local copy at ``path``) at IA with its size and
-        MD5, and do the bytes IA serves match?"""
-        return Deferred.fromCoroutine(self._verify_plan(plan, path))
-
-    async def _verify_plan(self, plan: ItemPlan, path: Path) -> RemoteCheck:
+    async def _verify(self, plan: ItemPlan, path: Path) -> RemoteCheck:
         listed = await self._verify_file(
-            plan.identifier, plan.remote_name, plan.size, plan.content_md5
+            plan.identifier, plan.remote_name, plan.size, plan.content_md5 or None
         )
         if not listed.verified:
             return listed
         return await self._read_back(plan.identifier, plan.remote_name, path, plan.size)
-
-    async def _verify(self, row: QueueRow, path: Path) -> RemoteCheck:
-        assert row.remote_identifier is not None and row.remote_name is not None
-        listed = await self._verify_file(
-            row.remote_identifier, row.remote_name, row.size_bytes, row.content_md5
-        )
-        if not listed.verified:
-            return listed
-        return await self._read_back(row.remote_identifier, row.remote_name, path, row.size_bytes)
 
     async def _verify_file(
         self, identifier: str, remote_name: str, size: int, content_md5: str | None

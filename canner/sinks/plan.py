@@ -69,6 +69,9 @@ class ItemPlan:
     content_md5: str
     size_hint: int
     headers: tuple[tuple[str, str], ...]
+    # The file's BLAKE3 as its receipt states it ("blake3:<hex>"), when the sender knows it: a
+    # directory sink compares what it finds in place against it.
+    checksum: str = ""
 
     @property
     def path(self) -> str:

@@ -22,8 +22,10 @@ from twisted.python.failure import Failure
 from canner.blocking import run_inline
 from canner.config import ConfigError, DeliveryConfig, parse_config
 from canner.delivery.index import QueueRow
+from canner.delivery.scheduler import located, plan_row
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.directory import PARTIAL_PREFIX, DirectorySink, validate_directory
+from canner.sinks.plan import ItemPlan
 
 reactor: Any = _reactor
 P = ParamSpec("P")
@@ -45,6 +47,11 @@ def delivery(path: str, **changes: Any) -> DeliveryConfig:
         path=path,
     )
     return attrs.evolve(base, **changes)
+
+
+def plan_for(payload: Path, **changes: Any) -> ItemPlan:
+    """The plan the scheduler sends for ``payload``'s row (the default templates)."""
+    return plan_row(delivery("/unused"), row_for(payload, **changes))
 
 
 def row_for(payload: Path, **changes: Any) -> QueueRow:
@@ -114,7 +121,7 @@ def setup(tmp_path: Path) -> Setup:
 def test_copies_the_payload_under_identifier_and_remote_name(setup: Setup) -> None:
     """The copy lands at path/identifier/remote_name, byte-identical, with no partial file left."""
     result = fired(
-        setup.sink().deliver(row_for(setup.payload), setup.payload, setup.reported.append)
+        setup.sink().deliver(plan_for(setup.payload), setup.payload, setup.reported.append)
     )
     assert result == Delivered(f"example-{OID}", "crawl.warc.gz")
     assert setup.final.read_bytes() == setup.data
@@ -126,7 +133,8 @@ def test_copies_the_payload_under_identifier_and_remote_name(setup: Setup) -> No
 def test_remote_name_with_directories_is_created(setup: Setup) -> None:
     """A remote name with slashes creates the directories below the identifier."""
     sink = setup.sink(remote_name="{date}/{filename}")
-    result = fired(sink.deliver(row_for(setup.payload), setup.payload, setup.reported.append))
+    plan = plan_row(delivery("/unused", remote_name="{date}/{filename}"), row_for(setup.payload))
+    result = fired(sink.deliver(plan, setup.payload, setup.reported.append))
     target = setup.root / result.identifier / result.remote_name
     assert result.remote_name == "20260723000000/crawl.warc.gz"
     assert target.read_bytes() == setup.data
@@ -138,7 +146,7 @@ def test_an_identical_file_is_not_copied_again(setup: Setup) -> None:
     setup.final.write_bytes(setup.data)
     before = os.stat(setup.final)
     result = fired(
-        setup.sink().deliver(row_for(setup.payload), setup.payload, setup.reported.append)
+        setup.sink().deliver(plan_for(setup.payload), setup.payload, setup.reported.append)
     )
     assert result.remote_name == "crawl.warc.gz"
     after = os.stat(setup.final)
@@ -150,7 +158,7 @@ def test_a_different_file_is_flagged_never_overwritten(setup: Setup) -> None:
     setup.final.parent.mkdir()
     setup.final.write_bytes(b"someone else's file")
     with pytest.raises(DeliveryFailed) as info:
-        fired(setup.sink().deliver(row_for(setup.payload), setup.payload, setup.reported.append))
+        fired(setup.sink().deliver(plan_for(setup.payload), setup.payload, setup.reported.append))
     assert info.value.needs_operator
     assert "not overwriting" in info.value.reason
     assert setup.final.read_bytes() == b"someone else's file"
@@ -161,14 +169,14 @@ def test_a_stale_partial_file_is_replaced(setup: Setup) -> None:
     setup.final.parent.mkdir()
     partial = setup.final.parent / (PARTIAL_PREFIX + OID)
     partial.write_bytes(setup.data[:1000])
-    fired(setup.sink().deliver(row_for(setup.payload), setup.payload, setup.reported.append))
+    fired(setup.sink().deliver(plan_for(setup.payload), setup.payload, setup.reported.append))
     assert setup.final.read_bytes() == setup.data
     assert not partial.exists()
 
 
 def test_a_payload_of_the_wrong_size_is_not_copied(setup: Setup) -> None:
     """A local payload shorter than its receipt needs an operator; nothing is published."""
-    row = row_for(setup.payload)
+    row = plan_for(setup.payload)
     with open(setup.payload, "r+b") as f:
         f.truncate(1000)
     with pytest.raises(DeliveryFailed) as info:
@@ -185,7 +193,7 @@ def test_a_destination_on_another_filesystem_than_at_start_gets_nothing(setup: S
     moved = os.stat(setup.root).st_dev + 1
     sink = DirectorySink(config, setup.root, moved, run_inline, run_inline, setup.clock)
     with pytest.raises(DeliveryFailed) as info:
-        fired(sink.deliver(row_for(setup.payload), setup.payload, setup.reported.append))
+        fired(sink.deliver(plan_for(setup.payload), setup.payload, setup.reported.append))
     assert not info.value.needs_operator
     assert "unmounted?" in info.value.reason
     assert os.listdir(setup.root) == []
@@ -196,7 +204,7 @@ def test_a_missing_destination_root_is_never_created(setup: Setup) -> None:
     sink = setup.sink()
     setup.root.rmdir()
     with pytest.raises(DeliveryFailed) as info:
-        fired(sink.deliver(row_for(setup.payload), setup.payload, setup.reported.append))
+        fired(sink.deliver(plan_for(setup.payload), setup.payload, setup.reported.append))
     assert not info.value.needs_operator
     assert not setup.root.exists()
 
@@ -204,10 +212,15 @@ def test_a_missing_destination_root_is_never_created(setup: Setup) -> None:
 def test_verify_re_reads_the_destination(setup: Setup) -> None:
     """Verification compares the destination's BLAKE3 with the receipt; tampering is flagged."""
     sink = setup.sink()
-    row = row_for(setup.payload)
+    row = plan_for(setup.payload)
     done = fired(sink.deliver(row, setup.payload, setup.reported.append))
-    delivered = attrs.evolve(
-        row, remote_identifier=done.identifier, remote_name=done.remote_name, state="delivered"
+    delivered = located(
+        attrs.evolve(
+            row_for(setup.payload),
+            remote_identifier=done.identifier,
+            remote_name=done.remote_name,
+            state="delivered",
+        )
     )
     assert fired(sink.verify(delivered)) == RemoteCheck(True)
     with open(setup.final, "r+b") as f:
@@ -230,7 +243,7 @@ def test_no_progress_fails_the_attempt_and_stops_the_copy(setup: Setup) -> None:
 
     sink = setup.sink(run=stuck)
     sink.no_progress_timeout = 30.0
-    d = sink.deliver(row_for(setup.payload), setup.payload, setup.reported.append)
+    d = sink.deliver(plan_for(setup.payload), setup.payload, setup.reported.append)
     setup.clock.advance(29)
     assert not d.called
     setup.clock.advance(2)
@@ -252,7 +265,7 @@ def test_cancelling_stops_the_copy(setup: Setup) -> None:
         return Deferred()
 
     d = setup.sink(run=pending).deliver(
-        row_for(setup.payload), setup.payload, setup.reported.append
+        plan_for(setup.payload), setup.payload, setup.reported.append
     )
     d.cancel()
     with pytest.raises(CancelledError):
@@ -285,10 +298,10 @@ async def test_copying_and_hashing_run_off_the_reactor_thread(tmp_path: Path) ->
     run, hashing = RecordingRunner(), RecordingRunner()
     config = delivery(str(tmp_path / "{project}"))
     sink = DirectorySink.for_delivery("example", config, run, hashing, reactor)
-    row = row_for(payload)
+    row = plan_for(payload)
     done = await sink.deliver(row, payload, lambda n: None)
     check = await sink.verify(
-        attrs.evolve(row, remote_identifier=done.identifier, remote_name=done.remote_name)
+        attrs.evolve(row, identifier=done.identifier, remote_name=done.remote_name)
     )
     assert check.verified
     assert len(run.threads) == 1 and len(hashing.threads) == 2

@@ -39,7 +39,7 @@ RETENTION = 3600.0
 
 @define(eq=False)
 class FakeItems:
-    """A PackageSink that keeps what it was sent, by item and name."""
+    """A Sink that keeps what it was sent, by item and name."""
 
     destination: ClassVar[Destination] = Destination.IA
 
@@ -51,7 +51,7 @@ class FakeItems:
     overwrites: list[bool] = field(factory=list)
     losing: bool = False  # acknowledge uploads without keeping them (IA lost them after a 200)
 
-    def deliver_planned(
+    def deliver(
         self, plan: ItemPlan, path: Path, progress: Any, *, overwrite: bool = False
     ) -> Deferred[Delivered]:
         self.overwrites.append(overwrite)
@@ -70,7 +70,7 @@ class FakeItems:
             self.files[key] = data
         return succeed(Delivered(plan.identifier, plan.remote_name))
 
-    def verify_planned(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
+    def verify(self, plan: ItemPlan, path: Path) -> Deferred[RemoteCheck]:
         if self.broken_verify:
             self.broken_verify -= 1
             return fail(RuntimeError("a bug in the sink"))

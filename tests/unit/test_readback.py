@@ -21,7 +21,6 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from canner.blocking import run_inline
 from canner.checksum import delivery_digests
 from canner.config import DeliveryConfig
-from canner.delivery.index import QueueRow
 from canner.sinks.base import RemoteCheck
 from canner.sinks.credentials import Credentials
 from canner.sinks.internet_archive import IADeliverySink, IASink
@@ -92,17 +91,13 @@ class World:
         )
         return attrs.evolve(base, **changes)
 
-    async def delivered(self, size: int) -> tuple[ItemPlan, Path, QueueRow]:
+    async def delivered(self, size: int) -> tuple[ItemPlan, Path]:
         path = self.tmp / "payload"
         path.write_bytes(os.urandom(size))
-        blake, md5, _ = delivery_digests(path)
+        _, md5, _ = delivery_digests(path)
         plan = plan_upload(self.delivery(), "example", OID, "a.warc", ACCEPTED, size, md5)
         assert (await self.sink().deliver(plan, path)).delivered
-        row = QueueRow(
-            OID, "example", "a.warc", size, str(blake), ACCEPTED, "delivered", 1, 0.0, None, 0,
-            md5, plan.identifier, plan.remote_name, 1.0, None, 2.0, None, 1.0, 1.0,
-        )  # fmt: skip
-        return plan, path, row
+        return plan, path
 
     def downloads(self) -> list[dict[str, Any]]:
         return [
@@ -128,7 +123,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
 async def test_read_back_follows_the_redirect_and_asks_for_ranges(world: World) -> None:
     """Three 64 KiB ranges of a 1 MiB file, each through /download/ and its 302 to the datanode,
     with a Range header and no credentials; the bytes match."""
-    plan, path, _ = await world.delivered(1 << 20)
+    plan, path = await world.delivered(1 << 20)
     result = await world.sink().read_back(
         plan.identifier, plan.remote_name, path, 1 << 20, 3 * 64 * KiB
     )
@@ -145,7 +140,7 @@ async def test_read_back_follows_the_redirect_and_asks_for_ranges(world: World) 
 @pytest_twisted.ensureDeferred
 async def test_altered_bytes_are_a_mismatch_naming_the_offsets(world: World) -> None:
     """IA serving other bytes under intact metadata: a mismatch with the ranges' offsets."""
-    plan, path, _ = await world.delivered(300 * KiB)
+    plan, path = await world.delivered(300 * KiB)
     world.fake.add_fault("altered", count=3)
     draws = iter([0.0, 0.5, 0.9])
     sink = world.sink(random=lambda: next(draws))
@@ -157,7 +152,7 @@ async def test_altered_bytes_are_a_mismatch_naming_the_offsets(world: World) -> 
 @pytest_twisted.ensureDeferred
 async def test_small_files_are_read_back_whole(world: World) -> None:
     """A file within the budget is fetched in one range covering all of it."""
-    plan, path, _ = await world.delivered(1000)
+    plan, path = await world.delivered(1000)
     assert (await world.sink().read_back(plan.identifier, plan.remote_name, path, 1000, 3000)).ok
     (served,) = [r for r in world.downloads() if "/datanode/" in r["uri"]]
     assert served["headers"]["range"] == "bytes=0-999"
@@ -172,7 +167,7 @@ async def test_refused_or_failed_downloads_are_no_mismatch(
 ) -> None:
     """403 needs an operator (an access-restricted item); a 500 is retried later; neither says
     the bytes differ."""
-    plan, path, _ = await world.delivered(1000)
+    plan, path = await world.delivered(1000)
     world.fake.add_fault(kind, target="download")
     result = await world.sink().read_back(plan.identifier, plan.remote_name, path, 1000, 3000)
     assert not result.ok and not result.mismatch and result.needs_operator is operator
@@ -183,7 +178,7 @@ async def test_refused_or_failed_downloads_are_no_mismatch(
 @pytest_twisted.ensureDeferred
 async def test_a_network_failure_is_transient(world: World) -> None:
     """Nothing listening at the download URL: a transient failure, not a mismatch."""
-    plan, path, _ = await world.delivered(1000)
+    plan, path = await world.delivered(1000)
     sink = world.sink(download_url="http://127.0.0.1:9")
     result = await sink.read_back(plan.identifier, plan.remote_name, path, 1000, 3000)
     assert not result.ok and not result.mismatch and not result.needs_operator
@@ -194,16 +189,16 @@ async def test_a_network_failure_is_transient(world: World) -> None:
 async def test_verify_reads_back_before_calling_a_copy_verified(world: World) -> None:
     """verify(): metadata and read-back agree -> verified; altered bytes -> flagged bad copy
     with offsets; readback_bytes = 0 -> the metadata alone, no download."""
-    _plan, path, row = await world.delivered(2000)
+    plan, path = await world.delivered(2000)
     project = IADeliverySink(world.delivery(), world.sink())
-    assert await project.verify(row, path) == RemoteCheck(True)
+    assert await project.verify(plan, path) == RemoteCheck(True)
     world.fake.add_fault("altered", count=10)
-    check = await project.verify(row, path)
+    check = await project.verify(plan, path)
     assert not check.verified and check.needs_operator and check.bad_copy
     assert "offsets 0-1999" in check.detail and "payload is kept" in check.detail
     before = len(world.downloads())
     metadata_only = IADeliverySink(world.delivery(readback_bytes=0), world.sink())
-    assert await metadata_only.verify(row, path) == RemoteCheck(True)
+    assert await metadata_only.verify(plan, path) == RemoteCheck(True)
     assert len(world.downloads()) == before
 
 
@@ -211,10 +206,10 @@ async def test_verify_reads_back_before_calling_a_copy_verified(world: World) ->
 async def test_a_forced_delivery_uploads_although_listed(world: World) -> None:
     """After a read-back mismatch (force_upload) the delivery PUTs again instead of trusting
     the matching metadata; without it, nothing is sent."""
-    plan, path, row = await world.delivered(2000)
+    plan, path = await world.delivered(2000)
     project = IADeliverySink(world.delivery(), world.sink())
-    await project.deliver(row, path, lambda n: None)
+    await project.deliver(plan, path, lambda n: None)
     assert world.fake.object(plan.identifier, plan.remote_name)["puts"] == 1  # type: ignore[index]
-    await project.deliver(attrs.evolve(row, force_upload=1), path, lambda n: None)
+    await project.deliver(plan, path, lambda n: None, overwrite=True)
     stored = world.fake.object(plan.identifier, plan.remote_name)
     assert stored is not None and (stored["puts"], stored["stores"]) == (2, 2)

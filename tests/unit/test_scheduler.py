@@ -37,7 +37,7 @@ from canner.metrics import DELIVER, Metrics
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
 from canner.sinks.base import RemoteCheck
 from canner.tus.store import UploadStore
-from tests.fakes import FakeSink, SyncIndex
+from tests.fakes import FakeSink, SyncIndex, fake_plan
 
 RETENTION = 3600.0
 VERIFY_TIMEOUT = 7200.0
@@ -110,6 +110,7 @@ class Harness:
             receipts=self.receipts,
             journal=JournalLog(self.journal),
             sinks={"example": self.sink},
+            planner=fake_plan,
             retention={"example": RETENTION},
             run=run_inline,
             hash=run_inline,
@@ -361,6 +362,9 @@ def test_a_remote_mismatch_is_flagged_and_never_redelivered_alone(harness: Harne
     assert h.index.run(sql.operator_retry, oid, h.clock.seconds()).result
     h.tick()
     assert h.row(oid).force_upload == 1, "the re-delivery must upload"
+    assert h.sink.overwrites[oid] is True, "the sink is told to upload over the listing"
+    plan = h.sink.plans[oid]
+    assert plan.checksum == h.row(oid).checksum and plan.content_md5 == h.row(oid).content_md5
     h.sink.succeed(oid)
     assert h.row(oid).force_upload == 0
 
