@@ -51,6 +51,7 @@ from canner.sinks.readback import (
     read_local,
 )
 from canner.sinks.transport import (
+    DIGEST_BATCH,
     canner_user_agent,
     describe_failure,
     discard,
@@ -117,6 +118,8 @@ class IASink:
     request_timeout: float = 120.0
     max_redirects: int = 3
     read_size: int = 1 << 20
+    # A whole-file read-back hashes this many bytes per job on ``_run``.
+    digest_batch: int = DIGEST_BATCH
     user_agent: str = field(factory=canner_user_agent)
     # Base of the download URLs the read-back uses (None: metadata_url, as on archive.org).
     download_url: str | None = None
@@ -268,6 +271,7 @@ class IASink:
                 run=self._run,
                 clock=self._clock,
                 idle=self.no_progress_timeout,
+                batch=self.digest_batch,
             ).addTimeout(self.attempt_timeout, self._clock)
         except CancelledError:
             raise

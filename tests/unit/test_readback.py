@@ -252,6 +252,28 @@ async def test_whole_file_read_back_streams_through_the_redirect(world: World) -
 
 
 @pytest_twisted.ensureDeferred
+async def test_whole_file_read_back_keeps_pace_with_a_slower_hash(world: World) -> None:
+    """Over a real connection, with 64 KiB batches whose hash answers only on a later reactor
+    turn (as a thread would), the download pauses and resumes and the digest still matches."""
+    plan, _path, _ = await world.delivered(4_000_000)
+    batches: list[int] = []
+
+    def later(f: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        batches.append(sum(len(chunk) for chunk in args[1]))
+        return deferLater(reactor, 0.001, f, *args, **kwargs)
+
+    sink = IASink(
+        world.sink()._http, reactor, Credentials("a", "s"), world.url, world.url, later,
+        digest_batch=64 * KiB,
+    )  # fmt: skip
+    result = await sink.read_back_all(
+        plan.identifier, plan.remote_name, plan.size, plan.content_md5
+    )
+    assert result == ReadBack(True)
+    assert sum(batches) == 4_000_000 and len(batches) > 10
+
+
+@pytest_twisted.ensureDeferred
 async def test_one_flipped_byte_is_caught_by_all_and_missed_by_sampling(world: World) -> None:
     """IA serving a 4 MB file with its middle byte flipped (listing intact): the default three
     64 KiB samples away from it verify the copy, while readback_bytes = "all" flags it as a bad
