@@ -444,8 +444,8 @@ def _refused(where: str, code: int) -> ReadBack:
     if code in (401, 403):
         return ReadBack(
             False,
-            f"{where}: the download was refused ({code}); if the item is access-restricted,"
-            " set readback_bytes = 0 to verify by the metadata API alone",
+            f"{where}: the download was refused ({code}); the item may be access-restricted"
+            " for these keys",
             needs_operator=True,
         )
     return ReadBack(False, f"{where}: download answered {code}")
@@ -842,14 +842,19 @@ class IADeliverySink:
                 needs_operator=True,
                 bad_copy=True,
             )
-        if not result.needs_operator:
-            log.warn(
-                "read-back of {identifier}/{remote_name} failed, trying again later: {error}",
-                identifier=identifier,
-                remote_name=remote_name,
-                error=result.detail,
+        if result.needs_operator:
+            return RemoteCheck(
+                False,
+                result.detail + "; set readback_bytes = 0 to verify by the metadata API alone",
+                needs_operator=True,
             )
-        return RemoteCheck(False, result.detail, needs_operator=result.needs_operator)
+        log.warn(
+            "read-back of {identifier}/{remote_name} failed, trying again later: {error}",
+            identifier=identifier,
+            remote_name=remote_name,
+            error=result.detail,
+        )
+        return RemoteCheck(False, result.detail)
 
 
 def internet_archive_sink(

@@ -178,14 +178,19 @@ async def test_small_files_are_read_back_whole(world: World) -> None:
 async def test_refused_or_failed_downloads_are_no_mismatch(
     world: World, kind: str, operator: bool
 ) -> None:
-    """403 needs an operator (an access-restricted item); a 500 is retried later; neither says
-    the bytes differ."""
-    plan, path, _ = await world.delivered(1000)
+    """403 needs an operator (an access-restricted item; a project's verify names
+    readback_bytes = 0 as the way out); a 500 is retried later; neither says the bytes differ."""
+    plan, path, row = await world.delivered(1000)
     world.fake.add_fault(kind, target="download")
     result = await world.sink().read_back(plan.identifier, plan.remote_name, path, 1000, 3000)
     assert not result.ok and not result.mismatch and result.needs_operator is operator
     if operator:
-        assert "readback_bytes = 0" in result.detail
+        assert "access-restricted" in result.detail
+        project = IADeliverySink(world.delivery(), world.sink())
+        world.fake.add_fault(kind, target="download")
+        check = await project.verify(row, path)
+        assert not check.verified and check.needs_operator and not check.bad_copy
+        assert "set readback_bytes = 0" in check.detail
 
 
 @pytest_twisted.ensureDeferred
