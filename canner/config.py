@@ -15,7 +15,7 @@ import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from attrs import field, frozen
@@ -95,8 +95,9 @@ class DeliveryConfig:
     # again (both sinks).
     verify_timeout: float = 6 * 3600.0
     # internet_archive only: payload bytes read back through the download URL before a purge
-    # (a few random ranges; 0: none), and that URL's base (default: metadata_url).
-    readback_bytes: int = 3 * 64 * 1024
+    # (a few random ranges; 0: none; READBACK_ALL, "all": the whole file, its MD5 compared),
+    # and that URL's base (default: metadata_url).
+    readback_bytes: int | Literal["all"] = 3 * 64 * 1024
     download_url: str = "https://archive.org"
 
 
@@ -314,6 +315,9 @@ _SINK_ONLY_KEYS = {
 DEFAULT_READBACK_BYTES = 3 * 64 * 1024
 # A read-back bigger than this would be a download, not a spot check.
 MAX_READBACK_BYTES = 64 << 20
+# ``readback_bytes = "all"``: download the whole remote file and compare its MD5.  Kept as the
+# string itself, so the resolved config (``canner check-config``) shows what the file says.
+READBACK_ALL: Final = "all"
 
 
 def _unknown(keys: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
@@ -460,13 +464,17 @@ def _parse_delivery(
     if verify_timeout < 1.0:
         raise ConfigError(name + ".verify_timeout", "must be at least 1s")
     readback = raw.get("readback_bytes", DEFAULT_READBACK_BYTES)
-    if isinstance(readback, bool) or not isinstance(readback, int):
-        raise ConfigError(name + ".readback_bytes", f"must be an integer, not {readback!r}")
-    if not 0 <= readback <= MAX_READBACK_BYTES:
-        raise ConfigError(
-            name + ".readback_bytes",
-            f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, not {readback}",
-        )
+    if readback != READBACK_ALL:
+        if isinstance(readback, bool) or not isinstance(readback, int):
+            raise ConfigError(
+                name + ".readback_bytes", f'must be an integer or "all", not {readback!r}'
+            )
+        if not 0 <= readback <= MAX_READBACK_BYTES:
+            raise ConfigError(
+                name + ".readback_bytes",
+                f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, or"
+                f' "all", not {readback}',
+            )
     metadata_raw = raw.get("metadata", {})
     if not isinstance(metadata_raw, Mapping):
         raise ConfigError(name + ".metadata", "must be a table")

@@ -24,8 +24,10 @@ It implements what ``docs/reference/internet-archive.md`` describes, independent
   ``slowdown``, ``garbage`` (not JSON), ``stall``, ``dark``; on check_limit ``over_limit``,
   ``error500``, ``garbage``; on the datanode download ``altered`` (serve other bytes than
   stored, every byte inverted, while the metadata API still shows the stored size and MD5),
-  ``error500``, ``forbidden``; on the metadata API also ``wrong_md5`` (every file listed
-  with an MD5 that is not its content's).
+  ``flip_byte`` (the same, but only the byte in the middle of the file, ``size // 2``, is
+  inverted, in whatever range covers it), ``error500``, ``forbidden``; on the metadata API also
+  ``wrong_md5`` (every file listed with an MD5 that is not its content's).  A ``slowdown`` fault
+  with ``retry_after`` (seconds) answers with that ``Retry-After`` header.
 * Admin endpoints for tests in another process: ``GET /_fake/objects``, ``GET /_fake/items``,
   ``GET|POST|DELETE /_fake/faults`` (POST a JSON fault or list of faults),
   ``GET /_fake/requests``, ``POST /_fake/settings`` (``{"metadata_lag": s}``),
@@ -73,7 +75,7 @@ PUT_FAULTS = frozenset(
 )
 METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark", "wrong_md5"})
 CHECK_LIMIT_FAULTS = frozenset({"over_limit", "error500", "garbage"})
-DOWNLOAD_FAULTS = frozenset({"altered", "error500", "forbidden"})
+DOWNLOAD_FAULTS = frozenset({"altered", "flip_byte", "error500", "forbidden"})
 TARGETS = {
     "put": PUT_FAULTS,
     "metadata": METADATA_FAULTS,
@@ -85,6 +87,7 @@ _DEFAULT_TARGET = {
     "garbage": "metadata",
     "dark": "metadata",
     "altered": "download",
+    "flip_byte": "download",
     "wrong_md5": "metadata",
 }
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -106,6 +109,7 @@ class Fault:
     target: str = ""
     after_bytes: int = 64 * 1024
     location: str | None = None
+    retry_after: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.target:
@@ -125,6 +129,7 @@ class Fault:
             target=str(raw.get("target", "")),
             after_bytes=int(raw.get("after_bytes", 64 * 1024)),
             location=raw.get("location"),
+            retry_after=raw.get("retry_after"),
         )
 
     @classmethod
@@ -144,6 +149,7 @@ class Fault:
             "target": self.target,
             "after_bytes": self.after_bytes,
             "location": self.location,
+            "retry_after": self.retry_after,
         }
 
 
@@ -375,6 +381,8 @@ class FakeRequest(Request):
 
     def respond_fault(self, fault: Fault) -> None:
         if fault.kind == "slowdown":
+            if fault.retry_after is not None:
+                self.setHeader(b"retry-after", str(fault.retry_after).encode())
             self.respond_error(503, "SlowDown", "Please reduce your request rate.")
         elif fault.kind == "spam":
             self.respond_error(
@@ -430,8 +438,9 @@ class FakeIA:
         target: str = "",
         after_bytes: int = 64 * 1024,
         location: str | None = None,
+        retry_after: int | None = None,
     ) -> Fault:
-        fault = Fault(kind, count, target, after_bytes, location)
+        fault = Fault(kind, count, target, after_bytes, location, retry_after)
         self.faults.append(fault)
         return fault
 
@@ -742,7 +751,7 @@ class FakeIA:
             request.respond_error(404, "NoSuchKey", "No such file.")
             return
         fault = self._take_fault("download")
-        if fault is not None and fault.kind != "altered":
+        if fault is not None and fault.kind not in ("altered", "flip_byte"):
             request.respond_fault(fault)
             return
         item, stored = found
@@ -782,8 +791,12 @@ class FakeIA:
                 f.seek(first)
                 body = f.read(length)
         if body is not None:
-            if fault is not None:  # altered: other bytes, same length, metadata untouched
+            if fault is not None and fault.kind == "altered":
+                # Other bytes, same length, metadata untouched.
                 body = bytes(b ^ 0xFF for b in body)
+            elif fault is not None and first <= size // 2 <= last:  # flip_byte
+                middle = size // 2 - first
+                body = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
             request.write(body)
             request.finish()
             return

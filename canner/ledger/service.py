@@ -5,11 +5,14 @@ Each ledger moves ``writing -> written -> uploaded -> deleting -> done`` in ``de
 (a guarded update per step), so after a SIGKILL the next tick resumes where it stopped: a
 ``writing`` ledger is rewritten from its assigned records (the same bytes), a ``written`` one is
 uploaded (the sink first looks for an identical remote file), an ``uploaded`` one is verified
-through the metadata API (size and MD5), and a ``deleting`` one deletes again (missing is done).
-The manifest (``ledger/<name>.json``) is written once the remote copy verified, before anything
-is deleted: it is what makes the ledger the owner of its records' local state, also for a
-rebuilt index (:meth:`LedgerService.adopt`).  A remote copy that differs is flagged
-(``needs_operator``) and uploaded again; nothing local is deleted meanwhile.
+through the metadata API (size and MD5) and then read back whole (the MD5 of the bytes IA
+serves), and a ``deleting`` one deletes again (missing is done).  The manifest
+(``ledger/<name>.json``) is written once the remote copy verified, before anything is deleted:
+it is what makes the ledger the owner of its records' local state, also for a rebuilt index
+(:meth:`LedgerService.adopt`).  A remote copy that differs (in the listing or in the bytes
+served) is flagged (``needs_operator``) and uploaded again; nothing local is deleted meanwhile.
+A ledger still not listed :data:`VERIFY_TIMEOUT` after its upload (IA lost it after its 200)
+goes back to ``written`` and is uploaded again.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
-from canner.delivery.queue import retry_delay
+from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_RETRY, retry_delay
 from canner.ids import ObjectIds
 from canner.journal import JournalLog
 from canner.ledger import store
@@ -62,6 +65,10 @@ LEDGER = Outbound.LEDGER
 TICK = 1.0
 ASSIGN_INTERVAL = 60.0
 VERIFY_MIN, VERIFY_MAX = 2.0, 600.0
+# How long an uploaded ledger may stay unlisted before it is uploaded again: objects' default
+# verify_timeout (IA's archive tasks can lag for hours).  No redelivery limit: a ledger is small,
+# and it is sent again at most once per timeout.
+VERIFY_TIMEOUT = DEFAULT_VERIFY_TIMEOUT
 WRITE_RETRY = 600.0
 DELETE_RETRY = 60.0
 DELETE_THREADS = 32
@@ -285,7 +292,11 @@ class LedgerService(Service):
         plan = ledger_plan(self._config, row)
         # ``attempts`` counts the failed ones (uploads and verifications) so far.
         self.observer.attempt_started(LEDGER, "", row.attempts + 1)
-        result = await self._sink.deliver(plan, self._ledgers.ledger_path(row.name))
+        # A flagged ledger was found wrong at IA (or refused): upload it even if IA's listing
+        # matches, since a read-back may have found other bytes behind a matching listing.
+        result = await self._sink.deliver(
+            plan, self._ledgers.ledger_path(row.name), overwrite=bool(row.needs_operator)
+        )
         if result.bytes_sent:
             self.observer.bytes_sent(LEDGER, Destination.IA, result.bytes_sent)
         if not result.delivered:
@@ -296,6 +307,8 @@ class LedgerService(Service):
                 result.outcome.needs_operator,
             )
             delay = retry_delay(row.attempts, 0.5, needs_operator=result.outcome.needs_operator)
+            # IA's Retry-After is a lower bound, within the backoff's cap (as for objects).
+            delay = max(delay, min(result.outcome.retry_after or 0.0, MAX_RETRY))
             await self._index.run(
                 store.record_ledger_failure,
                 row.ledger_id,
@@ -326,6 +339,16 @@ class LedgerService(Service):
         assert row.identifier and row.remote_name and row.bytes is not None and row.md5
         found = await self._sink.lookup(row.identifier, row.remote_name)
         if isinstance(found, RemoteFile) and found.matches(row.bytes, row.md5):
+            # The listing is what IA believes it stores; the bytes it serves decide.
+            served = await self._sink.read_back_all(
+                row.identifier, row.remote_name, row.bytes, row.md5
+            )
+            if served.mismatch:
+                await self._upload_again(row, now, served.detail)
+                return False
+            if not served.ok:
+                await self._retry_verify(row, now, served.detail, served.needs_operator)
+                return False
             manifest = Manifest(
                 name=row.name,
                 period=row.period,
@@ -355,27 +378,56 @@ class LedgerService(Service):
             )
             return True
         if isinstance(found, RemoteFile):
-            error = f"remote copy differs: {found.size} bytes, md5 {found.md5}; uploading again"
-            log.error("ledger {ledger}: {error}", ledger=row.name, error=error)
-            # The first mismatch uploads again at once (the copy may have been damaged on the
-            # way); a mismatch that persists backs off like a failed delivery.
-            again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
-            await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
+            await self._upload_again(
+                row, now, f"remote copy differs: {found.size} bytes, md5 {found.md5}"
+            )
+            return False
+        if found is None and now - (row.uploaded_at or now) >= VERIFY_TIMEOUT:
+            # IA answered 200 and then lost the file (its archive task failed): send it again.
+            # The upload's own lookup comes first, so a copy that shows up meanwhile is kept.
+            error = (
+                f"not listed by the metadata API {VERIFY_TIMEOUT:g}s after its upload;"
+                " uploading again"
+            )
+            log.warn("ledger {ledger}: {error}", ledger=row.name, error=error)
+            await self._index.run(store.record_ledger_failure, row.ledger_id, error, now, False)
             await self._index.run(
                 store.update_ledger, row.ledger_id, row.state, {"state": "written"}
             )
             return False
+        if isinstance(found, Unknown):
+            await self._retry_verify(row, now, found.reason, found.needs_operator)
+        else:
+            await self._retry_verify(row, now, "not listed by the metadata API yet", False)
+        return False
+
+    async def _upload_again(self, row: store.LedgerRow, now: float, detail: str) -> None:
+        """IA holds other bytes than the ledger: flag it and send it again (nothing deleted)."""
+        error = f"{detail}; uploading again"
+        log.error("ledger {ledger}: {error}", ledger=row.name, error=error)
+        # The first mismatch uploads again at once (the copy may have been damaged on the
+        # way); a mismatch that persists backs off like a failed delivery.
+        again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
+        await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
+        await self._index.run(store.update_ledger, row.ledger_id, row.state, {"state": "written"})
+
+    async def _retry_verify(
+        self, row: store.LedgerRow, now: float, reason: str, needs_operator: bool
+    ) -> None:
+        """Not verified yet (not listed, or a lookup or read-back failed): look again later,
+        sooner the more recent the upload."""
         waited = now - (row.uploaded_at or now)
         delay = min(max(waited / 2.0, VERIFY_MIN), VERIFY_MAX)
-        if isinstance(found, Unknown):
-            error = f"verify: {found.reason}"
-            needs_operator = found.needs_operator
-        else:
-            error, needs_operator = "verify: not listed by the metadata API yet", False
+        if waited < VERIFY_TIMEOUT:
+            # Look once more exactly when the timeout passes, so it acts on time.
+            delay = min(delay, VERIFY_TIMEOUT - waited)
         await self._index.run(
-            store.record_ledger_failure, row.ledger_id, error, now + delay, needs_operator
+            store.record_ledger_failure,
+            row.ledger_id,
+            f"verify: {reason}",
+            now + delay,
+            needs_operator,
         )
-        return False
 
     def _sink_url(self, row: store.LedgerRow) -> str:
         base = self._config.metadata_url.rstrip("/")

@@ -26,9 +26,10 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from canner.blocking import BlockingRunner
-from canner.config import ConfigError, DeliveryConfig
+from canner.config import READBACK_ALL, ConfigError, DeliveryConfig
 from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
@@ -48,10 +49,13 @@ from canner.sinks.readback import (
     read_local,
 )
 from canner.sinks.transport import (
+    DIGEST_BATCH,
     canner_user_agent,
     describe_failure,
+    discard,
     first_headers,
     read_bounded,
+    read_digest,
 )
 from canner.sinks.wire import (
     Lookup,
@@ -112,6 +116,8 @@ class IASink:
     request_timeout: float = 120.0
     max_redirects: int = 3
     read_size: int = 1 << 20
+    # A whole-file read-back hashes this many bytes per job on ``_run``.
+    digest_batch: int = DIGEST_BATCH
     user_agent: str = field(factory=canner_user_agent)
     # Base of the download URLs the read-back uses (None: metadata_url, as on archive.org).
     download_url: str | None = None
@@ -183,6 +189,24 @@ class IASink:
         only with ``CancelledError``."""
         return Deferred.fromCoroutine(self._read_back(identifier, remote_name, path, size, budget))
 
+    def read_back_all(
+        self, identifier: str, remote_name: str, size: int, md5: str
+    ) -> Deferred[ReadBack]:
+        """Download the whole remote file like :meth:`read_back` does its ranges, and compare
+        its MD5 with ``md5`` (the local copy's) and its length with ``size``.
+
+        The body streams: it is hashed as it arrives, in batches on the blocking runner, and
+        never held whole.  No byte for ``no_progress_timeout`` seconds, or a download longer
+        than ``attempt_timeout``, is a transient failure.  Fires with a :class:`ReadBack` for
+        every I/O outcome (``mismatch`` when IA serves other bytes); fails only with
+        ``CancelledError``.
+        """
+        return Deferred.fromCoroutine(self._read_back_all(identifier, remote_name, size, md5))
+
+    def _download_url(self, identifier: str, remote_name: str) -> str:
+        base = (self.download_url or self._metadata_url).rstrip("/")
+        return f"{base}/download/{quote(identifier, safe='')}/{quote(remote_name, safe='/')}"
+
     async def _read_back(
         self, identifier: str, remote_name: str, path: Path, size: int, budget: int
     ) -> ReadBack:
@@ -201,8 +225,7 @@ class IASink:
             return ReadBack(True)
         except OSError as e:
             return ReadBack(False, f"read-back: local payload unreadable: {e.strerror or e}")
-        base = (self.download_url or self._metadata_url).rstrip("/")
-        url = f"{base}/download/{quote(identifier, safe='')}/{quote(remote_name, safe='/')}"
+        url = self._download_url(identifier, remote_name)
         differ: list[tuple[int, int]] = []
         for (first, last), expected in zip(ranges, local, strict=True):
             served = await self._fetch_range(url, first, last, size)
@@ -220,6 +243,71 @@ class IASink:
             )
         return ReadBack(True)
 
+    async def _read_back_all(
+        self, identifier: str, remote_name: str, size: int, md5: str
+    ) -> ReadBack:
+        where = "read-back of the whole file"
+        try:
+            response = await self._download(
+                self._download_url(identifier, remote_name), self._plain_headers(), where
+            )
+            if isinstance(response, ReadBack):
+                return response
+            if response.code != 200:
+                await read_bounded(response, ERROR_BODY_MAX, self.request_timeout, self._clock)
+                return _refused(where, response.code)
+            if response.length != UNKNOWN_LENGTH and response.length != size:
+                discard(response)
+                return ReadBack(
+                    False,
+                    f"{where}: IA serves a {response.length}-byte file, its receipt says {size}",
+                    mismatch=True,
+                )
+            body = await read_digest(
+                response,
+                limit=size,
+                run=self._run,
+                clock=self._clock,
+                idle=self.no_progress_timeout,
+                batch=self.digest_batch,
+            ).addTimeout(self.attempt_timeout, self._clock)
+        except CancelledError:
+            raise
+        except Exception as e:
+            return ReadBack(False, self._redact(describe_failure(e, where)))
+        if body.cut or body.size != size:
+            served = f"more than {size}" if body.cut else str(body.size)
+            return ReadBack(
+                False, f"{where}: IA served {served} bytes, its receipt says {size}", mismatch=True
+            )
+        if body.md5 != md5:
+            return ReadBack(
+                False,
+                f"read-back: the {size} bytes IA serves have MD5 {body.md5}, the local copy's is"
+                f" {md5}, though its metadata lists the right size and MD5",
+                mismatch=True,
+            )
+        return ReadBack(True)
+
+    async def _download(self, url: str, headers: Headers, where: str) -> IResponse | ReadBack:
+        """GET ``url``, following IA's redirects (to the datanode); the final response, its body
+        unread, or why there is none.  Each request is bounded by ``request_timeout``; network
+        failures raise."""
+        # No authorization header: downloads of access-restricted files need a logged-in
+        # cookie, not the IA-S3 keys, so the secret would travel for nothing.
+        for _hop in range(self.max_redirects + 1):
+            response: IResponse = await self._http.get(
+                url, headers=headers, allow_redirects=False, unbuffered=True
+            ).addTimeout(self.request_timeout, self._clock)
+            location = first_headers(response.headers).get("location")
+            if response.code not in _REDIRECTS or not location:
+                return response
+            await read_bounded(response, ERROR_BODY_MAX, self.request_timeout, self._clock)
+            url = urljoin(url, location)
+            if urlsplit(url).scheme not in ("http", "https"):
+                return ReadBack(False, f"{where}: redirected to a non-HTTP URL")
+        return ReadBack(False, f"{where}: too many redirects")
+
     async def _fetch_range(self, url: str, first: int, last: int, size: int) -> bytes | ReadBack:
         """Bytes ``first..last`` of the file at ``url``, or why not."""
         span = last - first + 1
@@ -227,37 +315,15 @@ class IASink:
         headers.setRawHeaders(b"range", [f"bytes={first}-{last}".encode("ascii")])
         where = f"read-back of bytes {first}-{last}"
         try:
-            # No authorization header: downloads of access-restricted files need a logged-in
-            # cookie, not the IA-S3 keys, so the secret would travel for nothing.
-            for _hop in range(self.max_redirects + 1):
-                response = await self._http.get(
-                    url, headers=headers, allow_redirects=False, unbuffered=True
-                ).addTimeout(self.request_timeout, self._clock)
-                location = first_headers(response.headers).get("location")
-                if response.code in _REDIRECTS and location:
-                    await read_bounded(response, ERROR_BODY_MAX, self.request_timeout, self._clock)
-                    url = urljoin(url, location)
-                    if urlsplit(url).scheme not in ("http", "https"):
-                        return ReadBack(False, f"{where}: redirected to a non-HTTP URL")
-                    continue
-                body, truncated = await read_bounded(
-                    response, span, self.request_timeout, self._clock
-                )
-                break
-            else:
-                return ReadBack(False, f"{where}: too many redirects")
+            response = await self._download(url, headers, where)
+            if isinstance(response, ReadBack):
+                return response
+            body, truncated = await read_bounded(response, span, self.request_timeout, self._clock)
         except CancelledError:
             raise
         except Exception as e:
             return ReadBack(False, self._redact(describe_failure(e, where)))
         code = response.code
-        if code in (401, 403):
-            return ReadBack(
-                False,
-                f"{where}: the download was refused ({code}); if the item is access-restricted,"
-                " set readback_bytes = 0 to verify by the metadata API alone",
-                needs_operator=True,
-            )
         if code == 416:
             return ReadBack(
                 False, f"{where}: IA says its copy has no byte {first} (416)", mismatch=True
@@ -275,7 +341,7 @@ class IASink:
             if got is None or got[:2] != (first, last):
                 return ReadBack(False, f"{where}: unexpected Content-Range {got}")
         elif code != 200:
-            return ReadBack(False, f"{where}: download answered {code}")
+            return _refused(where, code)
         if len(body) != span and not truncated:
             return ReadBack(False, f"{where}: {len(body)} bytes arrived, not {span}")
         return body
@@ -369,6 +435,18 @@ class IASink:
             return False
         own = urlsplit(self._s3_url).hostname or ""
         return host == own or host == "archive.org" or host.endswith(".archive.org")
+
+
+def _refused(where: str, code: int) -> ReadBack:
+    """A download that answered ``code`` instead of the file's bytes."""
+    if code in (401, 403):
+        return ReadBack(
+            False,
+            f"{where}: the download was refused ({code}); the item may be access-restricted"
+            " for these keys",
+            needs_operator=True,
+        )
+    return ReadBack(False, f"{where}: download answered {code}")
 
 
 def _local_failure(error: BaseException) -> LocalFileError | None:
@@ -694,7 +772,9 @@ class IADeliverySink:
         )
         if not listed.verified:
             return listed
-        return await self._read_back(plan.identifier, plan.remote_name, path, plan.size)
+        return await self._read_back(
+            plan.identifier, plan.remote_name, path, plan.size, plan.content_md5
+        )
 
     async def _verify_file(
         self, identifier: str, remote_name: str, size: int, content_md5: str | None
@@ -713,15 +793,17 @@ class IADeliverySink:
         return RemoteCheck(False, found.reason, needs_operator=found.needs_operator)
 
     async def _read_back(
-        self, identifier: str, remote_name: str, path: Path, size: int
+        self, identifier: str, remote_name: str, path: Path, size: int, md5: str
     ) -> RemoteCheck:
         """The metadata matches; before a purge may follow, check the bytes IA serves against
-        the local copy at ``path``."""
-        if self._delivery.readback_bytes <= 0:
+        the local copy at ``path`` (a few ranges), or against its MD5 (``"all"``)."""
+        budget = self._delivery.readback_bytes
+        if budget == READBACK_ALL:
+            result = await self._sink.read_back_all(identifier, remote_name, size, md5)
+        elif budget <= 0:
             return RemoteCheck(True)
-        result = await self._sink.read_back(
-            identifier, remote_name, path, size, self._delivery.readback_bytes
-        )
+        else:
+            result = await self._sink.read_back(identifier, remote_name, path, size, budget)
         if result.ok:
             return RemoteCheck(True)
         if result.mismatch:
@@ -731,14 +813,19 @@ class IADeliverySink:
                 needs_operator=True,
                 bad_copy=True,
             )
-        if not result.needs_operator:
-            log.warn(
-                "read-back of {identifier}/{remote_name} failed, trying again later: {error}",
-                identifier=identifier,
-                remote_name=remote_name,
-                error=result.detail,
+        if result.needs_operator:
+            return RemoteCheck(
+                False,
+                result.detail + "; set readback_bytes = 0 to verify by the metadata API alone",
+                needs_operator=True,
             )
-        return RemoteCheck(False, result.detail, needs_operator=result.needs_operator)
+        log.warn(
+            "read-back of {identifier}/{remote_name} failed, trying again later: {error}",
+            identifier=identifier,
+            remote_name=remote_name,
+            error=result.detail,
+        )
+        return RemoteCheck(False, result.detail)
 
 
 def internet_archive_sink(

@@ -137,6 +137,30 @@ def fast_forward_ledgers(env: Env) -> None:
         conn.close()
 
 
+def next_ledger_attempts(env: Env) -> list[float]:
+    """Each ledger's next_attempt_at (``canner ledger`` does not show it)."""
+    conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
+    try:
+        rows = conn.execute("SELECT next_attempt_at FROM ledgers ORDER BY ledger_id").fetchall()
+    finally:
+        conn.close()
+    return [float(r[0]) for r in rows]
+
+
+def age_ledger_uploads(env: Env, seconds: float) -> None:
+    """Test-only: every uploaded ledger was uploaded ``seconds`` earlier, and its next step is
+    due now (so a timeout counted from the upload has passed)."""
+    conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
+    try:
+        conn.execute(
+            "UPDATE ledgers SET uploaded_at = uploaded_at - ?, next_attempt_at = 0"
+            " WHERE state = 'uploaded'",
+            (seconds,),
+        )
+    finally:
+        conn.close()
+
+
 _SPEC: list[Any] = []
 
 

@@ -2,7 +2,8 @@
 
 Real receiver and canner-deliver processes, the fake IA for deliveries and ledgers, HQ's
 requests over HTTP and the ``canner`` command; SIGKILL at the delete step, a remote copy whose
-MD5 is wrong, and a rebuilt index.
+MD5 is wrong, one whose bytes are wrong behind a correct listing (the whole-file read-back), a
+ledger IA lost after its 200, IA's Retry-After, and a rebuilt index.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +20,13 @@ from deliver_support import Env, FakeIA, envs, remove_index, wait_for
 from e2e_support import free_port, scrape
 from hq_support import (
     NODE,
+    age_ledger_uploads,
     canner,
     fast_forward_ledgers,
     ledger_tables,
     ledgers,
     local_lines,
+    next_ledger_attempts,
     release,
     release_records,
     remote_lines,
@@ -185,6 +189,86 @@ def test_wrong_remote_md5_is_flagged_and_uploaded_again(env_factory: Callable[..
     assert samples[("canner_deliveries_verified_total", kind)] == 1
     assert samples[("canner_purged_total", kind)] == 1
     assert samples[("canner_deliveries_verified_total", frozenset({("kind", "object")}))] == 2
+
+
+def test_wrong_bytes_behind_a_right_listing_are_uploaded_again(
+    env_factory: Callable[..., Env],
+) -> None:
+    """IA lists the ledger with its size and MD5 but serves it with one byte flipped: the
+    whole-file read-back does not verify it, nothing local is deleted, the ledger is flagged and
+    uploaded again (although the listing matches); once IA serves the right bytes, it completes."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    receipts = archivable(env, 2, "flipped")
+    env.fake.add_fault("flip_byte", count=1000, target="download")
+    out = flush(env, timeout=8)
+    assert out.returncode == 1 and "did not finish" in out.stderr, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["needs_operator"] is True and ledger["verified_at"] is None
+    assert "read-back: the" in ledger["last_error"], ledger
+    assert f"the local copy's is {ledger['md5']}" in ledger["last_error"], ledger
+    assert ledger["state"] in ("written", "uploaded")
+    stored = env.fake.object(ledger["identifier"], ledger["remote_name"])
+    assert stored is not None and stored["md5"] == ledger["md5"]
+    assert stored["puts"] >= 2  # uploaded again, though IA listed the right MD5
+    served = [r for r in env.fake.requests() if r.get("fault") == "flip_byte"]
+    assert served and all("range" not in r["headers"] for r in served)
+    for oid in receipts:
+        assert (env.data_dir / "receipts" / f"{oid}.json").exists()
+        assert status(env, oid).json()["archived"] is None
+    assert not (env.data_dir / "ledger" / f"{ledger['name']}.json").exists()
+    env.fake.clear_faults()
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done" and ledger["needs_operator"] is False
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+
+
+def test_a_ledger_lost_after_its_200_is_uploaded_again(env_factory: Callable[..., Env]) -> None:
+    """IA answers the ledger's PUT 200 and never lists it: the ledger waits, unverified, with
+    its records kept; once the verify timeout (6 h) has passed since the upload, it goes back
+    to be uploaded again, is verified and completes."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    receipts = archivable(env, 2, "lost")
+    env.fake.add_fault("vanish", count=1, target="put")
+    out = flush(env, timeout=5)
+    assert out.returncode == 1, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "uploaded" and ledger["needs_operator"] is False
+    assert "not listed by the metadata API yet" in ledger["last_error"], ledger
+    assert env.fake.object(ledger["identifier"], ledger["remote_name"]) is None
+    for oid in receipts:
+        assert (env.data_dir / "receipts" / f"{oid}.json").exists()
+    age_ledger_uploads(env, 6 * 3600)
+    out = flush(env, timeout=20)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done"
+    stored = env.fake.object(ledger["identifier"], ledger["remote_name"])
+    assert stored is not None and stored["puts"] == 2 and stored["md5"] == ledger["md5"]
+    assert "after its upload; uploading again" in env.deliver.log_text()
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+
+
+def test_retry_after_delays_the_next_ledger_upload(env_factory: Callable[..., Env]) -> None:
+    """A ledger PUT answered 503 with Retry-After: 1800 is not tried again before then (the
+    ledger's own backoff would say a minute); once due, it completes."""
+    env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.3)
+    archivable(env, 1, "slow")
+    env.fake.add_fault("slowdown", count=1, target="put", retry_after=1800)
+    before = time.time()
+    out = flush(env, timeout=4)
+    assert out.returncode == 1, out.stdout + out.stderr
+    [ledger] = ledgers(env)
+    assert ledger["state"] == "written" and "SlowDown" in ledger["last_error"], ledger
+    assert next_ledger_attempts(env) >= [before + 1800], ledger
+    assert len([p for p in env.fake.puts() if p["uri"].endswith(".jsonl.zst")]) == 1
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_sigkill_during_delete_resumes_after_restart(env_factory: Callable[..., Env]) -> None:

@@ -9,6 +9,8 @@ wrong, against real ``twistd canner-receiver``/``canner-deliver`` processes and 
 * IA serves other bytes than its metadata promises (``altered`` downloads): the read-back
   before the purge flags the row with the offsets, the payload stays; once IA serves the right
   bytes an operator retry uploads again (although the metadata matches) and it is purged.
+* IA serves a 4 MB file with one byte flipped (``flip_byte``), and the project reads back the
+  whole file (``readback_bytes = "all"``): flagged, the payload stays.
 
 What is checked is what an operator sees: ``canner deliveries``, ``canner retry``, the data
 directory, and the fake's stored files and request log.
@@ -144,3 +146,28 @@ def test_altered_bytes_are_flagged_and_the_payload_kept(env_factory: Callable[..
     assert stored is not None and (stored["puts"], stored["stores"]) == (2, 2), stored
     assert "a read-back found other bytes there: uploading it again" in env.deliver.log_text()
     assert not data_files(env.data_dir, oid)["payload"]
+
+
+def test_one_flipped_byte_is_caught_by_a_whole_file_read_back(
+    env_factory: Callable[..., Env],
+) -> None:
+    """With readback_bytes = "all", a 4 MB file that IA lists right but serves with its middle
+    byte flipped is downloaded whole (one request, no Range), flagged as a bad copy naming the
+    MD5s, and its payload is kept past retention and verify_timeout."""
+    env = env_factory(retention="1s", delivery={**VERIFY_TIMEOUT, "readback_bytes": "all"})
+    env.fake.add_fault("flip_byte", count=1000)
+    data = os.urandom(4_000_000)
+    oid = env.upload(data, filename="flipped.warc")
+    row = env.wait_state([oid], 30, "the read-back mismatch flagged", needs_operator=1)[oid]
+    assert row["state"] == "delivered" and row["verified_at"] is None, row
+    assert row["force_upload"] == 1, row
+    assert f"the local copy's is {md5_hex(data)}" in row["last_error"], row
+    served = [r for r in env.fake.requests() if "/datanode/" in r["uri"]]
+    assert served and all(r["status"] == 200 and "range" not in r["headers"] for r in served)
+    assert all(r.get("fault") == "flip_byte" for r in served)
+
+    time.sleep(3)  # past the 1 s retention and the 2 s verify_timeout
+    row = env.row(oid)
+    assert row["purged_at"] is None and row["needs_operator"] == 1 and row["attempts"] == 1, row
+    assert data_files(env.data_dir, oid)["payload"]
+    assert len(env.fake.puts()) == 1

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canner.config import ConfigError, load_config, parse_config, parse_duration
+from canner.config import (
+    READBACK_ALL,
+    ConfigError,
+    load_config,
+    parse_config,
+    parse_duration,
+)
 
 BASE: dict[str, Any] = {
     "issuer": "https://canner.test",
@@ -121,6 +127,8 @@ def _delivery(**overrides: Any) -> dict[str, Any]:
         ({"verify_timeout": 3600}, "projects.p.delivery.verify_timeout"),
         ({"readback_bytes": -1}, "projects.p.delivery.readback_bytes"),
         ({"readback_bytes": "64KiB"}, "projects.p.delivery.readback_bytes"),
+        ({"readback_bytes": "ALL"}, "projects.p.delivery.readback_bytes"),
+        ({"readback_bytes": "whole"}, "projects.p.delivery.readback_bytes"),
         ({"readback_bytes": True}, "projects.p.delivery.readback_bytes"),
         ({"readback_bytes": (64 << 20) + 1}, "projects.p.delivery.readback_bytes"),
         ({"download_url": "archive.org"}, "projects.p.delivery.download_url"),
@@ -176,6 +184,16 @@ def test_download_url_follows_metadata_url_unless_set(tmp_path: Path) -> None:
         5400.0,
         0,
     )
+
+
+@pytest.mark.parametrize("value", ["all", 0, 196608, 64 << 20])
+def test_readback_bytes_is_a_byte_count_or_all(tmp_path: Path, value: int | str) -> None:
+    """readback_bytes is a byte count (0 to 64 MiB) or "all" (the whole file), kept as written
+    so the resolved config shows it as the file says."""
+    raw = config(projects={"p": {"delivery": _delivery(readback_bytes=value)}})
+    delivery = parse_config(raw, tmp_path).projects["p"].delivery
+    assert delivery is not None and delivery.readback_bytes == value
+    assert (delivery.readback_bytes == READBACK_ALL) is (value == "all")
 
 
 def test_load_config_reports_unreadable_and_invalid_files(tmp_path: Path) -> None:

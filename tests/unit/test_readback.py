@@ -3,10 +3,11 @@ fake IA on a loopback socket (redirect to the datanode, Range, altered bytes, re
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -15,18 +16,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 from treq.client import HTTPClient
 from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.error import ConnectionLost
 from twisted.internet.task import Clock, deferLater
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.iweb import IResponse
 
 from canner.blocking import run_inline
 from canner.checksum import delivery_digests
-from canner.config import DeliveryConfig
+from canner.config import READBACK_ALL, DeliveryConfig
 from canner.sinks.base import RemoteCheck
 from canner.sinks.credentials import Credentials
 from canner.sinks.internet_archive import IADeliverySink, IASink
 from canner.sinks.plan import ItemPlan, plan_upload
 from canner.sinks.readback import ReadBack, choose_ranges, parse_content_range
+from canner.sinks.transport import StreamedBody, read_digest
 from tests.fake_ia import FakeIA, url_of
+from tests.fakes import succeeded
 
 reactor: Any = _reactor
 
@@ -165,14 +173,19 @@ async def test_small_files_are_read_back_whole(world: World) -> None:
 async def test_refused_or_failed_downloads_are_no_mismatch(
     world: World, kind: str, operator: bool
 ) -> None:
-    """403 needs an operator (an access-restricted item); a 500 is retried later; neither says
-    the bytes differ."""
+    """403 needs an operator (an access-restricted item; a project's verify names
+    readback_bytes = 0 as the way out); a 500 is retried later; neither says the bytes differ."""
     plan, path = await world.delivered(1000)
     world.fake.add_fault(kind, target="download")
     result = await world.sink().read_back(plan.identifier, plan.remote_name, path, 1000, 3000)
     assert not result.ok and not result.mismatch and result.needs_operator is operator
     if operator:
-        assert "readback_bytes = 0" in result.detail
+        assert "access-restricted" in result.detail
+        project = IADeliverySink(world.delivery(), world.sink())
+        world.fake.add_fault(kind, target="download")
+        check = await project.verify(plan, path)
+        assert not check.verified and check.needs_operator and not check.bad_copy
+        assert "set readback_bytes = 0" in check.detail
 
 
 @pytest_twisted.ensureDeferred
@@ -213,3 +226,188 @@ async def test_a_forced_delivery_uploads_although_listed(world: World) -> None:
     await project.deliver(plan, path, lambda n: None, overwrite=True)
     stored = world.fake.object(plan.identifier, plan.remote_name)
     assert stored is not None and (stored["puts"], stored["stores"]) == (2, 2)
+
+
+# -- readback_bytes = "all": the whole file, streamed, its MD5 compared -----------------------
+
+
+def middle_missed() -> Callable[[], float]:
+    """Draws that put three 64 KiB ranges of a 4 MB file well away from its middle byte."""
+    return iter([0.1, 0.3, 0.8]).__next__
+
+
+@pytest_twisted.ensureDeferred
+async def test_whole_file_read_back_streams_through_the_redirect(world: World) -> None:
+    """ "all" downloads the whole file in one GET (redirected to the datanode, no Range, no
+    credentials) and compares its MD5 and size with the local copy's."""
+    plan, _path = await world.delivered(4_000_000)
+    result = await world.sink().read_back_all(
+        plan.identifier, plan.remote_name, plan.size, plan.content_md5
+    )
+    assert result == ReadBack(True)
+    (served,) = [r for r in world.downloads() if "/datanode/" in r["uri"]]
+    assert served["status"] == 200 and "range" not in served["headers"]
+    assert served["auth"] is None
+    assert len([r for r in world.downloads() if "/download/" in r["uri"]]) == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_whole_file_read_back_keeps_pace_with_a_slower_hash(world: World) -> None:
+    """Over a real connection, with 64 KiB batches whose hash answers only on a later reactor
+    turn (as a thread would), the download pauses and resumes and the digest still matches."""
+    plan, _path = await world.delivered(4_000_000)
+    batches: list[int] = []
+
+    def later(f: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        batches.append(sum(len(chunk) for chunk in args[1]))
+        return deferLater(reactor, 0.001, f, *args, **kwargs)
+
+    sink = IASink(
+        world.sink()._http, reactor, Credentials("a", "s"), world.url, world.url, later,
+        digest_batch=64 * KiB,
+    )  # fmt: skip
+    result = await sink.read_back_all(
+        plan.identifier, plan.remote_name, plan.size, plan.content_md5
+    )
+    assert result == ReadBack(True)
+    assert sum(batches) == 4_000_000 and len(batches) > 10
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_flipped_byte_is_caught_by_all_and_missed_by_sampling(world: World) -> None:
+    """IA serving a 4 MB file with its middle byte flipped (listing intact): the default three
+    64 KiB samples away from it verify the copy, while readback_bytes = "all" flags it as a bad
+    copy (payload kept, not purged) naming both MD5s."""
+    plan, path = await world.delivered(4_000_000)
+    world.fake.add_fault("flip_byte", count=10)
+    sampled = IADeliverySink(world.delivery(), world.sink(random=middle_missed()))
+    assert await sampled.verify(plan, path) == RemoteCheck(True)
+    whole = IADeliverySink(world.delivery(readback_bytes=READBACK_ALL), world.sink())
+    check = await whole.verify(plan, path)
+    assert not check.verified and check.needs_operator and check.bad_copy
+    assert f"the local copy's is {plan.content_md5}" in check.detail
+    assert "payload is kept" in check.detail
+    world.fake.clear_faults()
+    assert await whole.verify(plan, path) == RemoteCheck(True)
+
+
+@pytest_twisted.ensureDeferred
+async def test_whole_file_of_another_size_or_md5_is_a_mismatch(world: World) -> None:
+    """A file whose length is not the receipt's (Content-Length) or whose MD5 differs is a
+    mismatch, not a failure to retry."""
+    plan, _path = await world.delivered(3000)
+    sink = world.sink()
+    longer = await sink.read_back_all(plan.identifier, plan.remote_name, 2999, plan.content_md5)
+    assert not longer.ok and longer.mismatch
+    assert "IA serves a 3000-byte file, its receipt says 2999" in longer.detail
+    other = await sink.read_back_all(plan.identifier, plan.remote_name, 3000, "0" * 32)
+    assert not other.ok and other.mismatch and "MD5" in other.detail
+
+
+@pytest.mark.parametrize(
+    ("kind", "operator"), [("forbidden", True), ("error500", False)], ids=["403", "500"]
+)
+@pytest_twisted.ensureDeferred
+async def test_refused_or_failed_whole_downloads_are_no_mismatch(
+    world: World, kind: str, operator: bool
+) -> None:
+    """As for ranges: 403 needs an operator, a 500 is retried later, neither is a mismatch."""
+    plan, _path = await world.delivered(1000)
+    world.fake.add_fault(kind, target="download")
+    result = await world.sink().read_back_all(
+        plan.identifier, plan.remote_name, 1000, plan.content_md5
+    )
+    assert not result.ok and not result.mismatch and result.needs_operator is operator
+    assert "read-back of the whole file" in result.detail
+
+
+def failed(d: Deferred[Any]) -> Failure:
+    """The failure of a Deferred that must already have failed."""
+    results: list[Any] = []
+    d.addBoth(results.append)
+    assert results and isinstance(results[0], Failure), results
+    return results[0]
+
+
+@attrs.define
+class Body:
+    """Just enough of an IResponse to hand a body to a protocol over a StringTransport."""
+
+    transport: StringTransport = attrs.field(factory=StringTransport)
+    protocol: Any = None
+
+    def deliverBody(self, protocol: Any) -> None:
+        self.protocol = protocol
+        protocol.makeConnection(self.transport)
+
+
+@attrs.define
+class HeldRunner:
+    """A BlockingRunner whose jobs wait until the test runs them, to see the backpressure."""
+
+    jobs: list[tuple[Deferred[Any], Callable[[], Any]]] = attrs.field(factory=list)
+
+    def __call__(self, f: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        self.jobs.append((d, lambda: f(*args, **kwargs)))
+        return d
+
+    def run_one(self) -> None:
+        d, job = self.jobs.pop(0)
+        d.callback(job())
+
+
+def test_digest_hashes_in_batches_and_pauses_while_behind() -> None:
+    """Bytes are hashed a batch per job, one job at a time; when the next batch is full before
+    the hash is done the download pauses, and resumes once it is; the digest is the body's MD5."""
+    clock, runner, body = Clock(), HeldRunner(), Body()
+    chunks = [os.urandom(1000) for _ in range(10)]
+    d = read_digest(
+        cast(IResponse, body), limit=10_000, run=runner, clock=clock, idle=30, batch=3000
+    )
+    for chunk in chunks[:3]:
+        body.protocol.dataReceived(chunk)
+    assert len(runner.jobs) == 1 and body.transport.producerState == "producing"
+    for chunk in chunks[3:6]:
+        body.protocol.dataReceived(chunk)
+    assert len(runner.jobs) == 1 and body.transport.producerState == "paused"
+    runner.run_one()  # the first batch hashed: the second one goes, reading resumes
+    assert len(runner.jobs) == 1 and body.transport.producerState == "producing"
+    for chunk in chunks[6:]:
+        body.protocol.dataReceived(chunk)
+    body.protocol.connectionLost(Failure(ResponseDone()))
+    assert not d.called
+    while runner.jobs:
+        runner.run_one()
+    digest = succeeded(d)
+    assert digest == StreamedBody(hashlib.md5(b"".join(chunks)).hexdigest(), 10_000)
+    assert clock.getDelayedCalls() == []
+
+
+def test_digest_gives_up_without_progress_and_stops_past_the_limit() -> None:
+    """No byte for ``idle`` seconds fails with TimeoutError and closes the connection; a body
+    longer than ``limit`` is cut off there."""
+    clock, body = Clock(), Body()
+    d = read_digest(cast(IResponse, body), limit=100, run=run_inline, clock=clock, idle=30)
+    body.protocol.dataReceived(b"x" * 50)
+    clock.advance(29)
+    body.protocol.dataReceived(b"x" * 10)
+    clock.advance(29)
+    assert not d.called
+    clock.advance(1)
+    failure = failed(d)
+    assert failure.check(TimeoutError) and body.transport.producerState == "stopped"
+    body = Body()
+    d = read_digest(cast(IResponse, body), limit=100, run=run_inline, clock=clock, idle=30)
+    body.protocol.dataReceived(b"x" * 101)
+    assert succeeded(d) == StreamedBody("", 101, cut=True)
+    assert body.transport.producerState == "stopped" and clock.getDelayedCalls() == []
+
+
+def test_a_broken_off_body_fails() -> None:
+    """The connection lost mid-body (not ResponseDone) fails the read: a transient error."""
+    clock, body = Clock(), Body()
+    d = read_digest(cast(IResponse, body), limit=100, run=run_inline, clock=clock, idle=30)
+    body.protocol.dataReceived(b"x" * 10)
+    body.protocol.connectionLost(Failure(ConnectionLost()))
+    assert failed(d).check(ConnectionLost) and clock.getDelayedCalls() == []
