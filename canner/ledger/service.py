@@ -22,15 +22,15 @@ from typing import Any
 
 from attrs import define, evolve, field
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, DeferredLock, FirstError
+from twisted.internet.defer import Deferred, DeferredList, DeferredLock, FirstError, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
+from canner.delivery.jobs import Ticker
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_RETRY, retry_delay
 from canner.ids import ObjectIds
 from canner.journal import JournalLog
@@ -146,24 +146,24 @@ class LedgerService(Service):
     observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
     _adopted: bool = False
     _assigned_at: float = float("-inf")
-    _loop: LoopingCall | None = None
-    _done: Deferred[Any] | None = None
+    _ticker: Ticker = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Each tick holds the guard the receipt rescan shares (see ``guard``).
+        self._ticker = Ticker(
+            self._clock,
+            TICK,
+            lambda: self.guard.run(lambda: Deferred.fromCoroutine(self.tick())),
+            "ledger",
+        )
 
     def startService(self) -> None:
         super().startService()
-        self._loop = LoopingCall(self._guarded_tick)
-        self._loop.clock = self._clock
-        self._done = self._loop.start(TICK, now=True)
+        self._ticker.start(lambda: succeed(None))  # the first tick adopts verified ledgers
 
-    def stopService(self) -> Deferred[Any] | None:
+    def stopService(self) -> Deferred[Any]:
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        return self._done
-
-    def _guarded_tick(self) -> Deferred[None]:
-        d = self.guard.run(lambda: Deferred.fromCoroutine(self.tick()))
-        return d.addErrback(lambda f: log.failure("ledger tick failed", f))
+        return self._ticker.stop()
 
     def _full_id(self, tail: str) -> str:
         prefix = self._ids.prefix
@@ -292,10 +292,10 @@ class LedgerService(Service):
         plan = ledger_plan(self._config, row)
         # ``attempts`` counts the failed ones (uploads and verifications) so far.
         self.observer.attempt_started(LEDGER, "", row.attempts + 1)
-        # A flagged ledger was found wrong at IA (or refused): upload it even if IA's listing
-        # matches, since a read-back may have found other bytes behind a matching listing.
+        # A ledger found wrong at IA is uploaded even if IA's listing matches: a read-back
+        # found other bytes behind a matching listing.
         result = await self._sink.deliver(
-            plan, self._ledgers.ledger_path(row.name), overwrite=bool(row.needs_operator)
+            plan, self._ledgers.ledger_path(row.name), overwrite=bool(row.force_upload)
         )
         if result.bytes_sent:
             self.observer.bytes_sent(LEDGER, Destination.IA, result.bytes_sent)
@@ -327,7 +327,7 @@ class LedgerService(Service):
             store.update_ledger,
             row.ledger_id,
             "written",
-            {"state": "uploaded", "uploaded_at": self._clock.seconds()},
+            {"state": "uploaded", "uploaded_at": self._clock.seconds(), "force_upload": 0},
         )
         self.observer.delivered(LEDGER, "")
         log.info(
@@ -390,6 +390,7 @@ class LedgerService(Service):
                 " uploading again"
             )
             log.warn("ledger {ledger}: {error}", ledger=row.name, error=error)
+            self.observer.redelivered(LEDGER, "")
             await self._index.run(store.record_ledger_failure, row.ledger_id, error, now, False)
             await self._index.run(
                 store.update_ledger, row.ledger_id, row.state, {"state": "written"}
@@ -409,7 +410,9 @@ class LedgerService(Service):
         # way); a mismatch that persists backs off like a failed delivery.
         again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
         await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
-        await self._index.run(store.update_ledger, row.ledger_id, row.state, {"state": "written"})
+        await self._index.run(
+            store.update_ledger, row.ledger_id, row.state, {"state": "written", "force_upload": 1}
+        )
 
     async def _retry_verify(
         self, row: store.LedgerRow, now: float, reason: str, needs_operator: bool

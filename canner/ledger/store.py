@@ -38,6 +38,7 @@ LEDGER_COLUMNS = (
     "next_attempt_at",
     "last_error",
     "needs_operator",
+    "force_upload",
 )
 _SELECT = "SELECT " + ", ".join(LEDGER_COLUMNS) + " FROM ledgers"
 STATES = ("writing", "written", "uploaded", "verified", "deleting", "done")
@@ -66,6 +67,7 @@ class LedgerRow:
     next_attempt_at: float
     last_error: str | None
     needs_operator: int
+    force_upload: int = 0  # IA served other bytes: the next upload ignores a matching listing
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in LEDGER_COLUMNS}

@@ -147,8 +147,10 @@ def test_a_connection_waits_out_another_switching_to_wal() -> None:
 
 def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Path) -> None:
     """An index written by the previous release (schema 5, the steps it shipped) with packages
-    in every delivery state, one of them mid-attempt, upgrades in place: every row and value
-    is kept, the new counters start at zero, and the pipeline's queries read them."""
+    in every delivery state, one of them mid-attempt, and a ledger mid-upload, upgrades in
+    place: every row and value is kept, the new counters start at zero, and the pipelines'
+    queries read them."""
+    from canner.ledger import store as lstore
     from canner.packaging import batches as psql
 
     path = tmp_path / "delivery.sqlite"
@@ -179,7 +181,14 @@ def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Pat
                 950.0 if state == "delivered" else None,
             ),
         )
+    conn.execute(
+        "INSERT INTO ledgers (name, period, state, records, bytes, md5, created_at, attempts,"
+        " next_attempt_at, last_error, needs_operator) VALUES ('n-2026-11-30', '2026-11-30',"
+        " 'written', 3, 300, ?, 1.0, 2, 5.0, 'upload: 503', 0)",
+        ("ab" * 16,),
+    )
     before = [tuple(r) for r in conn.execute("SELECT * FROM packages ORDER BY batch_id")]
+    ledger_before = conn.execute("SELECT * FROM ledgers").fetchall()
     conn.close()
 
     assert upgrade_schema(path) == _migrations()[-1][0]
@@ -197,5 +206,9 @@ def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Pat
         assert {p.package_id for p in claimed} == {f"{n:032x}" for n in (0, 1, 2)}
         due = psql.follow_ups_due(cur, 1000.0, 10, ["example"], [])
         assert {p.package_id for p in due} == {f"{n:032x}" for n in (3, 4)}
+        ledgers = conn.execute("SELECT * FROM ledgers").fetchall()
+        assert [r[: len(ledger_before[0])] for r in ledgers] == ledger_before
+        [ledger] = lstore.due_ledgers(cur, 10.0)
+        assert (ledger.state, ledger.attempts, ledger.force_upload) == ("written", 2, 0)
     finally:
         conn.close()
