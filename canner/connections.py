@@ -12,6 +12,11 @@ import resource
 from collections import Counter
 
 from attrs import define, field
+from twisted.logger import Logger
+
+from canner.config import ConnectionsConfig
+
+log = Logger()
 
 # Open files kept for everything but client sockets: upload data and lock files, receipts,
 # SQLite, logs, the manhole, threads' own needs.
@@ -78,3 +83,19 @@ class ConnectionLimits:
     @property
     def open(self) -> int:
         return self._open
+
+
+def connection_limits(config: ConnectionsConfig) -> ConnectionLimits:
+    """The caps in force for ``[connections]``, once the open-file limit is raised as far as it
+    goes; a total cap the open files cannot carry is lowered, with a warning."""
+    open_files = raise_open_file_limit()
+    total = usable_connections(config.max, open_files)
+    if total < config.max:
+        log.warn(
+            "open-file limit {open_files} allows {total} client connections, not"
+            " connections.max = {configured}; raise LimitNOFILE",
+            open_files=open_files,
+            total=total,
+            configured=config.max,
+        )
+    return ConnectionLimits(total, config.max_per_client)

@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from canner import releases as rel
 from canner.blocking import BlockingRunner
+from canner.config import Config, ConfigError
 from canner.delivery.index import DeliveryIndex
 from canner.ids import ObjectIds
 from canner.journal import Journal
@@ -57,7 +58,7 @@ def _client(request: IRequest) -> str:
     return str(getattr(address, "host", None) or address)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class Lookups:
     """Status lookups in batches: the lookups that arrive while one thread call runs are all
     answered by the next, so under load a query costs a fraction of a thread hop."""
@@ -95,7 +96,7 @@ class Lookups:
         running.addCallbacks(answer, fail).addBoth(after)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class Releases:
     """Records releases: in the index and the facts journal, in one index transaction."""
 
@@ -133,7 +134,7 @@ class Releases:
         return found
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class HQRoutes:
     """``/api/v1/objects...`` and ``/api/v1/releases``."""
 
@@ -250,3 +251,17 @@ def _id_list(body: bytes, key: str, limit: int) -> list[str]:
     if not ids or len(ids) > limit:
         raise APIError(400, "bad_request", f"between 1 and {limit} ids per request")
     return ids
+
+
+def hq_tokens(config: Config) -> rel.TokenFile | None:
+    """The ``[hq] tokens`` file, read once now: an unreadable or malformed one refuses to start."""
+    if config.hq is None:
+        return None
+    tokens = rel.TokenFile(config.hq.tokens)
+    try:
+        tokens.current()
+    except OSError as e:
+        raise ConfigError("hq.tokens", f"cannot read {config.hq.tokens}: {e.strerror}") from None
+    except rel.TokenFileError as e:
+        raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
+    return tokens

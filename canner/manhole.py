@@ -38,7 +38,8 @@ from zope.interface import implementer
 
 from canner import fs, inventory
 from canner.blocking import BlockingRunner
-from canner.config import ConfigError, ManholeConfig
+from canner.config import Config, ConfigError, ManholeConfig
+from canner.delivery import index as sql
 from canner.ids import ObjectIds
 
 with warnings.catch_warnings():
@@ -292,3 +293,21 @@ def manhole_service(
     if ssh is not None:
         strports.service(ssh, factory, reactor=reactor).setServiceParent(top)
     return top
+
+
+def daemon_manhole(
+    config: Config,
+    role: str,
+    services: IService,
+    run: BlockingRunner,
+    reactor: Any,
+    **shell: Any,
+) -> IService | None:
+    """The role's manhole (None when not configured).  Its shell's namespace holds ``config``,
+    ``services`` (the daemon's root), the role's objects in ``shell``, ``sql`` (the index's
+    cursor functions) and the helpers."""
+    if config.manhole is None:
+        return None
+    namespace = {"config": config, "services": services, **shell, "sql": sql}
+    helpers = OperatorHelpers(config.data_dir, config.object_ids, run, reactor)
+    return manhole_service(config.manhole, role, helpers.bind(namespace), reactor)

@@ -19,6 +19,7 @@ series for everything that leaves the node.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import ClassVar
 
 from attrs import define, field
@@ -43,9 +44,10 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from canner.blocking import BlockingRunner
+from canner.config import Config
 from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
-from canner.inventory import Survey
+from canner.inventory import Survey, take_survey
 from canner.observe import Destination, Outbound
 from canner.version import version
 
@@ -339,6 +341,16 @@ class SurveyCache:
 
         return self._run(self._take, self._clock.seconds()).addCallback(keep)
 
+    def refresh_and_tell(self, free_space_seen: Callable[[int | None], None]) -> Deferred[None]:
+        """:meth:`refresh`, then tell ``free_space_seen`` the free bytes the survey found (the
+        receiver's floor watch, so crossing the floor is logged even while no upload arrives)."""
+
+        def observe(_: object) -> None:
+            if self.latest is not None:
+                free_space_seen(self.latest.free_bytes)
+
+        return self.refresh().addCallback(observe)
+
 
 def _gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
     if value is None:
@@ -503,3 +515,18 @@ class MetricsPage:
     def metrics(self, request: IRequest) -> bytes:
         request.setHeader("Content-Type", CONTENT_TYPE_LATEST)
         return self._metrics.render()
+
+
+def process_metrics(
+    config: Config,
+    role: str,
+    run: BlockingRunner,
+    clock: IReactorTime,
+    in_flight: InFlight | None = None,
+) -> tuple[Metrics, SurveyCache]:
+    """The metrics of a ``role`` process and the survey cache behind their gauges (refreshed
+    by whoever runs the process)."""
+    metrics = Metrics(role, config.projects)
+    cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), clock)
+    metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight))
+    return metrics, cache

@@ -184,6 +184,7 @@ class MeteredSite(ReceiverSite):
 
 
 def receiver_site(
+    *,
     intake: UploadIntake,
     tus: TusRoutes,
     ids: ObjectIds,

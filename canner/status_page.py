@@ -19,6 +19,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from attrs import define, field, frozen
@@ -29,11 +30,13 @@ from twisted.python.failure import Failure
 from twisted.web.template import Tag, flatten, tags
 
 from canner.blocking import BlockingRunner
+from canner.config import Config
 from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
-from canner.inventory import Survey
+from canner.inventory import Survey, take_survey
 from canner.trends import ALL, WINDOW, levels, per_minute
 from canner.trends import projects as trend_projects
+from canner.version import version
 
 REFRESH_SECONDS = 10
 # Requests within this many seconds of a survey are answered from it.
@@ -108,7 +111,7 @@ class StatusView:
         return judge(beat, self.survey.taken_at)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class StatusSource:
     """Builds a :class:`StatusView` with a survey taken in a thread.
 
@@ -128,6 +131,28 @@ class StatusSource:
     _version: str = "-"
     _item_urls: Mapping[str, str] = field(factory=dict)
     _started_at: float | None = None
+
+    @classmethod
+    def for_config(
+        cls, config: Config, *, run: BlockingRunner, clock: IReactorTime, problems: RecentProblems
+    ) -> StatusSource:
+        """The receiver's status page source, started now: surveys with history, the item page
+        base of each delivered project (its ``metadata_url``), and this version of canner."""
+        return cls(
+            run=run,
+            take=partial(take_survey, config.data_dir, config.object_ids, history=True),
+            clock=clock,
+            problems=problems,
+            issuer=config.issuer,
+            min_free_bytes=config.min_free_bytes,
+            version=version(),
+            item_urls={
+                pid: p.delivery.metadata_url
+                for pid, p in config.projects.items()
+                if p.delivery is not None
+            },
+            started_at=clock.seconds(),
+        )
 
     def view(self) -> Deferred[StatusView]:
         if self._started_at is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -314,6 +314,28 @@ class IndexFeed:
         # Assign before adding callbacks: an index that answers synchronously calls done() at once.
         running = self._running = self._index.insert(batch)
         running.addCallbacks(lambda _: None, failed).addBoth(done)
+
+
+def receiver_feed(
+    path: Path, reactor: IReactorTime
+) -> tuple[Callable[[Receipt, Origin], None], ConnectionPool | None, DeliveryIndex | None]:
+    """The receiver's best-effort enqueue for acceptance into the index at ``path``, with the
+    pool and the index behind it.  An index whose schema cannot be brought up to date is logged,
+    never fatal: the enqueue then does nothing (and pool and index are None), and canner-deliver's
+    rescan picks the receipts up."""
+    try:
+        upgrade_schema(path)
+    except Exception as e:
+        log.error(
+            "delivery index {path} unusable, receipts will be picked up by the deliver rescan:"
+            " {error}",
+            path=str(path),
+            error=str(e),
+        )
+        return (lambda receipt, origin: None), None, None
+    pool = open_pool(path)
+    index = DeliveryIndex(pool, reactor)
+    return IndexFeed(index).enqueue, pool, index
 
 
 # -- the delivery queue ----------------------------------------------------------------------

@@ -95,7 +95,7 @@ METADATA_BODY_MAX = 32 << 20
 ERROR_BODY_MAX = 64 << 10
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class IASink:
     """Delivers planned objects to one IA account over an injected treq ``HTTPClient``.
 
@@ -136,12 +136,12 @@ class IASink:
         if delivery.credentials is None:
             raise CredentialsError("no credentials file configured")
         return cls(
-            http,
-            clock,
-            load_credentials(delivery.credentials),
-            delivery.s3_url,
-            delivery.metadata_url,
-            run,
+            http=http,
+            clock=clock,
+            credentials=load_credentials(delivery.credentials),
+            s3_url=delivery.s3_url,
+            metadata_url=delivery.metadata_url,
+            run=run,
             **{"download_url": delivery.download_url, **kwargs},
         )
 

@@ -13,7 +13,9 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from canner.config import ConfigError
-    from canner.service import CannotStart, deliver_service, quiet_repeated_stop_signals
+    from canner.daemon import quiet_repeated_stop_signals
+    from canner.service import deliver_service
+    from canner.startup import CannotStart
 
     try:
         service = deliver_service(options.loaded, reactor)

@@ -7,7 +7,8 @@ An upload without a receipt whose sidecar is unreadable is removed at once: a si
 ever replaced whole (by rename), so that is a creation a power cut caught before it was durable
 (or a damaged disk), never a write in progress, and the intake already answers 404 for it, so
 nobody can write or accept it.  Anything with a receipt is left alone: purging accepted payloads
-is the deliver process's job.  Blocking; run it in a thread.
+is the deliver process's job.  :func:`sweep_stale` is blocking; :class:`StaleSweep` is the
+receiver's periodic job that runs it in a thread and reports what went.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 import os
 
 from attrs import define, field
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from canner import fs
+from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.journal import Journal
+from canner.observe import UploadObserver
 from canner.receipts import ReceiptStore
 from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
@@ -116,3 +121,40 @@ def _remove_unlocked(uploads: UploadStore, receipts: ReceiptStore, upload_id: st
     finally:
         if locked is not None:
             locked.close()
+
+
+@define(eq=False, kw_only=True)
+class StaleSweep:
+    """The receiver's sweep of uploads idle for longer than ``retention`` seconds: runs
+    :func:`sweep_stale` on ``run`` and counts and logs the uploads it removed."""
+
+    _uploads: UploadStore
+    _receipts: ReceiptStore
+    _journal: Journal
+    _ids: ObjectIds
+    _retention: float
+    _run: BlockingRunner
+    _clock: IReactorTime
+    _observer: UploadObserver
+
+    @property
+    def interval(self) -> float:
+        """Seconds between sweeps: a quarter of the retention, within [1 s, 1 min]."""
+        return max(1.0, min(60.0, self._retention / 4))
+
+    def sweep(self) -> Deferred[None]:
+        d = self._run(
+            sweep_stale,
+            self._uploads,
+            self._receipts,
+            self._journal,
+            self._ids,
+            self._clock.seconds(),
+            self._retention,
+        )
+        return d.addCallback(self._report)
+
+    def _report(self, report: SweepReport) -> None:
+        if report.removed:
+            self._observer.stale_removed(len(report.removed))
+            log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)

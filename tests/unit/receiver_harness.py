@@ -332,8 +332,8 @@ class InMemoryReceiver:
         metrics = Metrics(RECEIVER, config.projects)
         parts = receiver_parts(
             config,
-            UploadStore(config.data_dir / "uploads"),
-            ReceiptStore(config.data_dir / "receipts"),
+            uploads=UploadStore(config.data_dir / "uploads"),
+            receipts=ReceiptStore(config.data_dir / "receipts"),
             run=io,
             hashing=hashing,
             clock=clock,  # also the channels' timers: idle timeout, head deadline, linger

@@ -369,17 +369,17 @@ def test_hq_and_ledger_config(tmp_path: Path) -> None:
 
 def test_receiver_refuses_an_unusable_tokens_file(tmp_path: Path) -> None:
     """A missing or malformed [hq] tokens file is a config error naming hq.tokens."""
-    from canner.service import _hq_tokens
+    from canner.hq import hq_tokens
 
     config = parse_config({**BASE, "hq": {"tokens": "tokens"}}, tmp_path)
     for content in (None, "hq md5:abc\n"):
         if content is not None:
             (tmp_path / "tokens").write_text(content)
         with pytest.raises(ConfigError) as e:
-            _hq_tokens(config)
+            hq_tokens(config)
         assert e.value.key == "hq.tokens"
     (tmp_path / "tokens").write_text(f"hq {rel.token_digest('t')}\n")
-    tokens = _hq_tokens(config)
+    tokens = hq_tokens(config)
     assert tokens is not None and tokens.authenticate("t") == "hq"
 
 

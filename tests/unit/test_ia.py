@@ -507,12 +507,12 @@ def test_secret_never_reaches_the_outcome(tmp_path: Path) -> None:
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
     sink = IASink(
-        HTTPClient(agent),
-        clock,
-        Credentials("AKEY", SECRET),
-        "https://ia",
-        "https://ia",
-        run_inline,
+        http=HTTPClient(agent),
+        clock=clock,
+        credentials=Credentials("AKEY", SECRET),
+        s3_url="https://ia",
+        metadata_url="https://ia",
+        run=run_inline,
     )
     path = tmp_path / "artifact"
     path.write_bytes(b"hello")
@@ -533,7 +533,12 @@ def test_secret_is_never_sent_in_clear(tmp_path: Path) -> None:
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
     sink = IASink(
-        HTTPClient(agent), clock, Credentials("AKEY", SECRET), "http://ia", "http://ia", run_inline
+        http=HTTPClient(agent),
+        clock=clock,
+        credentials=Credentials("AKEY", SECRET),
+        s3_url="http://ia",
+        metadata_url="http://ia",
+        run=run_inline,
     )
     path = tmp_path / "artifact"
     path.write_bytes(b"hello")
@@ -584,7 +589,16 @@ class World:
             kwargs.pop("access", "fake-access"), kwargs.pop("secret", "fake-secret")
         )
         url = kwargs.pop("url", self.url)
-        return IASink(http, reactor, creds, url, url, kwargs.pop("run", in_thread), **kwargs)
+        run = kwargs.pop("run", in_thread)
+        return IASink(
+            http=http,
+            clock=reactor,
+            credentials=creds,
+            s3_url=url,
+            metadata_url=url,
+            run=run,
+            **kwargs,
+        )
 
     def artifact(
         self, size: int, name: str = "crawl.warc.gz", object_id: str = OID, md5: str | None = None

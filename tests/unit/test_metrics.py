@@ -20,6 +20,7 @@ from twisted.web.test.requesthelper import DummyRequest
 from canner import inventory
 from canner.acceptance import Acceptance
 from canner.blocking import run_inline
+from canner.daemon import LogObservers, PeriodicService
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
@@ -37,7 +38,6 @@ from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
 from canner.routing import route
-from canner.service import LogObservers, PeriodicService
 from canner.status_page import (
     RecentProblems,
     StatusSource,
@@ -395,7 +395,7 @@ def test_gauges_read_the_cached_survey_refreshed_periodically(
     m.register(SurveyCollector(cache, 1234))
     assert sample(m, "canner_min_free_bytes") == 1234
     assert m.registry.get_sample_value("canner_deliveries", {"state": "pending"}) is None
-    job = PeriodicService(clock, 15.0, cache.refresh, "metrics survey")
+    job = PeriodicService(clock=clock, interval=15.0, job=cache.refresh, label="metrics survey")
     job.startService()
     assert taken == [NOW]
     m.render()
@@ -430,7 +430,7 @@ def test_a_failing_refresh_is_logged_and_keeps_the_last_survey(data_dir: Path) -
     cache = SurveyCache(run_inline, take, clock)
     events: list[dict[str, Any]] = []
     globalLogPublisher.addObserver(events.append)
-    job = PeriodicService(clock, 1.0, cache.refresh, "metrics survey")
+    job = PeriodicService(clock=clock, interval=1.0, job=cache.refresh, label="metrics survey")
     try:
         job.startService()
         first = cache.latest
@@ -555,12 +555,12 @@ def test_receiver_serves_status_page_and_metrics(data_dir: Path, index: SyncInde
     clock.advance(NOW)
     m = Metrics(RECEIVER, ["example"])
     status = StatusSource(
-        run_inline,
-        lambda now: take_survey(data_dir, IDS, now),
-        clock,
-        RecentProblems(),
-        "https://canner.test",
-        10,
+        run=run_inline,
+        take=lambda now: take_survey(data_dir, IDS, now),
+        clock=clock,
+        problems=RecentProblems(),
+        issuer="https://canner.test",
+        min_free_bytes=10,
     )
     routes = ReceiverRoutes(
         ReceiptStore(data_dir / "receipts"),
@@ -616,12 +616,12 @@ def test_status_requests_share_surveys(data_dir: Path) -> None:
         return d
 
     source = StatusSource(
-        run_later,
-        lambda now: take_survey(data_dir, IDS, now),
-        clock,
-        RecentProblems(),
-        "https://canner.test",
-        1,
+        run=run_later,
+        take=lambda now: take_survey(data_dir, IDS, now),
+        clock=clock,
+        problems=RecentProblems(),
+        issuer="https://canner.test",
+        min_free_bytes=1,
     )
     first, second = source.view(), source.view()
     assert len(runs) == 1 and not first.called

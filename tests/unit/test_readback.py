@@ -84,7 +84,15 @@ class World:
         pool = HTTPConnectionPool(reactor, persistent=False)
         http = HTTPClient(Agent(reactor, connectTimeout=5, pool=pool))
         creds = Credentials("fake-access", "fake-secret")
-        return IASink(http, reactor, creds, self.url, self.url, run_inline, **kwargs)
+        return IASink(
+            http=http,
+            clock=reactor,
+            credentials=creds,
+            s3_url=self.url,
+            metadata_url=self.url,
+            run=run_inline,
+            **kwargs,
+        )
 
     def delivery(self, **changes: Any) -> DeliveryConfig:
         base = DeliveryConfig(
@@ -263,9 +271,14 @@ async def test_whole_file_read_back_keeps_pace_with_a_slower_hash(world: World) 
         return deferLater(reactor, 0.001, f, *args, **kwargs)
 
     sink = IASink(
-        world.sink()._http, reactor, Credentials("a", "s"), world.url, world.url, later,
+        http=world.sink()._http,
+        clock=reactor,
+        credentials=Credentials("a", "s"),
+        s3_url=world.url,
+        metadata_url=world.url,
+        run=later,
         digest_batch=64 * KiB,
-    )  # fmt: skip
+    )
     result = await sink.read_back_all(
         plan.identifier, plan.remote_name, plan.size, plan.content_md5
     )

@@ -37,12 +37,12 @@ def data_dir(tmp_path: Path) -> Path:
 def readyz(data_dir: Path, floor: int) -> tuple[int, dict[str, Any]]:
     clock = Clock()
     status = StatusSource(
-        run_inline,
-        lambda now: take_survey(data_dir, ObjectIds(), now),
-        clock,
-        RecentProblems(),
-        "i",
-        floor,
+        run=run_inline,
+        take=lambda now: take_survey(data_dir, ObjectIds(), now),
+        clock=clock,
+        problems=RecentProblems(),
+        issuer="i",
+        min_free_bytes=floor,
     )
     routes = ReceiverRoutes(
         ReceiptStore(data_dir / "receipts"),

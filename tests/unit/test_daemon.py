@@ -11,7 +11,7 @@ from twisted.internet.testing import MemoryReactor
 from twisted.python.failure import Failure
 
 from canner.blocking import PoolStopped, ThreadPoolRunner
-from canner.service import DaemonRoot
+from canner.daemon import DaemonRoot
 
 
 @define(eq=False)

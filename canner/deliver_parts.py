@@ -1,0 +1,244 @@
+"""The parts canner-deliver is built from, each out of the config and :class:`DeliverBase`.
+
+``canner.service.deliver_service`` takes the lock, opens the index and connects these: the
+object queue, the megawarc package pipeline, the ledger, the hourly receipt rescan and the
+metrics listener.  Each builder maps config onto keyword-only constructors and adds nothing to
+the service tree but the thread pool it makes (which must outlive the children); the root
+decides where each part goes in the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from attrs import frozen
+from twisted.application.service import IService
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.web.server import Site
+
+from canner.blocking import BlockingRunner, ThreadPoolRunner
+from canner.config import Config, ConfigError, ProjectConfig
+from canner.daemon import DaemonRoot, Listening, PeriodicService
+from canner.delivery.index import DeliveryIndex
+from canner.delivery.liveness import InFlight
+from canner.delivery.rescan import ReceiptRescan
+from canner.delivery.scheduler import DeliveryService, planner
+from canner.journal import Journal, JournalLog
+from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ledger.service import LedgerService, validate_ledger
+from canner.metrics import Metrics, MetricsPage, SurveyCache
+from canner.packaging.pipeline import PackagingService
+from canner.packaging.store import PackageStore
+from canner.receipts import ReceiptStore
+from canner.sinks.base import Sink
+from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.internet_archive import IASink
+from canner.sinks.projects import project_sinks
+from canner.sinks.transport import make_http_client
+from canner.tus.store import UploadStore
+
+log = Logger()
+
+LEDGER_THREADS = 32
+RESCAN_INTERVAL = 3600.0
+
+
+@frozen(kw_only=True)
+class DeliverBase:
+    """What every part of canner-deliver is built from: the config, the reactor, the daemon's
+    root (whose running state ends a rescan), the index, the stores, the thread pools, the
+    attempts in flight and the metrics."""
+
+    config: Config
+    reactor: Any
+    top: DaemonRoot
+    index: DeliveryIndex
+    uploads: UploadStore
+    receipts: ReceiptStore
+    io: BlockingRunner
+    hashing: BlockingRunner
+    in_flight: InFlight
+    metrics: Metrics
+
+
+def configured_sinks(
+    config: Config, reactor: Any, run: BlockingRunner, hashing: BlockingRunner
+) -> tuple[dict[str, Sink], dict[str, float]]:
+    """The sink of each delivered project and how long its artifacts stay once verified
+    (blocking: reads credentials); a project without a delivery table is logged."""
+    sinks = project_sinks(config, reactor, run, hashing)
+    retention = {
+        pid: project.delivery.local_artifact_retention
+        for pid, project in config.projects.items()
+        if project.delivery is not None
+    }
+    for pid, project in config.projects.items():
+        if project.delivery is None:
+            log.warn(
+                "project {project} has no [projects.{project}.delivery]: its artifacts stay"
+                " local and are never delivered or purged",
+                project=pid,
+            )
+    return sinks, retention
+
+
+def ledger_service(base: DeliverBase, journal: JournalLog) -> LedgerService | None:
+    """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking).  Its
+    unlink pool joins the pools that outlive the children."""
+    config, reactor, ledger = base.config, base.reactor, base.config.ledger
+    if ledger is None:
+        return None
+    validate_ledger(ledger)
+    try:
+        credentials = load_credentials(ledger.credentials)
+    except CredentialsError as e:
+        raise ConfigError("ledger.credentials", str(e)) from None
+    sink = IASink(
+        http=make_http_client(reactor),
+        clock=reactor,
+        credentials=credentials,
+        s3_url=ledger.s3_url,
+        metadata_url=ledger.metadata_url,
+        run=base.io,
+    )
+    unlink = ThreadPoolRunner(reactor, "canner-ledger", LEDGER_THREADS)
+    service = LedgerService(
+        config=ledger,
+        ids=config.object_ids,
+        index=base.index,
+        db=config.data_dir / "delivery.sqlite",
+        ledgers=LedgerDir(config.data_dir / "ledger"),
+        receipts=base.receipts,
+        journal=journal,
+        uploads=config.data_dir / "uploads",
+        sink=sink,
+        run=base.io,
+        clock=reactor,
+        unlink=unlink,
+        observer=base.metrics,
+    )
+    base.top.outlive(unlink)
+    return service
+
+
+def receipt_rescan(
+    base: DeliverBase, archived: ArchivedIds, ledger: LedgerService | None
+) -> PeriodicService:
+    """The receipt rescan, at start and hourly until the daemon stops; never while the ledger
+    deletes records (it could re-insert them)."""
+    rescan: Callable[[], Deferred[Any]] = ReceiptRescan(
+        index=base.index,
+        receipts=base.receipts,
+        uploads=base.uploads,
+        journal=Journal(base.config.data_dir / "journal"),
+        archived=archived.contains,
+        object_ids=base.config.object_ids,
+        run=base.io,
+        now=base.reactor.seconds,
+        keep_going=lambda: bool(base.top.running),
+    ).run
+    if ledger is not None:
+        rescan = partial(ledger.guard.run, rescan)
+    return PeriodicService(
+        clock=base.reactor, interval=RESCAN_INTERVAL, job=rescan, label="receipt rescan"
+    )
+
+
+def object_queue(
+    base: DeliverBase,
+    sinks: Mapping[str, Sink],
+    retention: Mapping[str, float],
+    journal: JournalLog,
+) -> DeliveryService:
+    """The queue that delivers objects one at a time, to ``sinks`` (every delivered project's
+    but the megawarc ones')."""
+    config = base.config
+    return DeliveryService(
+        index=base.index,
+        uploads=base.uploads,
+        receipts=base.receipts,
+        journal=journal,
+        sinks=sinks,
+        retention=retention,
+        run=base.io,
+        hash=base.hashing,
+        clock=base.reactor,
+        concurrency=config.delivery_concurrency,
+        planner=planner(
+            {pid: p.delivery for pid, p in config.projects.items() if p.delivery is not None}
+        ),
+        verify_timeouts={
+            pid: p.delivery.verify_timeout
+            for pid, p in config.projects.items()
+            if p.delivery is not None
+        },
+        in_flight=base.in_flight,
+        observer=base.metrics,
+    )
+
+
+def package_pipeline(
+    base: DeliverBase,
+    packed: Mapping[str, ProjectConfig],
+    sinks: Mapping[str, Sink],
+    packages: PackageStore,
+    archived: ArchivedIds,
+) -> PackagingService:
+    """The megawarc pipeline of the ``packed`` projects.  When there are any, its build pool
+    outlives the children: a build in a thread ends at its next chunk once the service has asked
+    it to stop."""
+    config = base.config
+    packing = ThreadPoolRunner(base.reactor, "canner-pack", config.packaging_concurrency)
+    packaging = PackagingService(
+        index=base.index,
+        uploads=base.uploads,
+        receipts=base.receipts,
+        store=packages,
+        projects=packed,
+        sinks={pid: sinks[pid] for pid in packed},
+        run=base.io,
+        pack=packing,
+        clock=base.reactor,
+        build_concurrency=config.packaging_concurrency,
+        min_free_bytes=config.min_free_bytes,
+        delivery_concurrency=config.delivery_concurrency,
+        in_flight=base.in_flight,
+        archived=archived.contains,
+        observer=base.metrics,
+    )
+    if packed:
+        base.top.outlive(packing)
+    return packaging
+
+
+def packed_projects(config: Config, sinks: Mapping[str, Sink]) -> dict[str, ProjectConfig]:
+    """The megawarc projects with a sink: delivered a package at a time, where the object queue
+    serves the rest."""
+    return {
+        pid: p
+        for pid, p in config.projects.items()
+        if p.packaging.megawarc and p.delivery is not None and pid in sinks
+    }
+
+
+def deliver_metrics(base: DeliverBase, survey_cache: SurveyCache) -> list[IService]:
+    """With ``[metrics] deliver_listen`` (none without): the survey behind the gauges, then the
+    listener of the metrics page."""
+    listen = base.config.metrics.deliver_listen
+    if listen is None:
+        return []
+    survey = PeriodicService(
+        clock=base.reactor,
+        interval=base.config.metrics.refresh,
+        job=survey_cache.refresh,
+        label="metrics survey",
+    )
+    site = Site(MetricsPage(base.metrics).app.resource())
+    site.displayTracebacks = False
+    listener = Listening(
+        description=listen, factory=site, reactor=base.reactor, what="metrics.deliver_listen"
+    )
+    return [survey, listener]

@@ -1,0 +1,121 @@
+"""Start-up checks of the data directory, before any service is built.
+
+Each daemon refuses to start, in one line naming the path, its user and the fix
+(:class:`CannotStart`), when it cannot write what it writes in the data directory, and
+canner-deliver when another one owns the directory (:class:`DeliverLocked`).  The checks run in
+``makeService``, so a refusal aborts the launch before anything listens.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import os
+import pwd
+from collections.abc import Iterable
+from pathlib import Path
+
+from canner import fs
+from canner.config import Config, check_data_dir
+from canner.fs import DataDirLock, Locked
+from canner.packaging.store import PackageStore
+from canner.receipts import ReceiptStore
+from canner.tus.store import UploadStore
+
+
+class CannotStart(Exception):
+    """Start-up is refused for a reason the operator must fix; ``str()`` is the one line that
+    says what and how."""
+
+
+# What each daemon writes directly in its data directory (which is always checked, first);
+# files inside these directories are theirs too.
+RECEIVER_WRITES = (
+    "uploads",
+    "receipts",
+    "journal",
+    "delivery.sqlite",
+    "delivery.sqlite-wal",
+    "delivery.sqlite-shm",
+)
+DELIVER_WRITES = (*RECEIVER_WRITES, "ledger", "deliver.lock")
+
+
+def process_user() -> tuple[str, str]:
+    """The user and group names this process runs as (numbers when they have no name)."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    try:
+        group = grp.getgrgid(gid).gr_name
+    except KeyError:
+        group = str(gid)
+    return user, group
+
+
+def unwritable(path: Path, tree: Path, error: OSError) -> CannotStart:
+    """The one-line refusal for ``path`` (in ``tree``, which the fix names) that this process
+    cannot write: the path, the user, the error and the fix."""
+    user, group = process_user()
+    if error.errno in (errno.EACCES, errno.EPERM):
+        fix = f"fix the ownership: chown -R {user}:{group} {tree}"
+    elif error.errno == errno.EROFS:
+        fix = "mount it read-write (under systemd: list data_dir in ReadWritePaths=)"
+    else:
+        fix = "check the disk under it (dmesg)"
+    reason = error.strerror or str(error)
+    return CannotStart(f"cannot write {path} as user {user}: {reason}; {fix}")
+
+
+def prepare_data_dir(config: Config, writes: Iterable[str]) -> tuple[UploadStore, ReceiptStore]:
+    """``uploads/`` and ``receipts/`` in the existing data directory (:class:`ConfigError` when
+    it is missing), and every path in ``writes`` writable by this process (:class:`CannotStart`
+    naming the first that is not)."""
+    data_dir = check_data_dir(config)
+    path = data_dir
+    try:
+        fs.check_writable(data_dir)
+        for sub in ("uploads", "receipts"):
+            path = data_dir / sub
+            path.mkdir(exist_ok=True)
+            # A crash between linking a receipt and fsyncing its directory leaves a name that a
+            # power cut could still erase: make every name durable before anything serves it.
+            fs.fsync_dir(path)
+        for name in writes:
+            path = data_dir / name
+            fs.check_writable(path)
+    except OSError as e:
+        raise unwritable(path, data_dir, e) from None
+    return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
+
+
+class DeliverLocked(CannotStart):
+    """Another canner-deliver owns this data directory."""
+
+
+def lock_data_dir(config: Config) -> DataDirLock:
+    """Take ``deliver.lock`` in the data directory, held until released or the process exits:
+    :class:`DeliverLocked` when another process holds it, :class:`CannotStart` when it cannot
+    be written."""
+    lock = DataDirLock(config.data_dir / "deliver.lock")
+    try:
+        lock.acquire()
+    except Locked:
+        raise DeliverLocked(
+            f"another canner-deliver already owns {config.data_dir} (see deliver.lock)"
+        ) from None
+    except OSError as e:
+        raise unwritable(lock.path, config.data_dir, e) from None
+    return lock
+
+
+def prepare_packages(packages: PackageStore) -> None:
+    """Create the package store's directory and check this process can write it
+    (:class:`CannotStart` when not)."""
+    try:
+        packages.prepare()
+        fs.check_writable(packages.root)
+    except OSError as e:
+        raise unwritable(packages.root, packages.root, e) from None
