@@ -124,9 +124,10 @@ def ledger_plan(config: LedgerConfig, row: store.LedgerRow) -> ItemPlan:
     )
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class LedgerService(Service):
-    """Runs the ledger of one data directory (in canner-deliver, which owns the data dir)."""
+    """Runs the ledger of one data directory (in canner-deliver, which owns the data dir);
+    collaborators by keyword."""
 
     _config: LedgerConfig
     _ids: ObjectIds
@@ -143,7 +144,7 @@ class LedgerService(Service):
     _unlink: BlockingRunner | None = None
     # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
     guard: DeferredLock = field(factory=DeferredLock)
-    observer: OutboundObserver = field(default=UNOBSERVED, kw_only=True)
+    observer: OutboundObserver = UNOBSERVED
     _adopted: bool = False
     _assigned_at: float = float("-inf")
     _ticker: Ticker = field(init=False)
