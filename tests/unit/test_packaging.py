@@ -46,6 +46,7 @@ class FakeItems:
     files: dict[tuple[str, str], bytes] = field(factory=dict)
     puts: list[str] = field(factory=list)
     fail_next: int = 0
+    retry_after: float | None = None  # IA's Retry-After on the failures fail_next makes
     watch: Any = None  # called during each upload (tests look at what is in flight)
     broken_verify: int = 0
     overwrites: list[bool] = field(factory=list)
@@ -60,7 +61,10 @@ class FakeItems:
             self.watch()
         if self.fail_next:
             self.fail_next -= 1
-            return fail(DeliveryFailed("503 SlowDown"))
+            failure = DeliveryFailed(
+                "503 SlowDown", retry_after=self.retry_after, kind="rate_limited"
+            )
+            return fail(failure)
         key = (plan.identifier, plan.remote_name)
         data = path.read_bytes()
         assert hashlib.md5(data).hexdigest() == plan.content_md5 and len(data) == plan.size
@@ -297,7 +301,7 @@ def test_failed_deliveries_retry_with_backoff_and_nothing_is_sent_twice(tmp_path
     (row,) = h.packages()
     assert row.delivery_state == "delivered" and len(h.items.puts) == 2
     assert row.attempts == 2
-    failed = {"project": "example", "needs_operator": "false", "reason": "other"}
+    failed = {"project": "example", "needs_operator": "false", "reason": "rate_limited"}
     assert h.metric("canner_delivery_failures_total", **failed, kind="package") == 1
     assert h.metric("canner_delivery_retries_total", project="example", kind="package") == 1
 
@@ -533,3 +537,22 @@ def test_a_package_ia_serves_wrong_is_flagged_and_a_retry_uploads_it_over_the_li
     (row,) = h.packages()
     assert h.items.overwrites and all(h.items.overwrites), "the retry must upload over IA's copy"
     assert row.remote_verified_at is not None and row.force_upload == 0
+
+
+def test_a_package_delivery_waits_at_least_ias_retry_after(tmp_path: Path) -> None:
+    """As for objects: IA's Retry-After is a lower bound on the backoff (within its 1 h cap),
+    and the failure is counted by its reason class."""
+    h = Harness(tmp_path, target="100")
+    h.accept(warc_bytes(1))
+    h.items.fail_next, h.items.retry_after = 2, 900.0
+    h.tick()
+    (row,) = h.packages()
+    assert row.delivery_state == "retry_wait"
+    assert row.next_attempt_at == h.clock.seconds() + 900, "not the 60 s backoff"
+    h.clock.advance(900)
+    h.items.retry_after = 7200.0  # more than the cap: the cap wins
+    h.tick()
+    (row,) = h.packages()
+    assert row.next_attempt_at == h.clock.seconds() + 3600
+    failed = {"project": "example", "needs_operator": "false", "reason": "rate_limited"}
+    assert h.metric("canner_delivery_failures_total", **failed, kind="package") == 2
