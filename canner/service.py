@@ -6,8 +6,8 @@ modules named after them.  Work that can fail at start-up (directories, the deli
 schema, the manhole's keys) happens here, so a failure aborts the launch with a clear message.
 Services stop in reverse order of addition, the listener first; the thread pools (and deliver's
 heartbeat) only once every other service has stopped, and the index and the lock after them.
-The status page's recent problems are fed by a log observer (:class:`~canner.daemon.LogObservers`)
-added to the process's log publisher while the daemon runs.
+The receiver's status page hears of recent problems through a log observer
+(:class:`~canner.daemon.LogObservers`) added to the process's log publisher while it runs.
 """
 
 from __future__ import annotations
@@ -273,7 +273,6 @@ def deliver_service(
     config: Config,
     reactor: Any,
     sinks: Mapping[str, Sink] | None = None,
-    log_publisher: LogPublisher = globalLogPublisher,
 ) -> IService:
     """The deliver process: the queue, rescans, verification and purge; metrics on
     ``[metrics] deliver_listen`` and the manhole when configured.
@@ -299,7 +298,6 @@ def deliver_service(
         prepare_packages(packages)
     top, index, delivery_log = _deliver_root(config, reactor, lock_data_dir(config), io, hashing)
     in_flight = InFlight(reactor)
-    LogObservers(log_publisher, []).setServiceParent(top)
     metrics, survey_cache = process_metrics(config, DELIVER, io, reactor, in_flight)
     base = DeliverBase(
         config=config,
