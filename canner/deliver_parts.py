@@ -119,6 +119,7 @@ def ledger_service(base: DeliverBase, journal: JournalLog) -> LedgerService | No
         clock=reactor,
         unlink=unlink,
         observer=base.metrics,
+        in_flight=base.in_flight,
     )
     base.top.outlive(unlink)
     return service

@@ -31,6 +31,7 @@ from canner.blocking import BlockingRunner
 from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.jobs import Ticker
+from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_RETRY, retry_delay
 from canner.ids import ObjectIds
 from canner.journal import JournalLog
@@ -51,7 +52,7 @@ from canner.ledger.steps import (
     remove_receipts,
     write_ledger,
 )
-from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver
+from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
 from canner.receipts import ReceiptStore
 from canner.sinks.internet_archive import IASink
 from canner.sinks.metadata import metadata_headers, metadata_key_problem
@@ -145,6 +146,8 @@ class LedgerService(Service):
     # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
     guard: DeferredLock = field(factory=DeferredLock)
     observer: OutboundObserver = UNOBSERVED
+    # canner-deliver's attempts in flight: a ledger's upload shows there under its name.
+    in_flight: InFlight | None = None
     _adopted: bool = False
     _assigned_at: float = float("-inf")
     _ticker: Ticker = field(init=False)
@@ -293,13 +296,19 @@ class LedgerService(Service):
         plan = ledger_plan(self._config, row)
         # ``attempts`` counts the failed ones (uploads and verifications) so far.
         self.observer.attempt_started(LEDGER, "", row.attempts + 1)
-        # A ledger found wrong at IA is uploaded even if IA's listing matches: a read-back
-        # found other bytes behind a matching listing.
-        result = await self._sink.deliver(
-            plan, self._ledgers.ledger_path(row.name), overwrite=bool(row.force_upload)
-        )
-        if result.bytes_sent:
-            self.observer.bytes_sent(LEDGER, Destination.IA, result.bytes_sent)
+        in_flight = self.in_flight or InFlight(self._clock)
+        in_flight.begin(Attempt(row.name, "", plan.remote_name, plan.size, row.attempts + 1))
+        try:
+            # A ledger found wrong at IA is uploaded even if IA's listing matches: a read-back
+            # found other bytes behind a matching listing.
+            result = await self._sink.deliver(
+                plan,
+                self._ledgers.ledger_path(row.name),
+                counting_sent(in_flight.uploading(row.name), self.observer, LEDGER, Destination.IA),
+                overwrite=bool(row.force_upload),
+            )
+        finally:
+            in_flight.end(row.name)
         if not result.delivered:
             self.observer.delivery_failed(
                 LEDGER,
