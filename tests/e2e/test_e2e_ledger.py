@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deliver_support import Env, FakeIA, envs, remove_index, wait_for
@@ -54,6 +55,20 @@ def archivable(env: Env, count: int, tag: str) -> dict[str, bytes]:
     assert [a["status"] for a in answers] == ["released"] * count
     assert all(len(release_records(env, oid)) == 1 for oid in ids)
     return receipts
+
+
+def completes_once_ia_is_right(env: Env, receipts: dict[str, bytes]) -> dict[str, Any]:
+    """IA's faults cleared, the ledger is flushed to done and the receipts it holds are gone;
+    the ledger as ``canner ledger flush`` printed it."""
+    env.fake.clear_faults()
+    fast_forward_ledgers(env)
+    out = flush(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert ledger["state"] == "done" and ledger["needs_operator"] is False
+    for oid in receipts:
+        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+    return ledger
 
 
 def receipt_files(env: Env, oid: str) -> list[str]:
@@ -170,14 +185,7 @@ def test_wrong_remote_md5_is_flagged_and_uploaded_again(env_factory: Callable[..
         assert (env.data_dir / "receipts" / f"{oid}.json").exists()
         assert env.row(oid)["released_at"] is not None
     assert not (env.data_dir / "ledger" / f"{ledger['name']}.json").exists()
-    env.fake.clear_faults()
-    fast_forward_ledgers(env)
-    out = flush(env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
-    assert ledger["state"] == "done" and ledger["needs_operator"] is False
-    for oid in receipts:
-        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+    ledger = completes_once_ia_is_right(env, receipts)
     samples = scrape(f"http://127.0.0.1:{port}/metrics")
     kind = frozenset({("kind", "ledger")})
     attempts = samples[("canner_delivery_attempts_total", kind | {("project", "")})]
@@ -216,14 +224,7 @@ def test_wrong_bytes_behind_a_right_listing_are_uploaded_again(
         assert (env.data_dir / "receipts" / f"{oid}.json").exists()
         assert status(env, oid).json()["archived"] is None
     assert not (env.data_dir / "ledger" / f"{ledger['name']}.json").exists()
-    env.fake.clear_faults()
-    fast_forward_ledgers(env)
-    out = flush(env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    [ledger] = [json.loads(line) for line in out.stdout.splitlines()]
-    assert ledger["state"] == "done" and ledger["needs_operator"] is False
-    for oid in receipts:
-        assert not (env.data_dir / "receipts" / f"{oid}.json").exists()
+    completes_once_ia_is_right(env, receipts)
 
 
 def test_a_ledger_lost_after_its_200_is_uploaded_again(env_factory: Callable[..., Env]) -> None:
