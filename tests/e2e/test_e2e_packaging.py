@@ -293,3 +293,52 @@ def test_a_package_whose_bytes_at_ia_differ_is_flagged_and_kept(env_factory: Any
     assert any(p.name.startswith(row["package_id"]) for p in package_dir.rglob("*")), (
         "the package files were deleted although IA serves other bytes"
     )
+    # The operator's retry (once IA is healthy) uploads every file again over IA's listing,
+    # which a normal delivery would have trusted; then it verifies and is purged.
+    assert {o["puts"] for o in env.fake.objects()} == {1}
+    env.fake.clear_faults()
+    retried = subprocess.run(
+        [venv_bin("canner"), "retry", row["package_id"], "--config", str(env.config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert retried.returncode == 0 and f"package {row['package_id']} is due now" in retried.stdout
+
+    def purged() -> dict[str, Any] | None:
+        rows = packages(env)
+        return rows[0] if rows[0]["purged_at"] is not None else None
+
+    row = wait_for(purged, 60, "the retried package verified and purged", 0.5, env.describe)
+    assert row["needs_operator"] == 0 and row["force_upload"] == 0, row
+    files = env.fake.objects()
+    assert files and {o["puts"] for o in files} == {2}, "every file is uploaded again"
+
+
+def test_a_package_ia_loses_after_its_200_is_delivered_again(env_factory: Any) -> None:
+    """IA answers 200 for a package file and never lists it: once verify_timeout has passed the
+    package goes back to be delivered (one re-delivery counted), the lost file is uploaded again
+    (the others are found in place), and the package is verified and purged."""
+    env = env_factory(
+        packaging={"mode": "megawarc", "target_bytes": "1GB", "max_wait": "2s"},
+        retention="1s",
+        delivery={"verify_timeout": "3s"},
+    )
+    env.fake.add_fault("vanish", count=1)
+    for name, data in artifacts(5, SEED + 2):
+        tus_upload(env, name, data)
+
+    def purged() -> dict[str, Any] | None:
+        rows = packages(env)
+        return rows[0] if rows and rows[0]["purged_at"] is not None else None
+
+    row = wait_for(purged, 120, "the package re-delivered, verified and purged", 0.5, env.describe)
+    assert row["redeliveries"] == 1 and row["needs_operator"] == 0, row
+    assert sum(1 for r in env.fake.requests() if r.get("fault") == "vanish") == 1
+    objects = [o for o in env.fake.objects() if o["identifier"] == row["remote_identifier"]]
+    # Every file stored once: the lost one only by the re-delivery, the others found in place.
+    assert len(objects) >= 2 and all(o["stores"] == 1 for o in objects), objects
+    log = env.deliver.log_text()
+    assert "delivering it again (re-delivery 1 of 3)" in log, env.deliver.log_tail()
