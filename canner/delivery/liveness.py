@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from attrs import define, evolve, field, frozen
@@ -163,6 +164,15 @@ class InFlight:
 
     def begin(self, attempt: Attempt) -> None:
         self._running[attempt.key] = _Running(attempt, self._clock.seconds())
+
+    @contextmanager
+    def running(self, attempt: Attempt) -> Iterator[None]:
+        """``attempt`` is listed while the block runs (an ``await`` inside included)."""
+        self.begin(attempt)
+        try:
+            yield
+        finally:
+            self.end(attempt.key)
 
     def uploading(self, object_id: str) -> Callable[[int], None]:
         """Mark the attempt uploading; returns the callback the sink reports bytes to."""

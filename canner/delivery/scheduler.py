@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attrs import define, evolve, field
+from attrs import Factory, define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -88,7 +88,10 @@ class DeliveryService(Service):
     _claiming: bool = False
     _orphans_checked: float = 0.0
     _claim_again: bool = False
-    in_flight: InFlight | None = None
+    # canner-deliver's attempts in flight (shared with the other pipelines in the daemon).
+    in_flight: InFlight = field(
+        default=Factory(lambda self: InFlight(self._clock), takes_self=True)
+    )
     observer: OutboundObserver = UNOBSERVED
     _active: Jobs[str] = field(init=False)  # delivery attempts, by object id
     _checking: Jobs[str] = field(init=False)  # verifications and purges
@@ -96,8 +99,6 @@ class DeliveryService(Service):
     _stopping: threading.Event = field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.in_flight is None:
-            self.in_flight = InFlight(self._clock)
         self._active = Jobs(self._clock)
         self._checking = Jobs(self._clock)
         self._ticker = Ticker(self._clock, self._interval, self.tick, "delivery queue")
@@ -122,7 +123,6 @@ class DeliveryService(Service):
     @property
     def active(self) -> list[dict[str, Any]]:
         """The attempts in flight: object, phase, bytes sent, rate, ETA (for the manhole)."""
-        assert self.in_flight is not None
         return [p.as_dict() for p in self.in_flight.snapshot()]
 
     def tick(self) -> Deferred[None]:
@@ -211,16 +211,11 @@ class DeliveryService(Service):
         attempt.addBoth(lambda _: self._refill())
 
     async def _attempt(self, row: QueueRow) -> None:
-        assert self.in_flight is not None
-        self.in_flight.begin(
-            Attempt(row.object_id, row.project, row.filename, row.size_bytes, row.attempts)
-        )
-        try:
-            await self._attempt_tracked(row, self.in_flight)
-        finally:
-            self.in_flight.end(row.object_id)
+        attempt = Attempt(row.object_id, row.project, row.filename, row.size_bytes, row.attempts)
+        with self.in_flight.running(attempt):
+            await self._attempt_tracked(row)
 
-    async def _attempt_tracked(self, row: QueueRow, in_flight: InFlight) -> None:
+    async def _attempt_tracked(self, row: QueueRow) -> None:
         log.info(
             "delivering {object_id} (attempt {attempt})",
             object_id=row.object_id,
@@ -236,7 +231,7 @@ class DeliveryService(Service):
             except PlanError as e:
                 raise DeliveryFailed(str(e), needs_operator=True) from None
             progress = counting_sent(
-                in_flight.uploading(row.object_id), self.observer, OBJECT, sink.destination
+                self.in_flight.uploading(row.object_id), self.observer, OBJECT, sink.destination
             )
             delivered = await sink.deliver(
                 plan,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attrs import define, evolve, field
+from attrs import Factory, define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, DeferredLock, FirstError, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -147,7 +147,9 @@ class LedgerService(Service):
     guard: DeferredLock = field(factory=DeferredLock)
     observer: OutboundObserver = UNOBSERVED
     # canner-deliver's attempts in flight: a ledger's upload shows there under its name.
-    in_flight: InFlight | None = None
+    in_flight: InFlight = field(
+        default=Factory(lambda self: InFlight(self._clock), takes_self=True)
+    )
     _adopted: bool = False
     _assigned_at: float = float("-inf")
     _ticker: Ticker = field(init=False)
@@ -296,19 +298,18 @@ class LedgerService(Service):
         plan = ledger_plan(self._config, row)
         # ``attempts`` counts the failed ones (uploads and verifications) so far.
         self.observer.attempt_started(LEDGER, "", row.attempts + 1)
-        in_flight = self.in_flight or InFlight(self._clock)
-        in_flight.begin(Attempt(row.name, "", plan.remote_name, plan.size, row.attempts + 1))
-        try:
+        with self.in_flight.running(
+            Attempt(row.name, "", plan.remote_name, plan.size, row.attempts + 1)
+        ):
+            sent = self.in_flight.uploading(row.name)
             # A ledger found wrong at IA is uploaded even if IA's listing matches: a read-back
             # found other bytes behind a matching listing.
             result = await self._sink.deliver(
                 plan,
                 self._ledgers.ledger_path(row.name),
-                counting_sent(in_flight.uploading(row.name), self.observer, LEDGER, Destination.IA),
+                counting_sent(sent, self.observer, LEDGER, Destination.IA),
                 overwrite=bool(row.force_upload),
             )
-        finally:
-            in_flight.end(row.name)
         if not result.delivered:
             self.observer.delivery_failed(
                 LEDGER,

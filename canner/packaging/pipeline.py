@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import define, evolve, field
+from attrs import Factory, define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -123,7 +123,9 @@ class PackagingService(Service):
     _delivery_concurrency: int = 1
     # The deliver process's attempts in flight (heartbeat, status page, metrics): a package
     # file being uploaded shows there under its package id and file name.
-    _in_flight: InFlight | None = None
+    _in_flight: InFlight = field(
+        default=Factory(lambda self: InFlight(self._clock), takes_self=True)
+    )
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
     observer: OutboundObserver = UNOBSERVED
@@ -475,18 +477,13 @@ class PackagingService(Service):
     async def _deliver_file(
         self, sink: Sink, row: PackageRow, plan: ItemPlan, path: Path
     ) -> Delivered:
-        def send(report: Callable[[int], None]) -> Deferred[Delivered]:
-            progress = counting_sent(report, self.observer, PACKAGE, sink.destination)
-            return sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
-
-        if self._in_flight is None:
-            return await send(lambda n: None)
         key = plan.object_id  # the package id: one file of a package is in flight at a time
-        self._in_flight.begin(Attempt(key, row.project, plan.remote_name, plan.size, row.attempts))
-        try:
-            return await send(self._in_flight.uploading(key))
-        finally:
-            self._in_flight.end(key)
+        with self._in_flight.running(
+            Attempt(key, row.project, plan.remote_name, plan.size, row.attempts)
+        ):
+            sent = self._in_flight.uploading(key)
+            progress = counting_sent(sent, self.observer, PACKAGE, sink.destination)
+            return await sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
 
     async def _follow_up(self, row: PackageRow) -> None:
         now = self._clock.seconds()
