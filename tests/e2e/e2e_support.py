@@ -33,6 +33,7 @@ from tests.upload_checks import b64 as b64
 from tests.upload_checks import blake3_hex as blake3_hex
 from tests.upload_checks import metadata_header as metadata_header
 from tests.upload_checks import snapshot as snapshot
+from tests.upload_checks import upload_metadata as upload_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 JS_DIR = Path(__file__).resolve().parent / "js"
@@ -47,13 +48,6 @@ START_TIMEOUT = 20.0
 # A daemon launched behind this runs as the unprivileged user nobody, whom file permissions bind
 # (the suite runs as root, who ignores them): see ``Nobody``.
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-
-
-def upload_metadata(checksum: str, project: str = "example", filename: str | None = None) -> str:
-    pairs: list[tuple[str, str | bytes | None]] = [("project", project), ("checksum", checksum)]
-    if filename is not None:
-        pairs.append(("filename", filename))
-    return metadata_header(pairs)
 
 
 def parse_metadata(header: str) -> dict[str, str]:

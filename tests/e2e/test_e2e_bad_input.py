@@ -27,6 +27,8 @@ from e2e_support import (
     snapshot,
 )
 
+from tests.upload_checks import bad_framing, check_framing_refusal
+
 pytestmark = pytest.mark.e2e
 
 DATA = random.Random(7).randbytes(4096)
@@ -146,22 +148,8 @@ def test_channel_level_errors_carry_tus_resumable(rcv: Receiver) -> None:
     """Requests refused by the HTTP layer itself (before canner's code) are still responses a
     tus client reads: Tus-Resumable on every response, errors included."""
     oid = rcv.new_upload(DATA)
-    head = (
-        f"PATCH /files/{oid} HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\n"
-        "Upload-Offset: 0\r\nContent-Type: application/offset+octet-stream\r\n"
-        "Connection: close\r\n"
-    ).encode()
-    for what, request in {
-        "Content-Length +5": head + b"Content-Length: +5\r\n\r\nhello",
-        "Content-Length twice": head + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
-    }.items():
-        answer = raw_exchange(rcv.port, request)
-        status_line, _, rest = answer.partition(b"\r\n")
-        assert status_line.startswith(b"HTTP/1.1 4"), f"{what}: {answer[:200]!r}"
-        header_block = rest.split(b"\r\n\r\n", 1)[0].lower()
-        assert b"tus-resumable: 1.0.0" in header_block, (
-            f"{what}: {status_line.decode()} without Tus-Resumable: {answer[:200]!r}"
-        )
+    for what, request in bad_framing(oid).items():
+        check_framing_refusal(what, raw_exchange(rcv.port, request))
     assert rcv.offset(oid) == 0
 
 

@@ -47,6 +47,7 @@ from canner.tus.store import UploadStore
 from tests.upload_checks import b64 as b64
 from tests.upload_checks import blake3_hex as blake3_hex
 from tests.upload_checks import metadata_header as metadata_header
+from tests.upload_checks import upload_metadata
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -422,17 +423,11 @@ class InMemoryReceiver:
         headers: Sequence[Header] = (),
         body: bytes | None = None,
     ) -> Response:
-        pairs: list[tuple[str, str | bytes | None]] = [
-            ("project", project),
-            ("checksum", checksum),
-        ]
-        if filename is not None:
-            pairs.append(("filename", filename))
         given = {name.lower() for name, _ in headers}
         sent: list[Header] = [
             ("Tus-Resumable", TUS_VERSION),
             ("Upload-Length", str(length)),
-            ("Upload-Metadata", metadata_header(pairs)),
+            ("Upload-Metadata", upload_metadata(checksum, project, filename)),
         ]
         if body is not None and "content-type" not in given:
             sent.append(("Content-Type", OFFSET_TYPE))

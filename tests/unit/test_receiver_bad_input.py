@@ -34,7 +34,7 @@ from tests.unit.receiver_harness import (
     chunked,
     metadata_header,
 )
-from tests.upload_checks import snapshot
+from tests.upload_checks import bad_framing, check_framing_refusal, snapshot
 
 DATA = random.Random(7).randbytes(4096)
 CHECKSUM = blake3_hex(DATA)
@@ -539,24 +539,10 @@ def test_creation_refused_for_its_host_creates_nothing(
 def test_channel_level_errors_carry_tus_resumable(rcv: InMemoryReceiver) -> None:
     """Requests refused by the HTTP layer itself (bad framing) get a 4xx with Tus-Resumable."""
     oid = rcv.new_upload(DATA)
-    head = (
-        f"PATCH /files/{oid} HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\n"
-        "Upload-Offset: 0\r\nContent-Type: application/offset+octet-stream\r\n"
-        "Connection: close\r\n"
-    ).encode()
-    for what, request in {
-        "Content-Length +5": head + b"Content-Length: +5\r\n\r\nhello",
-        "Content-Length twice": head + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
-    }.items():
+    for what, request in bad_framing(oid).items():
         connection = rcv.connect()
         connection.send(request)
-        answer = connection.written
-        status_line, _, rest = answer.partition(b"\r\n")
-        assert status_line.startswith(b"HTTP/1.1 4"), f"{what}: {answer[:200]!r}"
-        header_block = rest.split(b"\r\n\r\n", 1)[0].lower()
-        assert b"tus-resumable: 1.0.0" in header_block, (
-            f"{what}: {status_line.decode()} without Tus-Resumable: {answer[:200]!r}"
-        )
+        check_framing_refusal(what, connection.written)
         assert connection.closed, what
     assert rcv.offset(oid) == 0
 
