@@ -528,14 +528,7 @@ def _retry_one(
 def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
     # Flagged rows waiting for a retry, and flagged delivered rows not yet verified (a remote
     # copy that differs, or one the destination kept losing): both are delivered again.
-    cur.execute(
-        "SELECT object_id FROM objects WHERE needs_operator != 0"
-        " AND (state = 'retry_wait' OR (state = 'delivered' AND verified_at IS NULL"
-        "      AND purged_at IS NULL))"
-        " AND (? IS NULL OR project = ?) ORDER BY accepted_at, object_id",
-        (project, project),
-    )
-    ids = [row[0] for row in cur.fetchall()]
+    ids = sql.flagged_objects(cur, project)
     done = []
     for oid in ids:
         before = sql.get_row(cur, oid)
@@ -548,7 +541,7 @@ def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list
 def _clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
     """Flagged rows that are delivered and verified: nothing to send, the flags are cleared."""
     cur.execute(
-        "SELECT object_id FROM objects WHERE needs_operator != 0 AND state = 'delivered'"
+        "SELECT object_id FROM object_delivery WHERE needs_operator != 0 AND state = 'delivered'"
         " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
         " ORDER BY accepted_at, object_id",
         (project, project),

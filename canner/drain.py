@@ -111,7 +111,10 @@ class Retirement:
 
 def count_unsettled(cur: sqlite3.Cursor) -> int:
     """Objects in the delivery index not yet delivered and verified at their destination."""
-    cur.execute("SELECT count(*) FROM objects WHERE state != 'delivered' OR verified_at IS NULL")
+    cur.execute(
+        "SELECT count(*) FROM outbound WHERE kind = 'object'"
+        " AND (state != 'delivered' OR verified_at IS NULL)"
+    )
     return int(cur.fetchone()[0])
 
 

@@ -36,6 +36,7 @@ from canner.drain import (
     retirement,
 )
 from canner.ids import ObjectIds
+from canner.ledger import store as ledger_store
 from canner.ledger.files import Archived, ArchivedIds, LedgerDir
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
@@ -46,7 +47,7 @@ INDEX_NAME = "delivery.sqlite"
 STUCK_ATTEMPTS = 5
 RECENT_FAILURES = 10
 RECENT_DELIVERIES = 10
-_SELECT = "SELECT " + ", ".join(sql.COLUMNS) + " FROM objects"
+_SELECT = "SELECT " + ", ".join(sql.COLUMNS) + " FROM object_delivery"
 
 
 @frozen
@@ -176,7 +177,7 @@ _PHASE_SQL = (
     " WHEN remote_verified_at IS NOT NULL THEN 'verified_at_ia'"
     " WHEN delivery_state = 'delivered' THEN 'delivered'"
     " WHEN delivery_state = 'delivering' THEN 'delivering'"
-    " ELSE 'verified' END AS phase, count(*), coalesce(sum(bytes), 0) FROM packages"
+    " ELSE 'verified' END AS phase, count(*), coalesce(sum(bytes), 0) FROM package_delivery"
     " GROUP BY phase"
 )
 
@@ -192,7 +193,7 @@ def package_phases(cur: sqlite3.Cursor) -> tuple[dict[str, int], dict[str, int],
         return counts, sizes, 0
     for phase, count, size in cur.fetchall():
         counts[phase], sizes[phase] = count, size
-    cur.execute("SELECT count(*) FROM packages WHERE needs_operator != 0")
+    cur.execute("SELECT count(*) FROM package_delivery WHERE needs_operator != 0")
     return counts, sizes, int(cur.fetchone()[0])
 
 
@@ -202,7 +203,7 @@ def summarize_index(
     """Counts by project and state, oldest undelivered object, overdue purges, recent failures."""
     cur.execute(
         "SELECT project, state, count(*), coalesce(sum(size_bytes), 0), min(accepted_at),"
-        " coalesce(sum(needs_operator), 0) FROM objects GROUP BY project, state"
+        " coalesce(sum(needs_operator), 0) FROM object_delivery GROUP BY project, state"
     )
     states = {s.value: 0 for s in State}
     state_bytes = {s.value: 0 for s in State}
@@ -222,7 +223,7 @@ def summarize_index(
         if state != State.DELIVERED and first is not None:
             oldest = first if oldest is None else min(oldest, first)
     cur.execute(
-        "SELECT count(*), min(purge_after) FROM objects WHERE state = 'delivered'"
+        "SELECT count(*), min(purge_after) FROM object_delivery WHERE state = 'delivered'"
         " AND purged_at IS NULL AND purge_after IS NOT NULL AND purge_after <= ?",
         (now,),
     )
@@ -240,11 +241,7 @@ def summarize_index(
     )
     delivered = tuple(QueueRow(*row) for row in cur.fetchall())
     phases, phase_bytes, flagged_packages = package_phases(cur)
-    try:
-        cur.execute("SELECT count(*) FROM ledgers WHERE needs_operator != 0 AND state != 'done'")
-        flagged_ledgers = int(cur.fetchone()[0])
-    except sqlite3.OperationalError:  # an index from before ledgers
-        flagged_ledgers = 0
+    flagged_ledgers = len(ledger_store.flagged_ledgers(cur))
     return IndexSummary(
         states=states,
         state_bytes=state_bytes,

@@ -46,7 +46,7 @@ _COLUMNS = (
     "released_at",
     "batch_id",
 )
-_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM objects WHERE object_id = ?"
+_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM object_delivery WHERE object_id = ?"
 
 
 class IndexUnavailable(Exception):

@@ -191,7 +191,7 @@ def release_candidates(cur: sqlite3.Cursor, object_ids: Sequence[str]) -> dict[s
     marks = ", ".join("?" for _ in ids)
     cur.execute(
         "SELECT object_id, state = 'delivered' AND verified_at IS NOT NULL, released_at"
-        f" FROM objects WHERE object_id IN ({marks})",
+        f" FROM object_delivery WHERE object_id IN ({marks})",
         ids,
     )
     return {oid: Candidate(oid, bool(ok), rel) for oid, ok, rel in cur.fetchall()}
@@ -215,7 +215,8 @@ def record_releases(
     marks = ", ".join("?" for _ in ids)
     cur.execute(
         "UPDATE objects SET released_at = ? WHERE released_at IS NULL"
-        f" AND state = 'delivered' AND verified_at IS NOT NULL AND object_id IN ({marks})"
+        f" AND object_id IN (SELECT object_id FROM object_delivery WHERE object_id IN ({marks})"
+        "   AND state = 'delivered' AND verified_at IS NOT NULL)"
         " RETURNING object_id",
         [now, *ids],
     )

@@ -50,7 +50,7 @@ def sample_trends(cur: sqlite3.Cursor, free_bytes: int | None, now: float) -> in
         " coalesce(sum(CASE WHEN state = 'delivered' THEN size_bytes END), 0),"
         " coalesce(sum(CASE WHEN state != 'delivered' THEN size_bytes END), 0),"
         " coalesce(sum(state != 'delivered'), 0)"
-        " FROM objects GROUP BY project"
+        " FROM object_delivery GROUP BY project"
     )
     rows: list[tuple[int, str, int, int, int, int, int | None]] = [
         (minute, p, a, d, pb, po, None) for p, a, d, pb, po in cur.fetchall()

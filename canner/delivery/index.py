@@ -22,12 +22,15 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
+from canner import outbound
+from canner.observe import Outbound
 from canner.receipts import DeliveryRecord, Origin, Receipt
 
 log = Logger()
 
 BUSY_TIMEOUT_MS = 10_000
 RETRY_PAUSES = (0.1, 0.5, 2.0, 5.0)
+OBJECT = Outbound.OBJECT
 
 
 @frozen
@@ -161,41 +164,41 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
     with a ``problem`` comes flagged for an operator (``needs_operator``, ``last_error``).
     """
     objects = list(objects)
-    before = cur.connection.total_changes
-    fresh, delivered = [], []
+    fresh = []
     for o in objects:
-        row = (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at,
-               int(o.problem is not None), o.problem)  # fmt: skip
-        if o.delivery is None:
-            fresh.append((*row, now, now))
-        else:
-            d = o.delivery
-            check = d.purge_after if d.purged_at is None else None
-            delivered.append(
-                (*row, d.content_md5, d.identifier, d.remote_name, d.delivered_at,
-                 d.verified_at, d.purge_after, d.purged_at, check, now)
-            )  # fmt: skip
-    cur.executemany(
-        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, needs_operator, last_error, state, next_attempt_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-        fresh,
-    )
-    cur.executemany(
-        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, needs_operator, last_error, state, content_md5, remote_identifier,"
-        " remote_name, delivered_at, verified_at, purge_after, purged_at, next_check_at,"
-        " updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        delivered,
-    )
-    added = cur.connection.total_changes - before
+        d = o.delivery
+        cur.execute(
+            "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
+            " accepted_at, content_md5, remote_name, purge_after, purged_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at,
+             *((None,) * 4 if d is None else (d.content_md5, d.remote_name, d.purge_after,
+                                              d.purged_at)), now),
+        )  # fmt: skip
+        if cur.rowcount == 1:
+            fresh.append(o)
+    outbound.add(cur, OBJECT, [(o.object_id, o.project) for o in fresh if not o.delivery], now)
+    for o in fresh:
+        if (d := o.delivery) is not None:
+            outbound.add_delivered(
+                cur,
+                OBJECT,
+                o.object_id,
+                o.project,
+                identifier=d.identifier,
+                delivered_at=d.delivered_at,
+                verified_at=d.verified_at,
+                next_check_at=d.purge_after if d.purged_at is None else None,
+                now=now,
+            )
+    problems = [(o.object_id, o.problem) for o in fresh if o.problem is not None]
+    outbound.flag(cur, OBJECT, problems, now)
     # A release is its own fact: it comes back with the row, whatever the delivery state says.
     cur.executemany(
         "UPDATE objects SET released_at = ? WHERE object_id = ? AND released_at IS NULL",
         [(o.released_at, o.object_id) for o in objects if o.released_at is not None],
     )
-    return added
+    return len(fresh)
 
 
 def open_pool(path: Path) -> ConnectionPool:
@@ -365,12 +368,13 @@ COLUMNS = (
     "force_upload",
     "released_at",
 )
-_SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM objects"
+# Objects with their outbound row (schema v7's view).
+_SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM object_delivery"
 
 
 @frozen
 class QueueRow:
-    """One row of ``objects``."""
+    """One object with its delivery facts (a row of the ``object_delivery`` view)."""
 
     object_id: str
     project: str
@@ -392,9 +396,9 @@ class QueueRow:
     purged_at: float | None
     next_check_at: float | None
     updated_at: float
-    # Times verify_timeout passed unlisted and the object was delivered again (schema v5).
+    # Times verify_timeout passed unlisted and the object was delivered again.
     redeliveries: int = 0
-    # 1: a read-back found the remote bytes wrong; the next delivery must PUT (schema v5).
+    # 1: a read-back found the remote bytes wrong; the next delivery must PUT.
     force_upload: int = 0
     released_at: float | None = None
 
@@ -406,51 +410,31 @@ def _rows(cur: sqlite3.Cursor) -> list[QueueRow]:
     return [QueueRow(*row) for row in cur.fetchall()]
 
 
+def _rows_of(cur: sqlite3.Cursor, object_ids: list[str]) -> list[QueueRow]:
+    """The rows of ``object_ids``, in that order."""
+    if not object_ids:
+        return []
+    cur.execute(_SELECT + f" WHERE object_id IN ({_marks(object_ids)})", object_ids)
+    found = {row.object_id: row for row in _rows(cur)}
+    return [found[oid] for oid in object_ids if oid in found]
+
+
 def reset_delivering(cur: sqlite3.Cursor, now: float) -> int:
-    """At start-up: ``delivering`` rows (attempts cut short) become ``retry_wait``, due now."""
-    cur.execute(
-        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, updated_at = ?"
-        " WHERE state = 'delivering'",
-        (now, now),
-    )
-    return cur.rowcount
+    """At start-up: ``delivering`` objects (attempts cut short) become ``retry_wait``, due now."""
+    return outbound.reset_delivering(cur, OBJECT, now)
 
 
 def claim_due(
     cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
 ) -> list[QueueRow]:
-    """Move up to ``limit`` due rows of ``projects`` to ``delivering``, oldest due first.
-
-    Each claim is a guarded update from ``pending``/``retry_wait`` and counts an attempt.
-    """
-    names = sorted(projects)
-    if limit <= 0 or not names:
-        return []
-    marks = ", ".join("?" for _ in names)
-    cur.execute(
-        "UPDATE objects SET state = 'delivering', attempts = attempts + 1, updated_at = ?"
-        " WHERE object_id IN (SELECT object_id FROM objects"
-        "   WHERE state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
-        f"   AND project IN ({marks}) ORDER BY next_attempt_at LIMIT ?)"
-        " AND state IN ('pending', 'retry_wait')"
-        " RETURNING " + ", ".join(COLUMNS),
-        (now, now, *names, limit),
-    )
-    return sorted(_rows(cur), key=lambda r: (r.next_attempt_at, r.object_id))
+    """Move up to ``limit`` due objects of ``projects`` to ``delivering``, oldest due first;
+    each claim counts an attempt."""
+    return _rows_of(cur, outbound.claim_due(cur, OBJECT, now, limit, projects))
 
 
 def release_orphans(cur: sqlite3.Cursor, running: Iterable[str], now: float) -> int:
-    """``delivering`` rows with no attempt running (their outcome could not be recorded) become
-    ``retry_wait``, due now; returns how many."""
-    ids = sorted(running)
-    marks = ", ".join("?" for _ in ids)
-    cur.execute(
-        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, updated_at = ?,"
-        " last_error = 'the outcome of an attempt could not be recorded'"
-        f" WHERE state = 'delivering' AND object_id NOT IN ({marks})",
-        (now, now, *ids),
-    )
-    return cur.rowcount
+    """``delivering`` objects with no attempt running become ``retry_wait``, due now."""
+    return outbound.release_orphans(cur, OBJECT, running, now)
 
 
 def set_content_md5(cur: sqlite3.Cursor, object_id: str, md5_hex: str) -> None:
@@ -465,16 +449,16 @@ def record_delivered(
     now: float,
     retention: float,
 ) -> bool:
-    """``delivering -> delivered`` with where and when; False when the row was not delivering."""
+    """``delivering -> delivered`` with where and when; the payload may go ``retention`` after
+    its verification.  False when the row was not delivering."""
     remember_attempt(cur, object_id, "delivered", None, now)
+    if not outbound.record_delivered(cur, OBJECT, object_id, identifier, now):
+        return False
     cur.execute(
-        "UPDATE objects SET state = 'delivered', remote_identifier = ?, remote_name = ?,"
-        " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
-        " needs_operator = 0, force_upload = 0, updated_at = ?"
-        " WHERE object_id = ? AND state = 'delivering'",
-        (identifier, remote_name, now, now + retention, now, now, object_id),
+        "UPDATE objects SET remote_name = ?, purge_after = ?, updated_at = ? WHERE object_id = ?",
+        (remote_name, now + retention, now, object_id),
     )
-    return cur.rowcount == 1
+    return True
 
 
 def record_failure(
@@ -487,13 +471,8 @@ def record_failure(
 ) -> bool:
     """``delivering -> retry_wait``; False when the row was not delivering."""
     remember_attempt(cur, object_id, "failed", error[:2000], now)
-    cur.execute(
-        "UPDATE objects SET state = 'retry_wait', last_error = ?, next_attempt_at = ?,"
-        " needs_operator = ?, updated_at = ?"
-        " WHERE object_id = ? AND state = 'delivering'",
-        (error[:2000], next_attempt_at, int(needs_operator), now, object_id),
-    )
-    return cur.rowcount == 1
+    return outbound.record_failure(cur, OBJECT, object_id, error, next_attempt_at,
+                                   needs_operator, now)  # fmt: skip
 
 
 ATTEMPTS_KEPT = 50
@@ -506,13 +485,13 @@ def remember_attempt(
     its ``updated_at`` is still the claim time).  Keeps the latest :data:`ATTEMPTS_KEPT`."""
     cur.execute(
         "INSERT OR REPLACE INTO attempts (object_id, attempt, started_at, ended_at, outcome, error)"
-        " SELECT object_id, attempts, updated_at, ?, ?, ? FROM objects"
-        " WHERE object_id = ? AND state = 'delivering'",
+        " SELECT ref, attempts, updated_at, ?, ?, ? FROM outbound"
+        " WHERE kind = 'object' AND ref = ? AND state = 'delivering'",
         (now, outcome, error, object_id),
     )
     cur.execute(
         "DELETE FROM attempts WHERE object_id = ? AND attempt <= "
-        " (SELECT attempts FROM objects WHERE object_id = ?) - ?",
+        " (SELECT attempts FROM outbound WHERE kind = 'object' AND ref = ?) - ?",
         (object_id, object_id, ATTEMPTS_KEPT),
     )
 
@@ -535,22 +514,9 @@ def follow_ups_due(
     projects: Iterable[str],
     busy: Iterable[str] = (),
 ) -> list[QueueRow]:
-    """Delivered rows of ``projects`` not yet purged whose next verification or purge is due,
-    oldest due first, leaving out the ``busy`` ones (being checked now).
-
-    Filtering here, before the ``LIMIT``, is what keeps a project without a sink (its delivery
-    section removed) from filling every slot with rows nobody can check.
-    """
-    names, skip = sorted(projects), sorted(busy)
-    if limit <= 0 or not names:
-        return []
-    cur.execute(
-        _SELECT + " WHERE state = 'delivered' AND purged_at IS NULL AND next_check_at <= ?"
-        f" AND project IN ({_marks(names)}) AND object_id NOT IN ({_marks(skip)})"
-        " ORDER BY next_check_at LIMIT ?",
-        (now, *names, *skip, limit),
-    )
-    return _rows(cur)
+    """Delivered objects of ``projects`` whose next verification or purge is due, oldest due
+    first, leaving out the ``busy`` ones (being checked now)."""
+    return _rows_of(cur, outbound.follow_ups_due(cur, OBJECT, now, limit, projects, busy))
 
 
 def _marks(values: list[str]) -> str:
@@ -558,12 +524,11 @@ def _marks(values: list[str]) -> str:
 
 
 def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
-    cur.execute(
-        "UPDATE objects SET verified_at = ?, next_check_at = max(?, purge_after), updated_at = ?,"
-        " last_error = NULL, needs_operator = 0"
-        " WHERE object_id = ? AND state = 'delivered' AND verified_at IS NULL",
-        (now, now, now, object_id),
-    )
+    """The copy is verified: the payload's purge is next, once its retention has passed."""
+    cur.execute("SELECT purge_after FROM objects WHERE object_id = ?", (object_id,))
+    found = cur.fetchone()
+    purge_after = found[0] if found is not None and found[0] is not None else now
+    outbound.record_verified(cur, OBJECT, object_id, now, max(now, purge_after))
 
 
 def record_follow_up(
@@ -575,80 +540,50 @@ def record_follow_up(
     now: float,
     force_upload: bool = False,
 ) -> None:
-    """Postpone verification or purge (a lookup found nothing yet, a delete failed).
-
-    ``force_upload`` (a read-back found the remote bytes wrong) makes the next delivery of the
-    row upload even when the metadata API lists a matching file; only a delivery clears it."""
-    cur.execute(
-        "UPDATE objects SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?,"
-        " force_upload = max(force_upload, ?)"
-        " WHERE object_id = ? AND state = 'delivered'",
-        (next_check_at, error, int(needs_operator), now, int(force_upload), object_id),
-    )
+    """Postpone verification or purge (a lookup found nothing yet, a delete failed); see
+    :func:`canner.outbound.record_check`."""
+    outbound.record_check(cur, OBJECT, object_id, next_check_at, error, needs_operator, now,
+                          force_upload)  # fmt: skip
 
 
 def redeliver(
     cur: sqlite3.Cursor, object_id: str, reason: str, now: float, *, by_operator: bool = False
 ) -> bool:
-    """``delivered -> retry_wait``, due now, for a row not yet verified nor purged.
-
-    The scheduler calls it when ``verify_timeout`` passed without the destination listing the
-    file (counting a re-delivery); an operator retry resets the count.  The recorded destination
-    stays (it derives from stable values); delivered_at and purge_after go, so nothing purges
-    the payload before the next delivery is verified.  False when the row was not eligible.
-    """
-    cur.execute(
-        "UPDATE objects SET state = 'retry_wait', next_attempt_at = ?, last_error = ?,"
-        " needs_operator = 0, delivered_at = NULL, purge_after = NULL, next_check_at = NULL,"
-        " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
-        " WHERE object_id = ? AND state = 'delivered' AND verified_at IS NULL"
-        " AND purged_at IS NULL",
-        (now, reason[:2000], int(by_operator), now, object_id),
-    )
-    return cur.rowcount == 1
+    """``delivered -> retry_wait``, due now, for an object not yet verified; its purge_after
+    goes, so nothing purges the payload before the next delivery is verified."""
+    if not outbound.redeliver(cur, OBJECT, object_id, reason, now, by_operator=by_operator):
+        return False
+    cur.execute("UPDATE objects SET purge_after = NULL WHERE object_id = ?", (object_id,))
+    return True
 
 
 def record_purged(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
-    cur.execute(
-        "UPDATE objects SET purged_at = ?, next_check_at = NULL, last_error = NULL,"
-        " updated_at = ? WHERE object_id = ? AND state = 'delivered' AND verified_at IS NOT NULL",
-        (now, now, object_id),
-    )
-
-
-def make_due_now(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
-    """Operator retry: a ``retry_wait`` row becomes due now (guarded)."""
-    cur.execute(
-        "UPDATE objects SET next_attempt_at = ?, updated_at = ?"
-        " WHERE object_id = ? AND state = 'retry_wait'",
-        (now, now, object_id),
-    )
-    return cur.rowcount == 1
-
-
-OPERATOR_REDELIVERY = "re-delivery requested by an operator"
+    """The payload is deleted (guarded: only after a verified delivery)."""
+    if outbound.settle(cur, OBJECT, object_id, now):
+        cur.execute(
+            "UPDATE objects SET purged_at = ?, updated_at = ? WHERE object_id = ?",
+            (now, now, object_id),
+        )
 
 
 def operator_retry(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
-    """``canner retry``: a ``retry_wait`` row becomes due now; a delivered row that is not
-    verified (unlisted, a mismatch, flagged or not) goes back to be delivered, due now, with
-    its re-delivery count reset.  False for anything else (pending, delivering, verified)."""
-    if make_due_now(cur, object_id, now):
-        return True
-    return redeliver(cur, object_id, OPERATOR_REDELIVERY, now, by_operator=True)
+    """``canner retry``: see :func:`canner.outbound.operator_retry`."""
+    if not outbound.operator_retry(cur, OBJECT, object_id, now):
+        return False
+    # Sent again: nothing purges the payload before that delivery is verified.
+    cur.execute("UPDATE objects SET purge_after = NULL WHERE object_id = ?", (object_id,))
+    return True
 
 
 def clear_flag(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
-    """``canner retry`` of a delivered, verified row flagged for an operator (a rebuild could
-    not read one of its journal records): nothing is left to send, so the operator's retry
-    clears the flag; ``last_error`` stays as the record of why.  False for any other row."""
-    cur.execute(
-        "UPDATE objects SET needs_operator = 0, updated_at = ?"
-        " WHERE object_id = ? AND needs_operator != 0 AND state = 'delivered'"
-        " AND verified_at IS NOT NULL",
-        (now, object_id),
-    )
-    return cur.rowcount == 1
+    """``canner retry`` of a delivered, verified object flagged for an operator (a rebuild
+    could not read one of its journal records): see :func:`canner.outbound.clear_flag`."""
+    return outbound.clear_flag(cur, OBJECT, object_id, now)
+
+
+def flagged_objects(cur: sqlite3.Cursor, project: str | None = None) -> list[str]:
+    """Objects flagged for an operator that a retry can send again."""
+    return outbound.flagged(cur, OBJECT, project)
 
 
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:

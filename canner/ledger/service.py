@@ -177,6 +177,8 @@ class LedgerService(Service):
 
     async def tick(self) -> None:
         if not self._adopted:
+            # An upload a crash cut short is due again; then the ledgers verified on disk.
+            await self._index.run(store.reset_uploads, self._clock.seconds())
             await self.adopt()
             self._adopted = True
         now = self._clock.seconds()
@@ -277,7 +279,6 @@ class LedgerService(Service):
             return
         identifier = expand(self._config.identifier, self._config.node, row.period)
         values = {
-            "state": "written",
             "records": written.records,
             "bytes": written.size,
             "md5": written.md5,
@@ -286,7 +287,7 @@ class LedgerService(Service):
             "remote_name": row.name + SUFFIX,
             "written_at": self._clock.seconds(),
         }
-        await self._index.run(store.update_ledger, row.ledger_id, "writing", values)
+        await self._index.run(store.record_written, row.ledger_id, values, self._clock.seconds())
         log.info(
             "wrote ledger {ledger}: {count} records, {size} bytes",
             ledger=row.name,
@@ -295,6 +296,8 @@ class LedgerService(Service):
         )
 
     async def _upload(self, row: store.LedgerRow, now: float) -> bool:
+        if not await self._index.run(store.begin_upload, row.ledger_id, now):
+            return False
         plan = ledger_plan(self._config, row)
         # ``attempts`` counts the failed ones (uploads and verifications) so far.
         self.observer.attempt_started(LEDGER, "", row.attempts + 1)
@@ -321,11 +324,12 @@ class LedgerService(Service):
             # IA's Retry-After is a lower bound, within the backoff's cap (as for objects).
             delay = max(delay, min(result.outcome.retry_after or 0.0, MAX_RETRY))
             await self._index.run(
-                store.record_ledger_failure,
+                store.record_upload_failure,
                 row.ledger_id,
                 f"upload: {result.outcome.reason}",
                 now + delay,
                 result.outcome.needs_operator,
+                self._clock.seconds(),
             )
             log.warn(
                 "uploading ledger {ledger} failed, retry in {delay:.0f}s: {error}",
@@ -335,10 +339,7 @@ class LedgerService(Service):
             )
             return False
         await self._index.run(
-            store.update_ledger,
-            row.ledger_id,
-            "written",
-            {"state": "uploaded", "uploaded_at": self._clock.seconds(), "force_upload": 0},
+            store.record_uploaded, row.ledger_id, plan.identifier, self._clock.seconds()
         )
         self.observer.delivered(LEDGER, "")
         log.info(
@@ -374,13 +375,7 @@ class LedgerService(Service):
             )
             # The manifest first: from here on the ledger owns its records' local state.
             await self._run(self._ledgers.write_manifest, manifest)
-            values = {
-                "state": "deleting",
-                "verified_at": now,
-                "needs_operator": 0,
-                "last_error": None,
-            }
-            await self._index.run(store.update_ledger, row.ledger_id, row.state, values)
+            await self._index.run(store.record_verified, row.ledger_id, now)
             self.observer.verified(LEDGER)
             log.info(
                 "verified ledger {ledger} at {identifier}",
@@ -402,10 +397,7 @@ class LedgerService(Service):
             )
             log.warn("ledger {ledger}: {error}", ledger=row.name, error=error)
             self.observer.redelivered(LEDGER, "")
-            await self._index.run(store.record_ledger_failure, row.ledger_id, error, now, False)
-            await self._index.run(
-                store.update_ledger, row.ledger_id, row.state, {"state": "written"}
-            )
+            await self._index.run(store.send_again, row.ledger_id, error, now, now, False)
             return False
         if isinstance(found, Unknown):
             await self._retry_verify(row, now, found.reason, found.needs_operator)
@@ -420,10 +412,7 @@ class LedgerService(Service):
         # The first mismatch uploads again at once (the copy may have been damaged on the
         # way); a mismatch that persists backs off like a failed delivery.
         again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
-        await self._index.run(store.record_ledger_failure, row.ledger_id, error, again, True)
-        await self._index.run(
-            store.update_ledger, row.ledger_id, row.state, {"state": "written", "force_upload": 1}
-        )
+        await self._index.run(store.send_again, row.ledger_id, error, now, again, True)
 
     async def _retry_verify(
         self, row: store.LedgerRow, now: float, reason: str, needs_operator: bool
@@ -436,11 +425,7 @@ class LedgerService(Service):
             # Look once more exactly when the timeout passes, so it acts on time.
             delay = min(delay, VERIFY_TIMEOUT - waited)
         await self._index.run(
-            store.record_ledger_failure,
-            row.ledger_id,
-            f"verify: {reason}",
-            now + delay,
-            needs_operator,
+            store.verify_later, row.ledger_id, f"verify: {reason}", now + delay, needs_operator, now
         )
 
     def _sink_url(self, row: store.LedgerRow) -> str:

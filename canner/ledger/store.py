@@ -16,7 +16,9 @@ from typing import Any
 
 from attrs import frozen
 
+from canner import outbound
 from canner.ledger.files import period_end, period_sql
+from canner.observe import Outbound
 
 LEDGER_COLUMNS = (
     "ledger_id",
@@ -40,13 +42,35 @@ LEDGER_COLUMNS = (
     "needs_operator",
     "force_upload",
 )
-_SELECT = "SELECT " + ", ".join(LEDGER_COLUMNS) + " FROM ledgers"
+# A ledger's own steps are writing, written, deleting, done; its upload and verification are
+# its outbound row's (canner.outbound).  ``state`` shows a written ledger whose upload went
+# through as ``uploaded``, as before the outbound table; ``attempts`` to ``needs_operator``
+# are the outbound row's while the ledger is being sent, its own steps' otherwise.
+_PHASE = "CASE WHEN l.state = 'written' AND d.state = 'delivered' THEN 'uploaded' ELSE l.state END"
+
+
+def _either(column: str, sending: str = "") -> str:
+    return f"CASE WHEN l.state = 'written' THEN {sending or 'd.' + column} ELSE l.{column} END"
+
+
+_SENDING_DUE = "CASE WHEN d.state = 'delivered' THEN d.next_check_at ELSE d.next_attempt_at END"
+_SELECT = (
+    f"SELECT l.ledger_id, l.name, l.period, {_PHASE}, l.records, l.bytes, l.md5, l.blake3,"
+    " l.identifier, l.remote_name, l.created_at, l.written_at, d.delivered_at, d.verified_at,"
+    f" l.done_at, coalesce({_either('attempts')}, 0),"
+    f" coalesce({_either('next_attempt_at', _SENDING_DUE)}, 0), {_either('last_error')},"
+    f" coalesce({_either('needs_operator')}, 0), coalesce(d.force_upload, 0)"
+    " FROM ledgers l LEFT JOIN outbound d ON d.kind = 'ledger'"
+    " AND d.ref = CAST(l.ledger_id AS TEXT)"
+)
 STATES = ("writing", "written", "uploaded", "verified", "deleting", "done")
+LEDGER = Outbound.LEDGER
 
 
 @frozen
 class LedgerRow:
-    """One row of ``ledgers``."""
+    """One ledger with its delivery facts (``uploaded_at``, ``verified_at``, ``force_upload``
+    come from its outbound row)."""
 
     ledger_id: int
     name: str
@@ -130,20 +154,22 @@ def assign_records(
 
 
 def get_ledger(cur: sqlite3.Cursor, ledger_id: int) -> LedgerRow | None:
-    cur.execute(_SELECT + " WHERE ledger_id = ?", (ledger_id,))
+    cur.execute(_SELECT + " WHERE l.ledger_id = ?", (ledger_id,))
     row = cur.fetchone()
     return LedgerRow(*row) if row else None
 
 
 def ledgers(cur: sqlite3.Cursor) -> list[LedgerRow]:
-    cur.execute(_SELECT + " ORDER BY ledger_id")
+    cur.execute(_SELECT + " ORDER BY l.ledger_id")
     return [LedgerRow(*row) for row in cur.fetchall()]
 
 
 def due_ledgers(cur: sqlite3.Cursor, now: float) -> list[LedgerRow]:
     """Ledgers with work left whose next step is due, oldest first."""
     cur.execute(
-        _SELECT + " WHERE state != 'done' AND next_attempt_at <= ? ORDER BY ledger_id", (now,)
+        _SELECT + " WHERE l.state != 'done'"
+        f" AND coalesce({_either('next_attempt_at', _SENDING_DUE)}, 0) <= ? ORDER BY l.ledger_id",
+        (now,),
     )
     return [LedgerRow(*row) for row in cur.fetchall()]
 
@@ -165,36 +191,118 @@ def update_ledger(cur: sqlite3.Cursor, ledger_id: int, expect: str, values: dict
 
 
 def operator_retry(cur: sqlite3.Cursor, name: str, now: float) -> LedgerRow | None:
-    """``canner retry LEDGER``: an unfinished ledger's next step is due now, its flag cleared.
-    The row as it was before, or None (unknown, or done)."""
-    cur.execute(_SELECT + " WHERE name = ?", (name,))
-    row = cur.fetchone()
-    if row is None:
+    """``canner retry LEDGER``: a ledger being sent goes as an object would (a waiting upload
+    is due now; an upload not verified is sent again); a ledger stuck in its own step (writing,
+    deleting) runs it now.  Its flag is cleared.  The row as it was before, or None (unknown,
+    or nothing to retry)."""
+    cur.execute(_SELECT + " WHERE l.name = ?", (name,))
+    found = cur.fetchone()
+    if found is None:
         return None
-    cur.execute(
-        "UPDATE ledgers SET next_attempt_at = ?, needs_operator = 0"
-        " WHERE name = ? AND state != 'done'",
-        (now, name),
-    )
-    return LedgerRow(*row) if cur.rowcount == 1 else None
+    row = LedgerRow(*found)
+    if row.state in ("written", "uploaded", "verified"):
+        retried = outbound.operator_retry(cur, LEDGER, str(row.ledger_id), now)
+    else:
+        cur.execute(
+            "UPDATE ledgers SET next_attempt_at = ?, needs_operator = 0"
+            " WHERE ledger_id = ? AND state IN ('writing', 'deleting')",
+            (now, row.ledger_id),
+        )
+        retried = cur.rowcount == 1
+    return row if retried else None
 
 
 def flagged_ledgers(cur: sqlite3.Cursor) -> list[str]:
     """Names of the unfinished ledgers flagged for an operator."""
     cur.execute(
-        "SELECT name FROM ledgers WHERE needs_operator != 0 AND state != 'done' ORDER BY ledger_id"
+        _SELECT + f" WHERE l.state != 'done' AND {_either('needs_operator')} != 0"
+        " ORDER BY l.ledger_id"
     )
-    return [row[0] for row in cur.fetchall()]
+    return [LedgerRow(*row).name for row in cur.fetchall()]
 
 
 def record_ledger_failure(
     cur: sqlite3.Cursor, ledger_id: int, error: str, retry_at: float, needs_operator: bool
 ) -> None:
+    """The ledger's own step (writing, deleting) failed: try again at ``retry_at``."""
     cur.execute(
         "UPDATE ledgers SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?,"
         " needs_operator = ? WHERE ledger_id = ?",
         (error[:2000], retry_at, int(needs_operator), ledger_id),
     )
+
+
+# -- sending: the ledger's outbound row ------------------------------------------------------
+
+
+def record_written(cur: sqlite3.Cursor, ledger_id: int, values: dict[str, Any], now: float) -> bool:
+    """``writing -> written`` with ``values``; its upload is due now (guarded)."""
+    if not update_ledger(
+        cur, ledger_id, "writing",
+        {**values, "state": "written", "attempts": 0, "next_attempt_at": 0, "last_error": None,
+         "needs_operator": 0},
+    ):  # fmt: skip
+        return False
+    outbound.add(cur, LEDGER, [(str(ledger_id), "")], now)
+    return True
+
+
+def reset_uploads(cur: sqlite3.Cursor, now: float) -> int:
+    """At start-up: uploads a crash cut short are due again, now."""
+    return outbound.reset_delivering(cur, LEDGER, now)
+
+
+def begin_upload(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
+    """Claim the ledger's due upload (counts an attempt); False when it is not due."""
+    return outbound.claim(cur, LEDGER, str(ledger_id), now)
+
+
+def record_uploaded(cur: sqlite3.Cursor, ledger_id: int, identifier: str, now: float) -> bool:
+    return outbound.record_delivered(cur, LEDGER, str(ledger_id), identifier, now)
+
+
+def record_upload_failure(
+    cur: sqlite3.Cursor,
+    ledger_id: int,
+    error: str,
+    retry_at: float,
+    needs_operator: bool,
+    now: float,
+) -> bool:
+    return outbound.record_failure(cur, LEDGER, str(ledger_id), error, retry_at,
+                                   needs_operator, now)  # fmt: skip
+
+
+def verify_later(
+    cur: sqlite3.Cursor, ledger_id: int, error: str, at: float, needs_operator: bool, now: float
+) -> None:
+    """Not verified yet (not listed, or a lookup or read-back failed): look again ``at``."""
+    outbound.record_check(cur, LEDGER, str(ledger_id), at, error, needs_operator, now)
+
+
+def send_again(
+    cur: sqlite3.Cursor,
+    ledger_id: int,
+    error: str,
+    now: float,
+    due: float,
+    wrong_copy: bool,
+) -> bool:
+    """Upload the ledger again at ``due``: IA lost it, or (``wrong_copy``) serves other bytes,
+    which flags it and makes the next upload go through over a matching listing."""
+    return outbound.redeliver(cur, LEDGER, str(ledger_id), error, now, due=due,
+                              needs_operator=wrong_copy, force_upload=wrong_copy)  # fmt: skip
+
+
+def record_verified(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
+    """The copy at IA is verified (its manifest written): ``written -> deleting``."""
+    if not outbound.record_verified(cur, LEDGER, str(ledger_id), now, None):
+        return False
+    return update_ledger(
+        cur, ledger_id, "written",
+        {"state": "deleting", "attempts": 0, "next_attempt_at": 0, "last_error": None,
+         "needs_operator": 0},
+    )  # fmt: skip
 
 
 def adopt_manifest(
@@ -209,18 +317,30 @@ def adopt_manifest(
     if found is None:
         cur.execute(
             "INSERT INTO ledgers (name, period, state, records, bytes, md5, blake3, identifier,"
-            " remote_name, created_at, verified_at, done_at)"
+            " remote_name, created_at, done_at)"
             " VALUES (:name, :period, :state, :records, :bytes, :md5, :blake3, :identifier,"
-            " :remote_name, :verified_at, :verified_at, :done_at)",
+            " :remote_name, :verified_at, :done_at)",
             {"name": name, "period": period, "state": state, "records": records, **facts},
         )
-        return True
-    ledger_id, current = found
-    if STATES.index(current) >= STATES.index(state):
-        return False
-    cur.execute(
-        "UPDATE ledgers SET state = ?, verified_at = coalesce(verified_at, ?) WHERE ledger_id = ?",
-        (state, facts["verified_at"], ledger_id),
+        ledger_id = cur.lastrowid
+        assert ledger_id is not None
+    else:
+        ledger_id, current = found
+        if STATES.index(current) >= STATES.index(state):
+            return False
+        cur.execute("UPDATE ledgers SET state = ? WHERE ledger_id = ?", (state, ledger_id))
+    # The manifest is the proof of the verified copy: the outbound row says so too.
+    cur.execute("DELETE FROM outbound WHERE kind = 'ledger' AND ref = ?", (str(ledger_id),))
+    outbound.add_delivered(
+        cur,
+        LEDGER,
+        str(ledger_id),
+        "",
+        identifier=facts["identifier"],
+        delivered_at=facts["verified_at"],
+        verified_at=facts["verified_at"],
+        next_check_at=None,
+        now=facts["verified_at"],
     )
     return True
 
@@ -245,7 +365,7 @@ def records_page(
 ) -> list[dict[str, Any]]:
     """Up to ``limit`` records of a ledger after object id ``after``, in object id order."""
     cur.execute(
-        "SELECT " + ", ".join(RECORD_COLUMNS) + " FROM objects"
+        "SELECT " + ", ".join(RECORD_COLUMNS) + " FROM object_delivery"
         " WHERE ledger_id = ? AND object_id > ? ORDER BY object_id LIMIT ?",
         (ledger_id, after, limit),
     )
@@ -257,12 +377,15 @@ def delete_records(cur: sqlite3.Cursor, ledger_id: int, object_ids: Sequence[str
     if not object_ids:
         return 0
     marks = ", ".join("?" for _ in object_ids)
-    cur.execute(f"DELETE FROM attempts WHERE object_id IN ({marks})", list(object_ids))
     cur.execute(
-        f"DELETE FROM objects WHERE ledger_id = ? AND object_id IN ({marks})",
+        f"DELETE FROM objects WHERE ledger_id = ? AND object_id IN ({marks}) RETURNING object_id",
         (ledger_id, *object_ids),
     )
-    return cur.rowcount
+    gone = [row[0] for row in cur.fetchall()]
+    marks = ", ".join("?" for _ in gone)
+    cur.execute(f"DELETE FROM attempts WHERE object_id IN ({marks})", gone)
+    cur.execute(f"DELETE FROM outbound WHERE kind = 'object' AND ref IN ({marks})", gone)
+    return len(gone)
 
 
 # -- flush requests --------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 An accepted object of a megawarc project joins its project's open batch in acceptance order
 (:func:`assign_batches`); a batch closes once its members reach ``target_bytes`` or its oldest
 member waited ``max_wait``.  A closed batch is built into a package (``building -> sealed ->
-verified``), then delivered (``delivery_state``), verified at IA and purged locally.  Every
+verified``), then delivered (its outbound row, :mod:`canner.outbound`), verified at IA and purged
+locally.  Every
 transition is a guarded update (``WHERE state = :expected``), so a crash or a second writer
 can never move a row twice; the package id is derived from the members
 (:func:`package_id_of`), so rebuilding a batch always names the same package.
@@ -18,7 +19,9 @@ from typing import Any
 import blake3
 from attrs import define, field, frozen
 
+from canner import outbound
 from canner.config import PackagingConfig
+from canner.observe import Outbound
 
 # Objects assigned per project and tick: bounds the transaction whatever the backlog.
 ASSIGN_LIMIT = 2000
@@ -71,12 +74,14 @@ PACKAGE_COLUMNS = (
     "redeliveries",
     "force_upload",
 )
-_SELECT = "SELECT " + ", ".join(PACKAGE_COLUMNS) + " FROM packages"
+# Packages with their outbound row (schema v7's view).
+_SELECT = "SELECT " + ", ".join(PACKAGE_COLUMNS) + " FROM package_delivery"
+PACKAGE = Outbound.PACKAGE
 
 
 @frozen
 class PackageRow:
-    """One row of ``packages``."""
+    """One package with its delivery facts (a row of the ``package_delivery`` view)."""
 
     batch_id: int
     project: str
@@ -210,7 +215,7 @@ def assign_batches(
     for project in sorted(projects):
         target = projects[project].target_bytes
         cur.execute(
-            "SELECT object_id, size_bytes, accepted_at FROM objects"
+            "SELECT object_id, size_bytes, accepted_at FROM object_delivery"
             " WHERE project = ? AND batch_id IS NULL AND pack_rejected_at IS NULL"
             " AND state IN ('pending', 'retry_wait') AND purged_at IS NULL"
             " ORDER BY accepted_at, object_id LIMIT ?",
@@ -251,12 +256,7 @@ def reset_interrupted(cur: sqlite3.Cursor, now: float) -> dict[str, int]:
         (now, now),
     )
     builds = cur.rowcount
-    cur.execute(
-        "UPDATE packages SET delivery_state = 'retry_wait', next_attempt_at = ?, updated_at = ?"
-        " WHERE delivery_state = 'delivering'",
-        (now, now),
-    )
-    return {"builds": builds, "deliveries": cur.rowcount}
+    return {"builds": builds, "deliveries": outbound.reset_delivering(cur, PACKAGE, now)}
 
 
 def claim_builds(cur: sqlite3.Cursor, now: float, limit: int) -> list[PackageRow]:
@@ -267,10 +267,10 @@ def claim_builds(cur: sqlite3.Cursor, now: float, limit: int) -> list[PackageRow
         "UPDATE packages SET state = 'building', build_attempts = build_attempts + 1,"
         " updated_at = ? WHERE batch_id IN (SELECT batch_id FROM packages"
         "   WHERE state = 'closed' AND next_build_at <= ? ORDER BY closed_at, batch_id LIMIT ?)"
-        " AND state = 'closed' RETURNING " + ", ".join(PACKAGE_COLUMNS),
+        " AND state = 'closed' RETURNING batch_id",
         (now, now, limit),
     )
-    return sorted(_packages(cur), key=lambda r: r.batch_id)
+    return _packages_of(cur, sorted(row[0] for row in cur.fetchall()))
 
 
 def batch_members(cur: sqlite3.Cursor, batch_id: int) -> list[Member]:
@@ -298,12 +298,13 @@ def reject_member(
     """Take a member whose bytes do not match its receipt out of its ``building`` batch and
     flag it for an operator; the batch goes back to ``closed`` to be rebuilt without it."""
     cur.execute(
-        "UPDATE objects SET batch_id = NULL, pack_rejected_at = ?, needs_operator = 1,"
-        " last_error = ?, updated_at = ? WHERE object_id = ? AND batch_id = ?",
-        (now, error[:2000], now, object_id, batch_id),
+        "UPDATE objects SET batch_id = NULL, pack_rejected_at = ?, updated_at = ?"
+        " WHERE object_id = ? AND batch_id = ?",
+        (now, now, object_id, batch_id),
     )
     if cur.rowcount != 1:
         return False
+    outbound.flag(cur, Outbound.OBJECT, [(object_id, error[:2000])], now)
     cur.execute(
         "UPDATE packages SET state = 'closed', package_id = NULL, next_build_at = ?,"
         " members = members - 1, bytes = bytes - (SELECT size_bytes FROM objects"
@@ -370,12 +371,15 @@ def record_verified(
     """``sealed -> verified``: every member re-read from the package matched its receipt; the
     files' MD5s (for delivery) are recorded."""
     cur.execute(
-        "UPDATE packages SET state = 'verified', verified_at = ?, next_attempt_at = ?,"
-        " updated_at = ? WHERE batch_id = ? AND state = 'sealed'",
-        (now, now, now, batch_id),
+        "UPDATE packages SET state = 'verified', verified_at = ?, updated_at = ?"
+        " WHERE batch_id = ? AND state = 'sealed' RETURNING project",
+        (now, now, batch_id),
     )
-    if cur.rowcount != 1:
+    verified = cur.fetchall()
+    if not verified:
         return False
+    # Ready to send: its outbound row, due now.
+    outbound.add(cur, PACKAGE, [(str(batch_id), verified[0][0])], now)
     cur.executemany(
         "UPDATE package_files SET content_md5 = ? WHERE batch_id = ? AND suffix = ?",
         [(md5, batch_id, suffix) for suffix, md5 in md5s.items()],
@@ -435,25 +439,25 @@ def unseal(cur: sqlite3.Cursor, batch_id: int, error: str, now: float) -> bool:
     return cur.rowcount == 1
 
 
+def _packages_of(cur: sqlite3.Cursor, batch_ids: list[int]) -> list[PackageRow]:
+    """The packages of ``batch_ids``, in that order."""
+    if not batch_ids:
+        return []
+    cur.execute(_SELECT + f" WHERE batch_id IN ({', '.join('?' for _ in batch_ids)})", batch_ids)
+    found = {row.batch_id: row for row in _packages(cur)}
+    return [found[b] for b in batch_ids if b in found]
+
+
+def _ids(refs: list[str]) -> list[int]:
+    return [int(ref) for ref in refs]
+
+
 def claim_deliveries(
     cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
 ) -> list[PackageRow]:
-    """Move up to ``limit`` verified packages of ``projects`` whose delivery is due to
-    ``delivering`` (a guarded update that counts an attempt), oldest due first."""
-    names = sorted(projects)
-    if limit <= 0 or not names:
-        return []
-    cur.execute(
-        "UPDATE packages SET delivery_state = 'delivering', attempts = attempts + 1,"
-        " updated_at = ? WHERE batch_id IN (SELECT batch_id FROM packages"
-        "   WHERE state = 'verified' AND delivery_state IN ('pending', 'retry_wait')"
-        f"   AND next_attempt_at <= ? AND project IN ({', '.join('?' for _ in names)})"
-        "   ORDER BY next_attempt_at LIMIT ?)"
-        " AND delivery_state IN ('pending', 'retry_wait')"
-        " RETURNING " + ", ".join(PACKAGE_COLUMNS),
-        (now, now, *names, limit),
-    )
-    return sorted(_packages(cur), key=lambda r: (r.next_attempt_at, r.batch_id))
+    """Move up to ``limit`` packages of ``projects`` whose delivery is due to ``delivering``
+    (a guarded update that counts an attempt), oldest due first."""
+    return _packages_of(cur, _ids(outbound.claim_due(cur, PACKAGE, now, limit, projects)))
 
 
 def record_delivered(
@@ -465,16 +469,13 @@ def record_delivered(
     retention: float,
 ) -> bool:
     """``delivering -> delivered``: every file of the package is at ``identifier`` (a forced
-    upload is done)."""
-    cur.execute(
-        "UPDATE packages SET delivery_state = 'delivered', remote_identifier = ?,"
-        " delivered_at = ?, purge_after = ?, next_check_at = ?, last_error = NULL,"
-        " needs_operator = 0, force_upload = 0, updated_at = ?"
-        " WHERE batch_id = ? AND delivery_state = 'delivering'",
-        (identifier, now, now + retention, now, now, batch_id),
-    )
-    if cur.rowcount != 1:
+    upload is done); its local files may go ``retention`` after the copy is verified."""
+    if not outbound.record_delivered(cur, PACKAGE, str(batch_id), identifier, now):
         return False
+    cur.execute(
+        "UPDATE packages SET purge_after = ?, updated_at = ? WHERE batch_id = ?",
+        (now + retention, now, batch_id),
+    )
     cur.executemany(
         "UPDATE package_files SET remote_name = ? WHERE batch_id = ? AND suffix = ?",
         [(name, batch_id, suffix) for suffix, name in remote_names.items()],
@@ -491,42 +492,26 @@ def record_delivery_failure(
     now: float,
 ) -> bool:
     """``delivering -> retry_wait``."""
-    cur.execute(
-        "UPDATE packages SET delivery_state = 'retry_wait', last_error = ?, next_attempt_at = ?,"
-        " needs_operator = ?, updated_at = ? WHERE batch_id = ? AND delivery_state = 'delivering'",
-        (error[:2000], next_attempt_at, int(needs_operator), now, batch_id),
-    )
-    return cur.rowcount == 1
+    return outbound.record_failure(cur, PACKAGE, str(batch_id), error, next_attempt_at,
+                                   needs_operator, now)  # fmt: skip
 
 
 def follow_ups_due(
     cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str], busy: Iterable[int]
 ) -> list[PackageRow]:
     """Delivered packages whose remote verification, or whose purge, is due."""
-    names, skip = sorted(projects), sorted(busy)
-    if limit <= 0 or not names:
-        return []
-    cur.execute(
-        _SELECT + " WHERE delivery_state = 'delivered' AND purged_at IS NULL"
-        " AND next_check_at <= ?"
-        f" AND project IN ({', '.join('?' for _ in names)})"
-        f" AND batch_id NOT IN ({', '.join('?' for _ in skip)})"
-        " ORDER BY next_check_at LIMIT ?",
-        (now, *names, *skip, limit),
-    )
-    return _packages(cur)
+    refs = outbound.follow_ups_due(cur, PACKAGE, now, limit, projects, map(str, busy))
+    return _packages_of(cur, _ids(refs))
 
 
 def record_remote_verified(cur: sqlite3.Cursor, batch_id: int, now: float) -> None:
     """Every file is listed at IA with its size and MD5: the package and each member are
-    delivered and verified (the members' delivery fact; their payload fact is apart)."""
-    cur.execute(
-        "UPDATE packages SET remote_verified_at = ?, next_check_at = max(?, purge_after),"
-        " last_error = NULL, needs_operator = 0, updated_at = ?"
-        " WHERE batch_id = ? AND delivery_state = 'delivered' AND remote_verified_at IS NULL",
-        (now, now, now, batch_id),
-    )
-    if cur.rowcount == 1:
+    delivered and verified (the members' delivery fact; their payload fact is apart).  The
+    package's local files go next, once their retention has passed."""
+    cur.execute("SELECT purge_after FROM packages WHERE batch_id = ?", (batch_id,))
+    found = cur.fetchone()
+    purge_after = found[0] if found is not None and found[0] is not None else now
+    if outbound.record_verified(cur, PACKAGE, str(batch_id), now, max(now, purge_after)):
         record_remote_verified_members(cur, batch_id, now, now)
 
 
@@ -541,11 +526,8 @@ def record_check(
 ) -> None:
     """Postpone a remote verification or purge of a delivered package; ``force_upload`` (a
     read-back found IA's bytes wrong) makes its next delivery upload every file."""
-    cur.execute(
-        "UPDATE packages SET next_check_at = ?, last_error = ?, needs_operator = ?, updated_at = ?,"
-        " force_upload = max(force_upload, ?) WHERE batch_id = ? AND delivery_state = 'delivered'",
-        (next_check_at, error, int(needs_operator), now, int(force_upload), batch_id),
-    )
+    outbound.record_check(cur, PACKAGE, str(batch_id), next_check_at, error, needs_operator,
+                          now, force_upload)  # fmt: skip
 
 
 def redeliver(
@@ -553,19 +535,13 @@ def redeliver(
 ) -> bool:
     """``delivered -> retry_wait``, due now, for a package not yet verified at IA.
 
-    As for objects (``canner.delivery.index.redeliver``): verify_timeout passed with a file still
-    unlisted (a re-delivery counted), or an operator's retry (the count reset).  delivered_at and
-    purge_after go; the members stay as they are (a package's members are marked delivered only
-    once it is verified).  False when the package was not eligible."""
-    cur.execute(
-        "UPDATE packages SET delivery_state = 'retry_wait', next_attempt_at = ?, last_error = ?,"
-        " needs_operator = 0, delivered_at = NULL, purge_after = NULL, next_check_at = NULL,"
-        " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
-        " WHERE batch_id = ? AND delivery_state = 'delivered' AND remote_verified_at IS NULL"
-        " AND purged_at IS NULL",
-        (now, reason[:2000], int(by_operator), now, batch_id),
-    )
-    return cur.rowcount == 1
+    verify_timeout passed with a file still unlisted (a re-delivery counted), or an operator's
+    retry (the count reset).  purge_after goes; the members stay as they are (a package's
+    members are marked delivered only once it is verified).  False when not eligible."""
+    if not outbound.redeliver(cur, PACKAGE, str(batch_id), reason, now, by_operator=by_operator):
+        return False
+    cur.execute("UPDATE packages SET purge_after = NULL WHERE batch_id = ?", (batch_id,))
+    return True
 
 
 def operator_retry(cur: sqlite3.Cursor, package_id: str, now: float) -> PackageRow | None:
@@ -577,36 +553,26 @@ def operator_retry(cur: sqlite3.Cursor, package_id: str, now: float) -> PackageR
     if not found:
         return None
     before = found[0]
-    cur.execute(
-        "UPDATE packages SET next_attempt_at = ?, needs_operator = 0, updated_at = ?"
-        " WHERE batch_id = ? AND delivery_state = 'retry_wait'",
-        (now, now, before.batch_id),
-    )
-    if cur.rowcount == 1:
-        return before
-    if redeliver(cur, before.batch_id, "delivered again by an operator", now, by_operator=True):
-        return before
-    return None
+    if not outbound.operator_retry(cur, PACKAGE, str(before.batch_id), now):
+        return None
+    cur.execute("UPDATE packages SET purge_after = NULL WHERE batch_id = ?", (before.batch_id,))
+    return before
 
 
 def flagged_packages(cur: sqlite3.Cursor, project: str | None) -> list[str]:
     """Package ids flagged for an operator that a retry can act on (waiting for a retry, or
     delivered and not verified), of ``project`` (all when None)."""
-    cur.execute(
-        "SELECT package_id FROM packages WHERE needs_operator != 0 AND package_id IS NOT NULL"
-        " AND (delivery_state = 'retry_wait' OR (delivery_state = 'delivered'"
-        "      AND remote_verified_at IS NULL AND purged_at IS NULL))"
-        " AND (? IS NULL OR project = ?) ORDER BY batch_id",
-        (project, project),
-    )
-    return [row[0] for row in cur.fetchall()]
+    rows = _packages_of(cur, sorted(_ids(outbound.flagged(cur, PACKAGE, project))))
+    return [row.package_id for row in rows if row.package_id is not None]
 
 
 def record_purged(cur: sqlite3.Cursor, batch_id: int, now: float) -> bool:
     """The package's local files are deleted (guarded: verified at IA first)."""
+    if not outbound.settle(cur, PACKAGE, str(batch_id), now):
+        return False
     cur.execute(
-        "UPDATE packages SET purged_at = ?, next_check_at = NULL, updated_at = ?"
-        " WHERE batch_id = ? AND remote_verified_at IS NOT NULL AND purged_at IS NULL",
+        "UPDATE packages SET purged_at = ?, updated_at = ?"
+        " WHERE batch_id = ? AND purged_at IS NULL",
         (now, now, batch_id),
     )
     return cur.rowcount == 1
@@ -649,16 +615,14 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
     cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (p.package_id,))
     if cur.fetchone() is not None:
         return False
+    restored = [m for m in p.members if m.object_id not in p.archived]
     cur.executemany(
         "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, state, next_attempt_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, 'pending',"
-        " ?, ?)",
-        [
-            (m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now, now)
-            for m in p.members
-            if m.object_id not in p.archived
-        ],
-    )
+        " accepted_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        [(m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now)
+         for m in restored],
+    )  # fmt: skip
+    outbound.add(cur, Outbound.OBJECT, [(m.object_id, m.project) for m in restored], now)
     ids = [m.object_id for m in p.members]
     held = 0
     for start in range(0, len(ids), 500):
@@ -676,9 +640,8 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
     cur.execute(
         "INSERT INTO packages (project, state, members, bytes, oldest_accepted_at, opened_at,"
         " closed_at, close_reason, package_id, batch_date, sealed_at, verified_at,"
-        " sources_purged_at, delivery_state, remote_identifier, delivered_at, remote_verified_at,"
-        " next_check_at, purge_after, purged_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'rebuilt', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " sources_purged_at, purge_after, purged_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'rebuilt', ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             p.project,
             "verified" if delivered else "sealed",
@@ -692,11 +655,6 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
             now,
             now if delivered else None,
             d.get("sources_purged_at"),
-            "delivered" if delivered else "pending",
-            d.get("identifier"),
-            d.get("delivered_at"),
-            d.get("remote_verified_at"),
-            now if delivered and not d.get("purged_at") else None,
             d.get("purge_after"),
             d.get("purged_at"),
             now,
@@ -704,6 +662,18 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
     )
     batch_id = cur.lastrowid
     assert batch_id is not None
+    if delivered:
+        outbound.add_delivered(
+            cur,
+            PACKAGE,
+            str(batch_id),
+            p.project,
+            identifier=d.get("identifier"),
+            delivered_at=d.get("delivered_at"),
+            verified_at=d.get("remote_verified_at"),
+            next_check_at=None if d.get("purged_at") else now,
+            now=now,
+        )
     cur.executemany(
         "INSERT OR REPLACE INTO package_files (batch_id, suffix, size_bytes, content_md5,"
         " remote_name) VALUES (?, ?, ?, ?, ?)",
@@ -730,15 +700,24 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
 def record_remote_verified_members(
     cur: sqlite3.Cursor, batch_id: int, verified_at: float, now: float
 ) -> None:
+    """The members of a package verified at IA are delivered and verified there too (in the
+    package's item, in its file that holds them)."""
     cur.execute(
-        "UPDATE objects SET state = 'delivered',"
-        " remote_identifier = (SELECT remote_identifier FROM packages WHERE batch_id = ?),"
-        " remote_name = (SELECT remote_name FROM package_files f"
-        "   WHERE f.batch_id = ? AND f.suffix = objects.packed_file),"
-        " delivered_at = (SELECT delivered_at FROM packages WHERE batch_id = ?),"
+        "UPDATE outbound SET state = 'delivered',"
+        " remote_identifier = (SELECT remote_identifier FROM outbound p"
+        "   WHERE p.kind = 'package' AND p.ref = CAST(? AS TEXT)),"
+        " delivered_at = (SELECT delivered_at FROM outbound p"
+        "   WHERE p.kind = 'package' AND p.ref = CAST(? AS TEXT)),"
         " verified_at = ?, last_error = NULL, needs_operator = 0, updated_at = ?"
-        " WHERE batch_id = ? AND state IN ('pending', 'retry_wait')",
-        (batch_id, batch_id, batch_id, verified_at, now, batch_id),
+        " WHERE kind = 'object' AND state IN ('pending', 'retry_wait')"
+        " AND ref IN (SELECT object_id FROM objects WHERE batch_id = ?)",
+        (batch_id, batch_id, verified_at, now, batch_id),
+    )
+    cur.execute(
+        "UPDATE objects SET remote_name = (SELECT remote_name FROM package_files f"
+        "   WHERE f.batch_id = ? AND f.suffix = objects.packed_file), updated_at = ?"
+        " WHERE batch_id = ?",
+        (batch_id, now, batch_id),
     )
 
 
@@ -821,8 +800,14 @@ def readmit(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
     """Operator retry of a member taken out of its batch (its bytes did not match its receipt):
     it joins a batch again at the next tick, and is checked again when packed (guarded)."""
     cur.execute(
-        "UPDATE objects SET pack_rejected_at = NULL, needs_operator = 0, updated_at = ?"
+        "UPDATE objects SET pack_rejected_at = NULL, updated_at = ?"
         " WHERE object_id = ? AND pack_rejected_at IS NOT NULL AND batch_id IS NULL",
         (now, object_id),
     )
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return False
+    cur.execute(
+        "UPDATE outbound SET needs_operator = 0, updated_at = ? WHERE kind = 'object' AND ref = ?",
+        (now, object_id),
+    )
+    return True

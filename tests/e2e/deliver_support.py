@@ -443,7 +443,7 @@ def make_due_now(db: Path) -> int:
     """
     with _db(db) as conn:
         return conn.execute(
-            "UPDATE objects SET next_attempt_at = 0 WHERE state = 'retry_wait'"
+            "UPDATE outbound SET next_attempt_at = 0 WHERE kind = 'object' AND state = 'retry_wait'"
         ).rowcount
 
 
@@ -451,7 +451,8 @@ def make_checks_due_now(db: Path) -> int:
     """Test-only fast-forward of verification/purge follow-ups (``next_check_at``)."""
     with _db(db) as conn:
         return conn.execute(
-            "UPDATE objects SET next_check_at = 0 WHERE state = 'delivered' AND purged_at IS NULL"
+            "UPDATE outbound SET next_check_at = 0 WHERE kind = 'object' AND state = 'delivered'"
+            " AND next_check_at IS NOT NULL"
         ).rowcount
 
 

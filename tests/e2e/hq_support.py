@@ -133,6 +133,11 @@ def fast_forward_ledgers(env: Env) -> None:
     conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
     try:
         conn.execute("UPDATE ledgers SET next_attempt_at = 0 WHERE state != 'done'")
+        # A ledger being sent waits on its outbound row: its retry or its next check.
+        conn.execute(
+            "UPDATE outbound SET next_attempt_at = 0, next_check_at = CASE WHEN"
+            " next_check_at IS NOT NULL THEN 0 END WHERE kind = 'ledger'"
+        )
     finally:
         conn.close()
 
@@ -141,7 +146,12 @@ def next_ledger_attempts(env: Env) -> list[float]:
     """Each ledger's next_attempt_at (``canner ledger`` does not show it)."""
     conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
     try:
-        rows = conn.execute("SELECT next_attempt_at FROM ledgers ORDER BY ledger_id").fetchall()
+        rows = conn.execute(
+            "SELECT CASE WHEN l.state = 'written' THEN CASE WHEN d.state = 'delivered'"
+            " THEN d.next_check_at ELSE d.next_attempt_at END ELSE l.next_attempt_at END"
+            " FROM ledgers l LEFT JOIN outbound d ON d.kind = 'ledger'"
+            " AND d.ref = CAST(l.ledger_id AS TEXT) ORDER BY l.ledger_id"
+        ).fetchall()
     finally:
         conn.close()
     return [float(r[0]) for r in rows]
@@ -153,8 +163,8 @@ def age_ledger_uploads(env: Env, seconds: float) -> None:
     conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
     try:
         conn.execute(
-            "UPDATE ledgers SET uploaded_at = uploaded_at - ?, next_attempt_at = 0"
-            " WHERE state = 'uploaded'",
+            "UPDATE outbound SET delivered_at = delivered_at - ?, next_check_at = 0"
+            " WHERE kind = 'ledger' AND state = 'delivered' AND verified_at IS NULL",
             (seconds,),
         )
     finally:

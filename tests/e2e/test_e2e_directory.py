@@ -257,7 +257,8 @@ def test_tampered_destination_is_flagged_and_the_payload_kept(
     # Rewind to "copied, not yet verified" in case the verification already ran (test-only).
     with sqlite3.connect(env.db) as db:
         db.execute(
-            "UPDATE objects SET verified_at = NULL, next_check_at = 0 WHERE object_id = ?",
+            "UPDATE outbound SET verified_at = NULL, next_check_at = 0"
+            " WHERE kind = 'object' AND ref = ?",
             (object_id,),
         )
     final = env.final(object_id, "crawl.warc.gz")

@@ -205,11 +205,11 @@ PHASES = {
     "building": lambda env: any((env.data_dir / "packages").glob(".tmp-*")),
     "verifying": lambda env: db_value(env.db, "SELECT 1 FROM packages WHERE state = 'sealed'"),
     "uploading": lambda env: db_value(
-        env.db, "SELECT 1 FROM packages WHERE delivery_state = 'delivering'"
+        env.db, "SELECT 1 FROM package_delivery WHERE delivery_state = 'delivering'"
     ),
     "purging": lambda env: db_value(
         env.db,
-        "SELECT 1 FROM packages WHERE remote_verified_at IS NOT NULL AND purged_at IS NULL",
+        "SELECT 1 FROM package_delivery WHERE remote_verified_at IS NOT NULL AND purged_at IS NULL",
     ),
     "batching": lambda env: db_value(env.db, "SELECT 1 FROM packages WHERE state = 'open'"),
 }

@@ -174,8 +174,8 @@ def verify_now(db: Path) -> None:
     try:
         conn.execute("PRAGMA busy_timeout=10000")
         conn.execute(
-            "UPDATE objects SET next_check_at = 0"
-            " WHERE state = 'delivered' AND verified_at IS NULL AND next_check_at > 0"
+            "UPDATE outbound SET next_check_at = 0 WHERE kind = 'object'"
+            " AND state = 'delivered' AND verified_at IS NULL AND next_check_at > 0"
         )
     finally:
         conn.close()

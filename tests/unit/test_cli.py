@@ -98,12 +98,12 @@ def indexed(run: Run) -> Iterator[SyncIndex]:
     ]
     index.run(sql.insert_objects, objects, NOW - 100)
     index.query(
-        "UPDATE objects SET state = 'retry_wait', attempts = 3, next_attempt_at = ?,"
-        " last_error = 'slow down' WHERE object_id = ?",
+        "UPDATE outbound SET state = 'retry_wait', attempts = 3, next_attempt_at = ?,"
+        " last_error = 'slow down' WHERE kind = 'object' AND ref = ?",
         NOW + 3600,
         oid(2),
     )
-    index.query("UPDATE objects SET state = 'delivered' WHERE object_id = ?", oid(3))
+    index.query("UPDATE outbound SET state = 'delivered' WHERE kind = 'object' AND ref = ?", oid(3))
     yield index
     index.close()
 
@@ -253,7 +253,7 @@ def test_retry_makes_a_waiting_row_due_now(run: Run, indexed: SyncIndex) -> None
     assert code == 0, err
     assert f"{oid(2)} is due now" in out and "attempt 4" in out and "slow down" in out
     [(state, due, attempts)] = indexed.query(
-        "SELECT state, next_attempt_at, attempts FROM objects WHERE object_id = ?", oid(2)
+        "SELECT state, next_attempt_at, attempts FROM object_delivery WHERE object_id = ?", oid(2)
     )
     assert (state, due, attempts) == ("retry_wait", NOW, 3)
 
@@ -268,11 +268,15 @@ def test_retry_makes_a_waiting_row_due_now(run: Run, indexed: SyncIndex) -> None
 )
 def test_retry_refuses_rows_not_waiting(run: Run, indexed: SyncIndex, n: int, message: str) -> None:
     """Pending, verified and unknown rows cannot be retried; nothing changes then."""
-    indexed.query("UPDATE objects SET verified_at = ? WHERE object_id = ?", NOW - 5, oid(3))
-    before = indexed.query("SELECT * FROM objects ORDER BY object_id")
+    indexed.query(
+        "UPDATE outbound SET verified_at = ? WHERE kind = 'object' AND ref = ?",
+        NOW - 5,
+        oid(3),
+    )
+    before = indexed.query("SELECT * FROM object_delivery ORDER BY object_id")
     code, out, err = run("retry", oid(n))
     assert code == 1 and out == "" and message in err
-    assert indexed.query("SELECT * FROM objects ORDER BY object_id") == before
+    assert indexed.query("SELECT * FROM object_delivery ORDER BY object_id") == before
 
 
 def test_retry_delivers_an_unverified_flagged_row_again(run: Run, indexed: SyncIndex) -> None:
@@ -280,19 +284,18 @@ def test_retry_delivers_an_unverified_flagged_row_again(run: Run, indexed: SyncI
     differs, goes back to retry_wait due now with its re-delivery count reset; a read-back
     mismatch keeps force_upload so the next attempt uploads."""
     indexed.query(
-        "UPDATE objects SET delivered_at = ?, purge_after = ?, needs_operator = 1,"
-        " redeliveries = 3, force_upload = 1, last_error = 'still not listed'"
-        " WHERE object_id = ?",
+        "UPDATE outbound SET delivered_at = ?, needs_operator = 1, redeliveries = 3,"
+        " force_upload = 1, last_error = 'still not listed' WHERE kind = 'object' AND ref = ?",
         NOW - 50,
-        NOW - 40,
         oid(3),
     )
+    indexed.query("UPDATE objects SET purge_after = ? WHERE object_id = ?", NOW - 40, oid(3))
     code, out, err = run("retry", oid(3))
     assert code == 0, err
     assert f"{oid(3)} is due now (delivered again)" in out and "still not listed" in out
     [row] = indexed.query(
         "SELECT state, next_attempt_at, needs_operator, redeliveries, force_upload,"
-        " delivered_at, purge_after FROM objects WHERE object_id = ?",
+        " delivered_at, purge_after FROM object_delivery WHERE object_id = ?",
         oid(3),
     )
     assert row == ("retry_wait", NOW, 0, 0, 1, None, None)
@@ -301,16 +304,19 @@ def test_retry_delivers_an_unverified_flagged_row_again(run: Run, indexed: SyncI
 def test_bulk_retry_includes_flagged_unverified_deliveries(run: Run, indexed: SyncIndex) -> None:
     """``retry --needs-operator`` also re-delivers flagged delivered rows that are not verified,
     and leaves verified ones alone."""
-    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(3))
+    indexed.query(
+        "UPDATE outbound SET needs_operator = 1 WHERE kind = 'object' AND ref = ?",
+        oid(3),
+    )
     code, out, err = run("retry", "--needs-operator")
     assert code == 0, err
     assert "1 deliveries needing an operator are due now" in out and oid(3) in out
-    assert indexed.query("SELECT state FROM objects WHERE object_id = ?", oid(3)) == [
+    assert indexed.query("SELECT state FROM object_delivery WHERE object_id = ?", oid(3)) == [
         ("retry_wait",)
     ]
     indexed.query(
-        "UPDATE objects SET state = 'delivered', verified_at = 1, needs_operator = 1"
-        " WHERE object_id = ?",
+        "UPDATE outbound SET state = 'delivered', verified_at = 1, needs_operator = 1"
+        " WHERE kind = 'object' AND ref = ?",
         oid(3),
     )
     code, out, _ = run("retry", "--needs-operator")
@@ -329,7 +335,7 @@ def test_rebuild_index_adds_missing_receipts(run: Run, indexed: SyncIndex) -> No
     assert code == 0, err
     assert "3 objects were indexed, 2 added" in out
     assert err == "", "no progress display without a terminal"
-    rows = dict(indexed.query("SELECT object_id, state FROM objects"))
+    rows = dict(indexed.query("SELECT object_id, state FROM object_delivery"))
     assert rows[oid(4)] == "pending" and rows[oid(5)] == "pending"
     assert rows[oid(2)] == "retry_wait"
 
@@ -525,7 +531,10 @@ def test_status_exit_codes_say_ok_warning_critical(run: Run, indexed: SyncIndex)
     assert (code, err) == (0, "")
     doc = json.loads(out)
     assert doc["status"] == "ok" and doc["deliver"]["state"] == "running"
-    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(2))
+    indexed.query(
+        "UPDATE outbound SET needs_operator = 1 WHERE kind = 'object' AND ref = ?",
+        oid(2),
+    )
     code, out, err = run("status")
     assert code == 1 and err == "canner: warning: 1 deliveries need an operator\n"
     assert "canner-deliver   running" in out
@@ -593,7 +602,9 @@ def test_ids_by_unique_prefix(run: Run, indexed: SyncIndex) -> None:
     assert code == 1 and "ambiguous: it starts 3 object ids" in err
     code, _, err = run("show", "ffff")
     assert code == 1 and "no object id starts with 'ffff'" in err
-    indexed.query("UPDATE objects SET state = 'retry_wait' WHERE object_id LIKE 'abce%'")
+    indexed.query(
+        "UPDATE outbound SET state = 'retry_wait' WHERE kind = 'object' AND ref LIKE 'abce%'",
+    )
     code, out, err = run("retry", "abce")
     assert code == 0 and "abce" + "0" * 28 + " is due now" in out
 
@@ -601,7 +612,7 @@ def test_ids_by_unique_prefix(run: Run, indexed: SyncIndex) -> None:
 def test_deliveries_filters(run: Run, indexed: SyncIndex) -> None:
     """--state, --project, --since (duration or ISO time) and --needs-operator narrow the list."""
     indexed.query(
-        "UPDATE objects SET updated_at = ?, needs_operator = 1 WHERE object_id = ?",
+        "UPDATE outbound SET updated_at = ?, needs_operator = 1 WHERE kind = 'object' AND ref = ?",
         NOW - 30,
         oid(2),
     )
@@ -629,8 +640,8 @@ def test_retry_clears_the_flag_of_a_verified_row(run: Run, indexed: SyncIndex) -
     refused."""
     note = "a journal record of it could not be read (journal/x.jsonl: line 6: bad)"
     indexed.query(
-        "UPDATE objects SET verified_at = ?, needs_operator = 1, last_error = ?"
-        " WHERE object_id = ?",
+        "UPDATE outbound SET verified_at = ?, needs_operator = 1, last_error = ?"
+        " WHERE kind = 'object' AND ref = ?",
         NOW - 5,
         note,
         oid(3),
@@ -639,17 +650,20 @@ def test_retry_clears_the_flag_of_a_verified_row(run: Run, indexed: SyncIndex) -
     assert code == 0, err
     assert "its flag for an operator is cleared" in out and "line 6" in out
     [(flag, error)] = indexed.query(
-        "SELECT needs_operator, last_error FROM objects WHERE object_id = ?", oid(3)
+        "SELECT needs_operator, last_error FROM object_delivery WHERE object_id = ?", oid(3)
     )
     assert (flag, error) == (0, note)
     code, _, err = run("retry", oid(3))
     assert code == 1 and "nothing to retry" in err
 
-    indexed.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(3))
+    indexed.query(
+        "UPDATE outbound SET needs_operator = 1 WHERE kind = 'object' AND ref = ?",
+        oid(3),
+    )
     code, out, err = run("retry", "--needs-operator")
     assert code == 0, err
     assert f"{oid(3)} (other) is delivered and verified: its flag is cleared" in out
-    assert indexed.query("SELECT count(*) FROM objects WHERE needs_operator != 0") == [(0,)]
+    assert indexed.query("SELECT count(*) FROM object_delivery WHERE needs_operator != 0") == [(0,)]
 
 
 def test_bulk_retry_of_rows_needing_an_operator(run: Run, indexed: SyncIndex) -> None:
@@ -659,8 +673,8 @@ def test_bulk_retry_of_rows_needing_an_operator(run: Run, indexed: SyncIndex) ->
         sql.insert_objects, [AcceptedObject(oid(4), "other", None, 5, CHECKSUM, 1)], NOW - 10
     )
     indexed.query(
-        "UPDATE objects SET state = 'retry_wait', needs_operator = 1, next_attempt_at = ?"
-        " WHERE object_id IN (?, ?)",
+        "UPDATE outbound SET state = 'retry_wait', needs_operator = 1, next_attempt_at = ?"
+        " WHERE kind = 'object' AND ref IN (?, ?)",
         NOW + 3600,
         oid(2),
         oid(4),
@@ -668,10 +682,11 @@ def test_bulk_retry_of_rows_needing_an_operator(run: Run, indexed: SyncIndex) ->
     code, out, err = run("retry", "--needs-operator", "--project", "example")
     assert code == 0, err
     assert "1 deliveries needing an operator are due now" in out and oid(2) in out
-    due = dict(indexed.query("SELECT object_id, next_attempt_at FROM objects"))
+    due = dict(indexed.query("SELECT object_id, next_attempt_at FROM object_delivery"))
     assert due[oid(2)] == NOW and due[oid(4)] == NOW + 3600
+    # A retried row is no longer flagged (the operator acted): only the other project's is left.
     code, out, _ = run("retry", "--needs-operator")
-    assert code == 0 and "2 deliveries" in out and oid(4) in out
+    assert code == 0 and "1 deliveries" in out and oid(4) in out and oid(2) not in out
     assert canner("retry", "--needs-operator", oid(2), "--config", str(run.config)).returncode == 2
 
 
@@ -720,21 +735,28 @@ def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIn
     operator until then."""
     package = "a" * 32
     indexed.query(
-        "INSERT INTO packages (project, state, opened_at, package_id, delivery_state,"
-        " needs_operator, last_error, next_attempt_at, updated_at)"
-        " VALUES ('example', 'verified', ?, ?, 'retry_wait', 1, '403 Forbidden', ?, ?)",
+        "INSERT INTO packages (batch_id, project, state, opened_at, package_id, updated_at)"
+        " VALUES (7, 'example', 'verified', ?, ?, ?)",
         NOW - 100,
         package,
-        NOW + 3600,
         NOW - 100,
     )
     indexed.query(
-        "INSERT INTO ledgers (name, period, state, created_at, needs_operator, last_error,"
-        " next_attempt_at) VALUES ('node-2026-11-30', '2026-11-30', 'written', ?, 1,"
-        " 'upload: 403 Forbidden', ?)",
+        "INSERT INTO ledgers (ledger_id, name, period, state, created_at)"
+        " VALUES (3, 'node-2026-11-30', '2026-11-30', 'written', ?)",
         NOW - 100,
-        NOW + 3600,
     )
+    for kind, ref, error in (("package", "7", "403 Forbidden"), ("ledger", "3", "upload: 403")):
+        indexed.query(
+            "INSERT INTO outbound (kind, ref, project, state, needs_operator, last_error,"
+            " next_attempt_at, updated_at) VALUES (?, ?, '', 'retry_wait', 1, ?, ?, ?)",
+            kind,
+            ref,
+            error,
+            NOW + 3600,
+            NOW - 100,
+        )
+    indexed.query("UPDATE outbound SET project = 'example' WHERE kind = 'package'")
     indexed.query(
         "INSERT INTO ledgers (name, period, state, created_at, next_attempt_at)"
         " VALUES ('node-2026-11-29', '2026-11-29', 'done', ?, ?)",
@@ -747,14 +769,14 @@ def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIn
     assert code == 0, err
     assert f"package {package} is due now" in out and "403 Forbidden" in out
     assert indexed.query(
-        "SELECT next_attempt_at, needs_operator FROM packages WHERE package_id = ?", package
+        "SELECT next_attempt_at, needs_operator FROM package_delivery WHERE package_id = ?", package
     ) == [(NOW, 0)]
     code, out, err = run("retry", "--needs-operator")
     assert code == 0, err
     assert "ledger node-2026-11-30 is due now" in out and package not in out
     assert "1 deliveries needing an operator are due now" in out
     assert indexed.query(
-        "SELECT next_attempt_at, needs_operator FROM ledgers WHERE name = 'node-2026-11-30'"
+        "SELECT next_attempt_at, needs_operator FROM outbound WHERE kind = 'ledger' AND ref = '3'"
     ) == [(NOW, 0)]
     code, out, _ = run("status", "--json")
     assert json.loads(out)["needs_operator"] == 0

@@ -124,7 +124,8 @@ def _deliver_everything(run: Run, verified: bool) -> None:
                 NOW - 100,
             )
         index.query(
-            "UPDATE objects SET state = 'delivered', delivered_at = ?, verified_at = ?",
+            "UPDATE outbound SET state = 'delivered', delivered_at = ?, verified_at = ?"
+            " WHERE kind = 'object'",
             NOW - 50,
             NOW - 40 if verified else None,
         )
@@ -217,7 +218,10 @@ def test_status_page_and_gauges_say_draining_and_retirable(tmp_path: Path) -> No
     assert re.search(
         r'id="drain-banner">node draining since [^<]*disk swap.*not yet delivered', page()
     )
-    index.query("UPDATE objects SET state = 'delivered', verified_at = ?", NOW)
+    index.query(
+        "UPDATE outbound SET state = 'delivered', verified_at = ? WHERE kind = 'object'",
+        NOW,
+    )
     assert gauges() == (1, 1)
     assert "Retirable: nothing here is undelivered." in page()
     index.close()

@@ -172,9 +172,13 @@ def _released(
 ) -> None:
     insert_objects(conn.cursor(), [_accepted(oid)], T0)
     conn.execute(
-        "UPDATE objects SET state = 'delivered', remote_identifier = 'item', remote_name = 'f',"
-        " delivered_at = ?, verified_at = ?, purged_at = ?, released_at = ? WHERE object_id = ?",
-        (T0, T0, purged, released, oid),
+        "UPDATE outbound SET state = 'delivered', remote_identifier = 'item', delivered_at = ?,"
+        " verified_at = ? WHERE kind = 'object' AND ref = ?",
+        (T0, T0, oid),
+    )
+    conn.execute(
+        "UPDATE objects SET remote_name = 'f', purged_at = ?, released_at = ? WHERE object_id = ?",
+        (purged, released, oid),
     )
 
 

@@ -47,7 +47,9 @@ def test_inserts_are_idempotent_and_pending(tmp_path: Path) -> None:
         assert insert_objects(cur, [obj("a" * 32), obj("b" * 32)], 5.0) == 2
         assert insert_objects(cur, [obj("a" * 32)], 6.0) == 0
         conn.commit()
-        rows = conn.execute("SELECT object_id, state, attempts FROM objects ORDER BY 1").fetchall()
+        rows = conn.execute(
+            "SELECT object_id, state, attempts FROM object_delivery ORDER BY 1"
+        ).fetchall()
         assert rows == [("a" * 32, "pending", 0), ("b" * 32, "pending", 0)]
     finally:
         conn.close()
@@ -194,7 +196,7 @@ def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Pat
     assert upgrade_schema(path) == _migrations()[-1][0]
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        rows = conn.execute("SELECT * FROM packages ORDER BY batch_id").fetchall()
+        rows = conn.execute("SELECT * FROM package_delivery ORDER BY batch_id").fetchall()
         assert [r[: len(before[0])] for r in rows] == before
         cur = conn.cursor()
         packages = psql.all_packages(cur)
@@ -206,9 +208,108 @@ def test_a_version_5_index_keeps_every_package_through_the_upgrade(tmp_path: Pat
         assert {p.package_id for p in claimed} == {f"{n:032x}" for n in (0, 1, 2)}
         due = psql.follow_ups_due(cur, 1000.0, 10, ["example"], [])
         assert {p.package_id for p in due} == {f"{n:032x}" for n in (3, 4)}
-        ledgers = conn.execute("SELECT * FROM ledgers").fetchall()
-        assert [r[: len(ledger_before[0])] for r in ledgers] == ledger_before
+        assert len(ledger_before) == 1
         [ledger] = lstore.due_ledgers(cur, 10.0)
-        assert (ledger.state, ledger.attempts, ledger.force_upload) == ("written", 2, 0)
+        assert (ledger.state, ledger.attempts, ledger.next_attempt_at, ledger.last_error) == (
+            "written",
+            2,
+            5.0,
+            "upload: 503",
+        )
+        assert ledger.force_upload == 0
+    finally:
+        conn.close()
+
+
+def _v6_index(path: Path) -> sqlite3.Connection:
+    """A delivery index as the previous release left it: schema steps 1 to 6."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    configure_connection(conn)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for number, text in _migrations():
+        if number <= 6:
+            conn.executescript(text)
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
+    return conn
+
+
+def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
+    tmp_path: Path,
+) -> None:
+    """Objects in every delivery state (one mid-attempt, one flagged, one purged) and ledgers
+    in every state, written with the previous release's layout (delivery columns on each
+    owner's table), read the same through the outbound table after the upgrade; the
+    pipelines' queries pick up where they were."""
+    from canner.delivery import index as sql
+    from canner.ledger import store as lstore
+
+    path = tmp_path / "delivery.sqlite"
+    conn = _v6_index(path)
+    columns = ", ".join(sql.COLUMNS)
+    objects = [
+        # state, attempts, next_attempt_at, error, flag, delivered, verified, purged, check
+        ("pending", 0, 1.0, None, 0, None, None, None, None),
+        ("delivering", 2, 2.0, "503", 0, None, None, None, None),
+        ("retry_wait", 5, 99.0, "403 Forbidden", 1, None, None, None, None),
+        ("delivered", 1, 3.0, None, 0, 500.0, None, None, 600.0),
+        ("delivered", 1, 3.0, "read-back: other bytes", 1, 500.0, None, None, 700.0),
+        ("delivered", 1, 3.0, None, 0, 500.0, 510.0, None, 800.0),
+        ("delivered", 1, 3.0, None, 0, 500.0, 510.0, 900.0, None),
+    ]
+    for n, (state, tries, due, error, flag, delivered, verified, purged, check) in enumerate(
+        objects
+    ):
+        conn.execute(
+            f"INSERT INTO objects ({columns}) VALUES ({', '.join('?' for _ in sql.COLUMNS)})",
+            (f"{n:032x}", "example", f"f{n}.warc.gz", 10 + n, "blake3:" + "ab" * 32, 100 + n,
+             state, tries, due, error, flag, "cd" * 16 if delivered else None,
+             "item" if delivered else None, f"f{n}.warc.gz" if delivered else None, delivered,
+             verified, 550.0 if delivered else None, purged, check, 42.0 + n, n % 2, n % 3 == 1,
+             1000.0 if purged else None),
+        )  # fmt: skip
+    ledgers = [
+        ("writing", None, None, None),
+        ("written", None, None, None),
+        ("uploaded", 300.0, None, None),
+        ("deleting", 300.0, 310.0, None),
+        ("done", 300.0, 310.0, 320.0),
+    ]
+    for n, (state, uploaded, verified, done) in enumerate(ledgers):
+        conn.execute(
+            "INSERT INTO ledgers (name, period, state, records, bytes, md5, identifier,"
+            " remote_name, created_at, written_at, uploaded_at, verified_at, done_at, attempts,"
+            " next_attempt_at, last_error, needs_operator) VALUES (?, '2026-11-30', ?, 3, 300,"
+            " ?, 'ledgers-item', ?, 1.0, 2.0, ?, ?, ?, ?, 50.0, ?, 0)",
+            (f"n-{n}", state, "ab" * 16, f"n-{n}.jsonl.zst", uploaded, verified, done, n,
+             "upload: 503" if state == "written" else None),
+        )  # fmt: skip
+    before = conn.execute(f"SELECT {columns} FROM objects ORDER BY object_id").fetchall()
+    conn.close()
+
+    assert upgrade_schema(path) == _migrations()[-1][0]
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        cur = conn.cursor()
+        after = [tuple(row.as_dict().values()) for row in sql.all_rows(cur)]
+        assert after == before
+        # The attempt a crash cut short is due again; the flagged one waits for its retry.
+        assert sql.reset_delivering(cur, 10.0) == 1
+        claimed = sql.claim_due(cur, 10.0, 10, ["example"])
+        assert [r.object_id for r in claimed] == [f"{0:032x}", f"{1:032x}"]
+        assert claimed[1].attempts == 3
+        checks = sql.follow_ups_due(cur, 1000.0, 10, ["example"])
+        assert [r.object_id for r in checks] == [f"{n:032x}" for n in (3, 4, 5)]
+        assert sql.flagged_objects(cur) == [f"{n:032x}" for n in (2, 4)]
+        rows = {row.name: row for row in lstore.ledgers(cur)}
+        assert [(r.state, r.uploaded_at, r.verified_at, r.done_at) for r in rows.values()] == [
+            (state, uploaded, verified, done) for state, uploaded, verified, done in ledgers
+        ]
+        assert rows["n-1"].attempts == 1 and rows["n-1"].last_error == "upload: 503"
+        # Written: its upload is due (at its old time); uploaded: its verification is.
+        assert [r.name for r in lstore.due_ledgers(cur, 60.0)] == ["n-0", "n-1", "n-2", "n-3"]
+        assert lstore.begin_upload(cur, rows["n-1"].ledger_id, 60.0)
+        assert lstore.record_uploaded(cur, rows["n-1"].ledger_id, "ledgers-item", 61.0)
+        again = lstore.get_ledger(cur, rows["n-1"].ledger_id)
+        assert again is not None and (again.state, again.uploaded_at) == ("uploaded", 61.0)
     finally:
         conn.close()

@@ -297,7 +297,7 @@ def test_lookup_stuck_and_survey_helpers(data_dir: Path) -> None:
         obj = AcceptedObject(OID, "example", "a.warc", 5, str(receipt.checksum), 1000)
         succeeded(index.run(sql.insert_objects, [obj], NOW))
         index.query(
-            "UPDATE objects SET state = 'retry_wait', attempts = 1, needs_operator = 1,"
+            "UPDATE outbound SET state = 'retry_wait', attempts = 1, needs_operator = 1,"
             " last_error = '403 Forbidden'"
         )
         index.conn.commit()

@@ -269,24 +269,27 @@ def populate(index: SyncIndex) -> None:
         accepted(6, size=60, at=100),
     ]
     succeeded(index.run(sql.insert_objects, objects, NOW - 100))
-    index.query("UPDATE objects SET state = 'delivering' WHERE object_id = ?", oid(3))
     index.query(
-        "UPDATE objects SET state = 'retry_wait', attempts = 2, last_error = 'boom'"
-        " WHERE object_id = ?",
+        "UPDATE outbound SET state = 'delivering' WHERE kind = 'object' AND ref = ?",
+        oid(3),
+    )
+    index.query(
+        "UPDATE outbound SET state = 'retry_wait', attempts = 2, last_error = 'boom'"
+        " WHERE kind = 'object' AND ref = ?",
         oid(4),
     )
     index.query(
-        "UPDATE objects SET state = 'retry_wait', attempts = 9, last_error = '403',"
-        " needs_operator = 1 WHERE object_id = ?",
+        "UPDATE outbound SET state = 'retry_wait', attempts = 9, last_error = '403',"
+        " needs_operator = 1 WHERE kind = 'object' AND ref = ?",
         oid(5),
     )
     index.query(
-        "UPDATE objects SET state = 'delivered', delivered_at = ?, purge_after = ?"
-        " WHERE object_id = ?",
+        "UPDATE outbound SET state = 'delivered', delivered_at = ? WHERE kind = 'object'"
+        " AND ref = ?",
         NOW - 50,
-        NOW - 30,
         oid(6),
     )
+    index.query("UPDATE objects SET purge_after = ? WHERE object_id = ?", NOW - 30, oid(6))
     index.conn.commit()
 
 
@@ -323,11 +326,15 @@ def test_flagged_unverified_deliveries_are_stuck(data_dir: Path, index: SyncInde
     stuck too; once verified it is not."""
     populate(index)
     path = data_dir / "delivery.sqlite"
-    index.query("UPDATE objects SET needs_operator = 1 WHERE object_id = ?", oid(6))
+    index.query("UPDATE outbound SET needs_operator = 1 WHERE kind = 'object' AND ref = ?", oid(6))
     index.conn.commit()
     found = inventory.read_index(path, inventory.stuck_rows)
     assert [r.object_id for r in found] == [oid(6), oid(5)]
-    index.query("UPDATE objects SET verified_at = ? WHERE object_id = ?", NOW, oid(6))
+    index.query(
+        "UPDATE outbound SET verified_at = ? WHERE kind = 'object' AND ref = ?",
+        NOW,
+        oid(6),
+    )
     index.conn.commit()
     assert [r.object_id for r in inventory.read_index(path, inventory.stuck_rows)] == [oid(5)]
 

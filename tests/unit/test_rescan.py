@@ -70,7 +70,7 @@ class DataDir:
         )
 
     def states(self) -> dict[str, str]:
-        return dict(self.index.query("SELECT object_id, state FROM objects"))
+        return dict(self.index.query("SELECT object_id, state FROM object_delivery"))
 
 
 @pytest.fixture
@@ -99,7 +99,10 @@ def test_a_rescan_adds_missing_receipts_and_skips_known_and_archived_ones(data: 
         data.receipt(n)
     known = AcceptedObject(oid(2), "example", None, 2, CHECKSUM, 1)
     data.index.run(sql.insert_objects, [known], NOW - 100)
-    data.index.query("UPDATE objects SET state = 'retry_wait' WHERE object_id = ?", oid(2))
+    data.index.query(
+        "UPDATE outbound SET state = 'retry_wait' WHERE kind = 'object' AND ref = ?",
+        oid(2),
+    )
     data.archive(4)
 
     done, events = _logged(lambda: succeeded(data.rescan().run()))

@@ -541,7 +541,10 @@ def test_a_finished_attempt_frees_its_slot_at_once(tmp_path: Path) -> None:
 def test_rows_left_delivering_without_an_attempt_are_released(harness: Harness) -> None:
     """A row stuck in delivering (its outcome could not be recorded) is retried, not stranded."""
     [oid] = harness.accept(1)
-    harness.index.query("UPDATE objects SET state = 'delivering' WHERE object_id = ?", oid)
+    harness.index.query(
+        "UPDATE outbound SET state = 'delivering' WHERE kind = 'object' AND ref = ?",
+        oid,
+    )
     harness.tick()
     assert list(harness.sink.pending) == [oid]
     assert harness.row(oid).last_error == "the outcome of an attempt could not be recorded"
