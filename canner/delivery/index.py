@@ -368,7 +368,7 @@ COLUMNS = (
     "force_upload",
     "released_at",
 )
-# Objects with their outbound row (schema v7's view).
+# Objects with their outbound row (schema v8's view).
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM object_delivery"
 
 

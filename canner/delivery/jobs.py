@@ -84,6 +84,13 @@ class Ticker:
     _loop: LoopingCall | None = None
     _loop_done: Deferred[Any] | None = None
     _starting: Deferred[Any] | None = None
+    _lanes: list[Jobs[Any]] = field(factory=list)
+
+    def lane(self) -> Jobs[Any]:
+        """A set of this loop's jobs (attempts, checks ...), cancelled by :meth:`stop`."""
+        jobs: Jobs[Any] = Jobs(self._clock)
+        self._lanes.append(jobs)
+        return jobs
 
     def start(self, start_up: Callable[[], Deferred[Any]]) -> None:
         self.stopping.clear()
@@ -104,12 +111,12 @@ class Ticker:
             lambda f: log.failure("{what} tick failed", f, what=self._what)
         )
 
-    def stop(self, *jobs: Jobs[Any]) -> Deferred[Any]:
-        """Stop the loop and cancel ``jobs``; fires once the start-up step, the last tick and
-        every job have ended (so nothing runs on after the index or the pools close)."""
+    def stop(self) -> Deferred[Any]:
+        """Stop the loop and cancel its lanes' jobs; fires once the start-up step, the last
+        tick and every job have ended (so nothing runs on after the index or the pools close)."""
         self.stopping.set()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
-        running = [d for j in jobs for d in j.cancel()]
+        running = [d for j in self._lanes for d in j.cancel()]
         waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
         return DeferredList(waits, consumeErrors=True)

@@ -29,6 +29,7 @@ from twisted.logger import Logger
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
 from canner.config import DeliveryConfig
+from canner.delivery import follow_up
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
 from canner.delivery.jobs import Jobs, Ticker
@@ -36,11 +37,9 @@ from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import (
     DEFAULT_VERIFY_TIMEOUT,
-    MAX_REDELIVERIES,
     MAX_RETRY,
     PURGE_RETRY,
     VERIFY_MAX,
-    judge_unverified,
     retry_delay,
 )
 from canner.journal import JournalLog
@@ -99,9 +98,8 @@ class DeliveryService(Service):
     _stopping: threading.Event = field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._active = Jobs(self._clock)
-        self._checking = Jobs(self._clock)
         self._ticker = Ticker(self._clock, self._interval, self.tick, "delivery queue")
+        self._active, self._checking = self._ticker.lane(), self._ticker.lane()
         self._stopping = self._ticker.stopping
 
     def startService(self) -> None:
@@ -118,7 +116,7 @@ class DeliveryService(Service):
     def stopService(self) -> Deferred[Any]:
         super().stopService()
         # Stopped while still starting: the start's query ends before the index closes.
-        return self._ticker.stop(self._active, self._checking)
+        return self._ticker.stop()
 
     @property
     def active(self) -> list[dict[str, Any]]:
@@ -366,13 +364,7 @@ class DeliveryService(Service):
                 )
                 return
             await self._index.run(sql.record_purged, row.object_id, now)
-            self.observer.purged(OBJECT)
-            log.info(
-                "purged local payload of {object_id}",
-                object_id=row.object_id,
-                project=row.project,
-                identifier=row.remote_identifier,
-            )
+            follow_up.report_purged(self.observer, delivered_copy(row))
 
     async def _verify(self, row: QueueRow, now: float) -> None:
         """Look for the delivered copy; record it verified, look again later, deliver it again
@@ -381,61 +373,24 @@ class DeliveryService(Service):
         check = await self._sinks[row.project].verify(located(row), path)
         if check.verified:
             await self._index.run(sql.record_verified, row.object_id, now)
-            self.observer.verified(OBJECT)
-            log.info(
-                "verified {object_id} at its destination",
-                object_id=row.object_id,
-                project=row.project,
-                identifier=row.remote_identifier,
-            )
+            follow_up.report_verified(self.observer, delivered_copy(row))
             return
-        timeout = self._verify_timeouts.get(row.project, DEFAULT_VERIFY_TIMEOUT)
-        verdict = judge_unverified(
-            absent=check.absent,
+        if await follow_up.record_unverified(
+            self._index,
+            self.observer,
+            delivered_copy(row),
+            check,
             detail=check.detail,
-            needs_operator=check.needs_operator,
+            verify_timeout=self._verify_timeouts.get(row.project, DEFAULT_VERIFY_TIMEOUT),
             now=now,
-            delivered_at=row.delivered_at,
-            verify_timeout=timeout,
-            redeliveries=row.redeliveries,
-            retry="canner retry",
-        )
-        if verdict.redeliver:
-            await self._redeliver(row, verdict.detail, timeout, now)
-            return
-        if verdict.needs_operator and not row.needs_operator:
-            log.error(
-                "the delivered copy of {object_id} needs an operator: {error}",
-                object_id=row.object_id,
-                project=row.project,
-                identifier=row.remote_identifier,
-                error=verdict.detail,
-                needs_operator=True,
-            )
-        await self._index.run(
-            sql.record_follow_up,
-            row.object_id,
-            verdict.next_check_at,
-            verdict.detail,
-            verdict.needs_operator,
-            now,
-            check.bad_copy,
-        )
-
-    async def _redeliver(self, row: QueueRow, reason: str, timeout: float, now: float) -> None:
-        if await self._index.run(sql.redeliver, row.object_id, reason, now):
-            self.observer.redelivered(OBJECT, row.project)
-            log.warn(
-                "{object_id} is still not listed at its destination {timeout:g}s after its"
-                " delivery: delivering it again (re-delivery {count} of {limit})",
-                object_id=row.object_id,
-                project=row.project,
-                identifier=row.remote_identifier,
-                timeout=timeout,
-                count=row.redeliveries + 1,
-                limit=MAX_REDELIVERIES,
-            )
+            redeliver=lambda cur, reason, at: sql.redeliver(cur, row.object_id, reason, at),
+        ):
             self._refill()
+
+
+def delivered_copy(row: QueueRow) -> follow_up.DeliveredCopy:
+    """A delivered object as its follow-up sees it."""
+    return follow_up.DeliveredCopy.of(row, OBJECT, row.object_id, row.object_id, "canner retry")
 
 
 def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:

@@ -74,7 +74,7 @@ PACKAGE_COLUMNS = (
     "redeliveries",
     "force_upload",
 )
-# Packages with their outbound row (schema v7's view).
+# Packages with their outbound row (schema v8's view).
 _SELECT = "SELECT " + ", ".join(PACKAGE_COLUMNS) + " FROM package_delivery"
 PACKAGE = Outbound.PACKAGE
 

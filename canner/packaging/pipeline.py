@@ -28,15 +28,14 @@ from twisted.logger import Logger
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
+from canner.delivery import follow_up
 from canner.delivery.index import Index
 from canner.delivery.jobs import Jobs, Ticker
 from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.queue import (
     DEFAULT_VERIFY_TIMEOUT,
-    MAX_REDELIVERIES,
     MAX_RETRY,
     PURGE_RETRY,
-    judge_unverified,
     retry_delay,
 )
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
@@ -140,10 +139,9 @@ class PackagingService(Service):
     _stopping: threading.Event = field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._building = Jobs(self._clock)
-        self._delivering = Jobs(self._clock)
-        self._checking = Jobs(self._clock)
         self._ticker = Ticker(self._clock, self._interval, self.tick, "packaging pipeline")
+        self._building, self._delivering = self._ticker.lane(), self._ticker.lane()
+        self._checking = self._ticker.lane()
         self._stopping = self._ticker.stopping
 
     def startService(self) -> None:
@@ -181,7 +179,7 @@ class PackagingService(Service):
     def stopService(self) -> Deferred[Any]:
         super().stopService()
         # Stopped while still recovering: its steps end before the thread pools stop.
-        return self._ticker.stop(self._building, self._delivering, self._checking)
+        return self._ticker.stop()
 
     @property
     def building(self) -> list[int]:
@@ -500,12 +498,7 @@ class PackagingService(Service):
                 self._store.record_delivery, row.package_id, self._record(row, plans, now, None)
             )
             await self._index.run(sql.record_remote_verified, row.batch_id, now)
-            self.observer.verified(PACKAGE)
-            log.info(
-                "verified package {package} at {identifier}",
-                package=row.package_id,
-                identifier=row.remote_identifier,
-            )
+            follow_up.report_verified(self.observer, delivered_copy(row))
             return
         if row.purge_after is None or row.purge_after > now or row.sources_purged_at is None:
             await self._index.run(
@@ -525,8 +518,7 @@ class PackagingService(Service):
             )
             return
         await self._index.run(sql.record_purged, row.batch_id, now)
-        self.observer.purged(PACKAGE)
-        log.info("purged local package {package}", package=row.package_id, project=row.project)
+        follow_up.report_purged(self.observer, delivered_copy(row))
 
     async def _unverified(
         self, row: PackageRow, plan: ItemPlan, check: RemoteCheck, now: float
@@ -535,48 +527,15 @@ class PackagingService(Service):
         package again (``verify_timeout`` passed with the file unlisted), or flag it; the same
         policy as objects (``canner.delivery.queue.unlisted``)."""
         delivery = self._projects[row.project].delivery
-        timeout = delivery.verify_timeout if delivery is not None else DEFAULT_VERIFY_TIMEOUT
-        verdict = judge_unverified(
-            absent=check.absent,
+        await follow_up.record_unverified(
+            self._index,
+            self.observer,
+            delivered_copy(row),
+            check,
             detail=f"{plan.remote_name}: {check.detail}",
-            needs_operator=check.needs_operator,
+            verify_timeout=delivery.verify_timeout if delivery else DEFAULT_VERIFY_TIMEOUT,
             now=now,
-            delivered_at=row.delivered_at,
-            verify_timeout=timeout,
-            redeliveries=row.redeliveries,
-            retry=f"canner retry {row.package_id}",
-        )
-        if verdict.redeliver:
-            if await self._index.run(sql.redeliver, row.batch_id, verdict.detail, now):
-                self.observer.redelivered(PACKAGE, row.project)
-                log.warn(
-                    "package {package} is still not listed at its destination {timeout:g}s"
-                    " after its delivery: delivering it again (re-delivery {count} of {limit})",
-                    package=row.package_id,
-                    project=row.project,
-                    identifier=row.remote_identifier,
-                    timeout=timeout,
-                    count=row.redeliveries + 1,
-                    limit=MAX_REDELIVERIES,
-                )
-            return
-        if verdict.needs_operator and not row.needs_operator:
-            log.error(
-                "the delivered package {package} needs an operator: {error}",
-                package=row.package_id,
-                project=row.project,
-                identifier=row.remote_identifier,
-                error=verdict.detail,
-                needs_operator=True,
-            )
-        await self._index.run(
-            sql.record_check,
-            row.batch_id,
-            verdict.next_check_at,
-            verdict.detail,
-            verdict.needs_operator,
-            now,
-            check.bad_copy,
+            redeliver=lambda cur, reason, at: sql.redeliver(cur, row.batch_id, reason, at),
         )
 
     def _record(
@@ -601,3 +560,14 @@ class PackagingService(Service):
             "md5": {p.name[len(pid) :]: plan.content_md5 for plan, p in plans},
             "sizes": {p.name[len(pid) :]: plan.size for plan, p in plans},
         }
+
+
+def delivered_copy(row: PackageRow) -> follow_up.DeliveredCopy:
+    """A delivered package as its follow-up sees it."""
+    return follow_up.DeliveredCopy.of(
+        row,
+        PACKAGE,
+        str(row.batch_id),
+        f"package {row.package_id}",
+        f"canner retry {row.package_id}",
+    )

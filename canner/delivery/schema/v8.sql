@@ -1,4 +1,4 @@
--- delivery.sqlite, version 7: one outbound row per thing that leaves the node (issue 24).
+-- delivery.sqlite, version 8: one outbound row per thing that leaves the node (issue 24).
 -- Objects, megawarc packages and ledgers each kept their own delivery columns; they move here,
 -- every row kept, and the owners' tables keep only what their owner decides: an object's
 -- payload (purge_after, purged_at), a package's build and files, a ledger's write and delete.
