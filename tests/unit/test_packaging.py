@@ -3,8 +3,11 @@ batching, building, the verification pass, source purge, delivery, purge and reb
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import re
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,7 +26,15 @@ from canner.inventory import survey_json, take_survey
 from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
 from canner.observe import Destination
 from canner.packaging import batches as sql
-from canner.packaging.megawarc import INDEX, TAR, WARC_GZ
+from canner.packaging.megawarc import (
+    INDEX,
+    TAR,
+    WARC_GZ,
+    WARC_ZST,
+    index_files,
+    read_index,
+    verify_package,
+)
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
@@ -32,7 +43,7 @@ from canner.sinks.plan import ItemPlan
 from canner.status_page import StatusView, render_status
 from canner.tus.store import UploadStore
 from tests.fakes import SyncIndex, succeeded
-from tests.packaging_support import checksum, warc_bytes
+from tests.packaging_support import checksum, train_dictionary, warc_bytes, zst_warc
 
 RETENTION = 3600.0
 
@@ -557,3 +568,81 @@ def test_a_package_delivery_waits_at_least_ias_retry_after(tmp_path: Path) -> No
     assert row.next_attempt_at == h.clock.seconds() + 3600
     failed = {"project": "example", "needs_operator": "false", "reason": "rate_limited"}
     assert h.metric("canner_delivery_failures_total", **failed, kind="package") == 2
+
+
+def to_combined_index(directory: Path, package_id: str) -> None:
+    """Rewrite a package's indexes as packages were before the zstd megawarcs were apart: one
+    index for every member, whose zstd lines say "zst"."""
+    lines = []
+    for path in index_files(directory, package_id):
+        zst = path.name != package_id + INDEX
+        for line in read_index(path):
+            if zst and line["target"]["container"] == "warc":
+                line["target"]["container"] = "zst"
+            lines.append(line)
+        path.unlink()
+    lines.sort(key=lambda line: (line["canner"]["accepted_at"], line["canner"]["object_id"]))
+    with gzip.open(directory / (package_id + INDEX), "wb") as f:
+        for line in lines:
+            f.write(json.dumps(line).encode() + b"\n")
+
+
+def test_zstd_megawarcs_keep_their_indexes_and_come_back_from_disk(tmp_path: Path) -> None:
+    """A package of gzip and zstd members delivers one index and one WARC per megawarc, keeps
+    every index when it is purged, and comes back from disk with all its members, as does a
+    package written with the one combined index of earlier versions."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    dictionary = train_dictionary(7)
+    zst = [h.accept(zst_warc(i, dictionary, compress_dict=True), f"z{i}.warc.zst") for i in (1, 2)]
+    gz = h.accept(warc_bytes(3))
+    h.clock.advance(11)
+    h.tick(3)
+    (row,) = h.packages()
+    assert row.package_id is not None and row.remote_verified_at is not None
+    d = f".{dictionary.dict_id()}"
+    sent = {name[len(row.package_id) :] for _, name in h.items.files}
+    assert sent == {WARC_GZ, INDEX, d + WARC_ZST, d + INDEX}
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    directory = h.store.directory(row.package_id)
+    left = {p.name[len(row.package_id) :] for p in directory.iterdir()}
+    assert left == {INDEX, d + INDEX, ".delivery.json"}
+    for combined in (False, True):
+        if combined:
+            to_combined_index(directory, row.package_id)
+        h.index.close()
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
+        h.open_index()
+        assert succeeded(h.service.restore_packages()) == 1
+        (after,) = h.packages()
+        assert (after.package_id, after.members, after.batch_date) == (
+            row.package_id,
+            3,
+            row.batch_date,
+        )
+        for oid in (*zst, gz):
+            obj = succeeded(h.index.run(dsql.get_row, oid))
+            assert obj is not None and obj.state == "delivered"
+        placed = succeeded(h.index.run(dsql.get_row, zst[0]))
+        assert placed.remote_name == row.package_id + d + WARC_ZST
+
+
+def test_a_package_with_the_combined_index_of_earlier_versions_still_verifies(
+    tmp_path: Path,
+) -> None:
+    """The verification pass reads a sealed package written with one combined index."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    dictionary = train_dictionary(8)
+    h.accept(zst_warc(1, dictionary, compress_dict=False), "z.warc.zst")
+    h.accept(warc_bytes(2))
+    h.clock.advance(11)
+    h.items.fail_next = 10**6
+    h.tick()
+    (row,) = h.packages()
+    assert row.package_id is not None
+    directory = h.store.directory(row.package_id)
+    to_combined_index(directory, row.package_id)
+    ids = [m.object_id for m in succeeded(h.index.run(sql.batch_members, row.batch_id))]
+    md5s = verify_package(directory, row.package_id, threading.Event(), expected=ids)
+    assert set(md5s) == {p.name[len(row.package_id) :] for p in directory.iterdir()}
