@@ -277,6 +277,46 @@ def read_dictionary(frame: bytes) -> tuple[zstandard.ZstdCompressionDict, int] |
     return (dictionary, dict_id) if dict_id else None
 
 
+def frame_dictionary(first: bytes) -> tuple[zstandard.ZstdCompressionDict, int] | None:
+    """The dictionary of the skippable frame a member starts with (``first`` holds at least the
+    frame), or None when it starts with no usable one."""
+    length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
+    if not first.startswith(SKIPPABLE_MAGIC) or not 0 < length <= MAX_DICTIONARY:
+        return None
+    return read_dictionary(first[: 8 + length])
+
+
+def frame_length(f: IO[bytes], first: bytes) -> bytes:
+    """``first`` (the member's first 8 bytes or fewer), read on to the end of the skippable
+    frame it starts with, when it starts with one a dictionary could be in."""
+    length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
+    if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
+        return _read_at_least(f, first, 8 + length)
+    return first
+
+
+def wanted_dictionaries(
+    members: list[Member], source: Callable[[str], Path]
+) -> list[tuple[str, str]]:
+    """``(project, dict id)`` of every dictionary the members name and do not hold (a
+    ``.warc.zst`` named ``.<project>.<10-digit dict id>.warc.zst`` that starts with no dictionary
+    frame), in member order, once each.  Reads the first bytes of those members (blocking); a
+    missing one is left to the build."""
+    wanted: dict[str, tuple[str, str]] = {}
+    for member in members:
+        named = named_dictionary(member_name(member))
+        if named is None or named[1] in wanted:
+            continue
+        try:
+            with open(source(member.object_id), "rb") as f:
+                if frame_dictionary(frame_length(f, _read_at_least(f, b"", 8))) is not None:
+                    continue
+        except FileNotFoundError:
+            continue
+        wanted[named[1]] = named
+    return list(wanted.values())
+
+
 # -- the builder -----------------------------------------------------------------------------
 
 
@@ -524,20 +564,19 @@ class _Builder:
         """The zstd megawarc of a ``.warc.zst`` member: its own dictionary frame's (``first``
         holds the frame), else the dictionary its name gives; None when it has neither (it is
         filed in the gzip megawarc's tar).  Raises :class:`DictionaryMissing`."""
-        length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
-        if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
-            found = read_dictionary(first[: 8 + length])
-            if found is not None:
-                return self.megawarc(f".{found[1]}", first[: 8 + length], found[0])
+        found = frame_dictionary(first)
+        if found is not None:
+            frame = first[: 8 + int.from_bytes(first[4:8], "little")]
+            return self.megawarc(f".{found[1]}", frame, found[0])
         named = named_dictionary(name)
         if named is None:
             return None
         project, dict_id = named
-        frame = self.dictionaries.get(dict_id)
-        given = read_dictionary(frame) if frame is not None else None
-        if frame is None or given is None:
+        given = self.dictionaries.get(dict_id)
+        usable = read_dictionary(given) if given is not None else None
+        if given is None or usable is None:
             raise DictionaryMissing(member, project, dict_id)
-        return self.megawarc(f".{dict_id}", frame, given[0])
+        return self.megawarc(f".{dict_id}", given, usable[0])
 
     def add(self, member: Member, path: Path) -> None:
         """Pack one member and write its index line."""
@@ -554,10 +593,7 @@ class _Builder:
             if name.endswith(".warc.gz"):
                 test = GzipTest()
             elif name.endswith(".warc.zst"):
-                first = _read_at_least(f, first, 8)
-                length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
-                if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
-                    first = _read_at_least(f, first, 8 + length)
+                first = frame_length(f, _read_at_least(f, first, 8))
                 group = self._zstd_megawarc(member, name, first)
                 if group is not None:
                     assert group.dictionary is not None
