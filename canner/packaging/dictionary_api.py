@@ -138,14 +138,21 @@ class Dictionaries:
         """The frames (``dictionary_frame``) of the ``wanted`` ``(project, dict id)`` by dict id,
         fetching from ``url`` (the ``zstd_dictionary_url`` of the canner project ``owner``, the
         label of the counts) the ones not kept.  Raises
-        :class:`DictionaryUnavailable` for the first that cannot be had (or whose next attempt
-        is not due yet)."""
+        :class:`DictionaryUnavailable` once each was tried, for the one due again first, when
+        any cannot be had (or its next attempt is not due yet)."""
         frames = {}
+        missing: list[DictionaryUnavailable] = []
         for project, dict_id in wanted:
             data = await self._run(self._store.load, dict_id)
             if data is None:
-                data = await self._fetch(owner, url, project, dict_id)
+                try:
+                    data = await self._fetch(owner, url, project, dict_id)
+                except DictionaryUnavailable as e:
+                    missing.append(e)
+                    continue
             frames[dict_id] = dictionary_frame(data)
+        if missing:
+            raise min(missing, key=lambda e: e.next_attempt_at)
         return frames
 
     async def _fetch(self, owner: str, url: str | None, project: str, dict_id: str) -> bytes:
