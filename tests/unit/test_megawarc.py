@@ -15,11 +15,13 @@ import zstandard
 from warcio.archiveiterator import ArchiveIterator
 
 from canner.packaging.batches import Member
+from canner.packaging.dictionaries import dictionary_frame
 from canner.packaging.megawarc import (
     INDEX,
     TAR,
     WARC_GZ,
     BuildStopped,
+    DictionaryMissing,
     GzipTest,
     MemberMismatch,
     VerifyFailed,
@@ -28,6 +30,7 @@ from canner.packaging.megawarc import (
     package_lines,
     read_index,
     verify_package,
+    wanted_dictionaries,
 )
 from tests.packaging_support import (
     RestoreRefused,
@@ -322,3 +325,37 @@ def test_many_empty_and_tiny_members_are_packed(tmp_path: Path) -> None:
             extracted = tar.extractfile(entry)
             assert extracted is not None and extracted.read() == data
     assert check_threads() == []
+
+
+def test_a_member_that_names_its_dictionary_is_packed_behind_the_given_frame(
+    tmp_path: Path,
+) -> None:
+    """A dictionary-less .warc.zst named .<project>.<10-digit id>.warc.zst goes into
+    B.<id>.megawarc.warc.zst behind the frame it is given (raw dictionaries compressed, as
+    megawarc does); without that dictionary the build raises DictionaryMissing, and a member that
+    holds its own dictionary needs none."""
+    dictionary = train_dictionary(11)
+    compressor = zstandard.ZstdCompressor(dict_data=dictionary)
+    dictless = b"".join(compressor.compress(warc_bytes(i, gz=False)) for i in range(2))
+    named = [
+        ("x.urls.0000000042.warc.zst", dictless),
+        ("held.warc.zst", zst_warc(12, dictionary, compress_dict=False)),
+    ]
+    members, src = members_from(tmp_path, named)
+    assert wanted_dictionaries(members, lambda oid: src / oid) == [("urls", "0000000042")]
+    with pytest.raises(DictionaryMissing, match="0000000042"):
+        build(tmp_path, members, src)
+    frame = dictionary_frame(dictionary.as_bytes())
+    assert frame[8:12] == b"\x28\xb5\x2f\xfd"
+    work = tmp_path / "named"
+    work.mkdir()
+    build_package(
+        members, lambda oid: src / oid, work, BASE, threading.Event(),
+        dictionaries={"0000000042": frame},
+    )  # fmt: skip
+    data = (work / f"{BASE}.0000000042.megawarc.warc.zst").read_bytes()
+    assert data == frame + dictless
+    held = (work / f"{BASE}.{dictionary.dict_id()}.megawarc.warc.zst").read_bytes()
+    assert held.endswith(named[1][1])
+    restored = restore_package(work, BASE, tmp_path / "restore")
+    assert restored == {member_name(m): d for m, (_, d) in zip(members, named, strict=True)}
