@@ -96,10 +96,6 @@ WARC_ZST = ".megawarc.warc.zst"
 NAMED_DICTIONARY = re.compile(r"\.([0-9a-zA-Z-]+)\.([0-9]{10})\.warc\.zst$")
 
 
-def zst_suffix(dict_id: int | str) -> str:
-    return f".{dict_id}{WARC_ZST}"
-
-
 def named_dictionary(filename: str | None) -> tuple[str, str] | None:
     """``(project, dict id)`` named by a dictionary-less Wget-AT member's file name, or None."""
     found = NAMED_DICTIONARY.search(filename or "")
