@@ -323,6 +323,13 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     if any((doc.get("packages") or {}).values()):
         phases = ", ".join(f"{phase} {n}" for phase, n in doc["packages"].items() if n)
         lines.append(f"packages         {phases}")
+    now = doc["taken_at"]
+    for w in doc.get("dictionary_waits") or []:
+        lines.append(
+            f"dictionary wait  zstd dictionary {w['dict_id']} of {w['project']}: its members"
+            f" wait since {human_duration(now - w['since'])} ({w['attempts']} attempts, next in"
+            f" {human_duration(max(0.0, w['next_attempt_at'] - now))}): {w['error']}"
+        )
     for project, totals in doc["projects"].items():
         lines.append(
             f"project {project}: {totals['accepted_objects']} accepted"
@@ -357,6 +364,9 @@ def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[st
             warning.append(f"{index.needs_operator} deliveries need an operator")
         if index.purge_overdue:
             warning.append(f"{index.purge_overdue} local purges are overdue")
+    if survey.dictionary_waits:
+        ids = ", ".join(w.dict_id for w in survey.dictionary_waits)
+        warning.append(f"members wait for zstd dictionaries that cannot be had: {ids}")
     reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
     return (CRITICAL if critical else WARNING if warning else OK), reasons
 

@@ -116,6 +116,9 @@ class PackagingConfig:
     target_bytes: int = DEFAULT_TARGET_BYTES
     # ... or once its oldest member has waited this long since acceptance (seconds).
     max_wait: float = DEFAULT_MAX_WAIT
+    # The dictionary API (megawarc's ``--server``) of members that name their zstd dictionary
+    # (``.<project>.<10-digit dict id>.warc.zst``) instead of holding it; None: no such API.
+    zstd_dictionary_url: str | None = None
 
     @property
     def megawarc(self) -> bool:
@@ -271,7 +274,7 @@ _LEDGER_KEYS = {
     "metadata",
 }
 _CONNECTIONS_KEYS = {"max", "max_per_client", "header_timeout"}
-_PACKAGING_KEYS = {"mode", "target_bytes", "max_wait"}
+_PACKAGING_KEYS = {"mode", "target_bytes", "max_wait", "zstd_dictionary_url"}
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
     "authorized_keys",
@@ -395,7 +398,15 @@ def _parse_packaging(raw: Any, name: str) -> PackagingConfig:
     max_wait = _duration(raw, "max_wait", name + ".max_wait", "24h")
     if max_wait < 1.0:
         raise ConfigError(name + ".max_wait", "must be at least 1s")
-    return PackagingConfig(mode=mode, target_bytes=target, max_wait=max_wait)
+    url = None
+    if "zstd_dictionary_url" in raw:
+        key = name + ".zstd_dictionary_url"
+        url = _http_url(_string(raw, "zstd_dictionary_url", key), key)
+        if mode != MEGAWARC:
+            raise ConfigError(key, 'only for mode = "megawarc" (dictionaries are for packing)')
+    return PackagingConfig(
+        mode=mode, target_bytes=target, max_wait=max_wait, zstd_dictionary_url=url
+    )
 
 
 def template_fields(template: str) -> set[str]:

@@ -30,6 +30,8 @@ from canner.journal import Journal, JournalLog
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.service import LedgerService, validate_ledger
 from canner.metrics import Metrics, MetricsPage, SurveyCache
+from canner.packaging.dictionaries import DictionaryStore
+from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
@@ -209,10 +211,26 @@ def package_pipeline(
         in_flight=base.in_flight,
         archived=archived.contains,
         observer=base.metrics,
+        dictionaries=dictionaries(base, packed),
     )
     if packed:
         base.top.outlive(packing)
     return packaging
+
+
+def dictionaries(base: DeliverBase, packed: Mapping[str, ProjectConfig]) -> Dictionaries:
+    """The zstd dictionaries members name, kept in ``<data dir>/dictionaries``; fetched over
+    HTTP when a packed project has a ``zstd_dictionary_url``."""
+    api = None
+    if any(p.packaging.zstd_dictionary_url for p in packed.values()):
+        api = DictionaryApi(http=make_http_client(base.reactor), clock=base.reactor)
+    return Dictionaries(
+        store=DictionaryStore(base.config.data_dir / "dictionaries"),
+        api=api,
+        run=base.io,
+        now=base.reactor.seconds,
+        observer=base.metrics,
+    )
 
 
 def packed_projects(config: Config, sinks: Mapping[str, Sink]) -> dict[str, ProjectConfig]:

@@ -38,6 +38,7 @@ from canner.drain import (
 from canner.ids import ObjectIds
 from canner.ledger import store as ledger_store
 from canner.ledger.files import Archived, ArchivedIds, LedgerDir
+from canner.packaging.dictionaries import DictionaryWait, read_waits
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
 from canner.tus.store import CorruptInfo, UploadStore
@@ -128,6 +129,8 @@ class Survey:
     retirement: Retirement | None = None
     # whether a process holds deliver.lock; None: not looked (only ``canner status`` looks)
     deliver_lock_held: bool | None = None
+    # zstd dictionaries that members name and that could not be had yet: their batches wait
+    dictionary_waits: tuple[DictionaryWait, ...] = ()
 
     @property
     def active_upload_bytes(self) -> int:
@@ -344,6 +347,7 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
         trends=trends,
         draining=draining,
         retirement=retire,
+        dictionary_waits=read_waits(data_dir / "dictionaries"),
     )
 
 
@@ -405,6 +409,7 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         "draining": survey.draining.as_dict() if survey.draining else None,
         "retirement": survey.retirement.as_dict() if survey.retirement else None,
         "packages": dict(index.packages) if index else None,
+        "dictionary_waits": [w.as_dict() for w in survey.dictionary_waits],
     }
     return doc
 

@@ -70,6 +70,8 @@ CREATION_REFUSALS = {
     503: "storage_unavailable",
 }
 CHECKSUM_MISMATCH = "checksum_mismatch"
+# DictionaryUnavailable.reason values (anything else is counted as "other").
+DICTIONARY_FAILURES = frozenset({"unconfigured", "api", "download", "mismatch", "invalid"})
 # DeliveryFailed.kind values (anything else is counted as "other").
 FAILURE_CLASSES = frozenset(
     {
@@ -210,9 +212,22 @@ class Metrics:
             ["project", *kind],
             registry=dlv,
         )
+        self.dictionaries_fetched = Counter(
+            "canner_zstd_dictionaries_fetched",
+            "zstd dictionaries fetched from a project's dictionary API and kept",
+            ["project"],
+            registry=dlv,
+        )
+        self.dictionary_failures = Counter(
+            "canner_zstd_dictionary_failures",
+            "Attempts to get a zstd dictionary that members name which failed: they wait",
+            ["project", "reason"],
+            registry=dlv,
+        )
         for project in self.projects:
             for family in (self.uploads_created, self.uploads_accepted, self.accepted_bytes):
                 family.labels(project)
+            self.dictionaries_fetched.labels(project)
         # Every kind's series exist from the start, so rate() sees the first event.
         for outbound in Outbound:
             projects = ("",) if outbound is Outbound.LEDGER else self.projects
@@ -320,6 +335,15 @@ class Metrics:
     def redelivered(self, kind: Outbound, project: str) -> None:
         self.redeliveries.labels(self._project(project), kind.value).inc()
 
+    # -- zstd dictionaries (DictionaryObserver) -------------------------------------------------
+
+    def dictionary_fetched(self, project: str) -> None:
+        self.dictionaries_fetched.labels(self._project(project)).inc()
+
+    def dictionary_unavailable(self, project: str, reason: str) -> None:
+        reason = reason if reason in DICTIONARY_FAILURES else "other"
+        self.dictionary_failures.labels(self._project(project), reason).inc()
+
 
 # -- the survey gauges ----------------------------------------------------------------------
 
@@ -400,6 +424,11 @@ class SurveyCollector(Collector):
             "canner_retirable",
             "1 while the node is drained and holds nothing undelivered",
             value=1 if survey.retirement is not None and survey.retirement.retirable else 0,
+        )
+        yield GaugeMetricFamily(
+            "canner_zstd_dictionary_waits",
+            "zstd dictionaries that members name and that could not be had: their batches wait",
+            value=len(survey.dictionary_waits),
         )
         yield GaugeMetricFamily(
             "canner_active_uploads",

@@ -85,8 +85,19 @@ class OutboundObserver(Protocol):
         """A delivered file still missing at its destination was sent to be delivered again."""
 
 
+class DictionaryObserver(Protocol):
+    """The packaging pipeline's facts about zstd dictionaries that members name."""
+
+    def dictionary_fetched(self, project: str) -> None:
+        """A dictionary was fetched from the project's dictionary API and kept."""
+
+    def dictionary_unavailable(self, project: str, reason: str) -> None:
+        """A dictionary could not be had (``reason``: ``unconfigured``, ``api``, ``download``,
+        ``mismatch``, ``invalid``): the members naming it wait."""
+
+
 class Unobserved:
-    """Both observers, doing nothing: the default where nobody counts (tests, the CLI)."""
+    """Every observer, doing nothing: the default where nobody counts (tests, the CLI)."""
 
     def upload_created(self, project: str) -> None:
         pass
@@ -127,6 +138,12 @@ class Unobserved:
         pass
 
     def redelivered(self, kind: Outbound, project: str) -> None:
+        pass
+
+    def dictionary_fetched(self, project: str) -> None:
+        pass
+
+    def dictionary_unavailable(self, project: str, reason: str) -> None:
         pass
 
 

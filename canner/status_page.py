@@ -680,6 +680,24 @@ def _deliveries(view: StatusView) -> Tag | str:
             )
         section(tags.h2("Packages"), packages)
     now = survey.taken_at
+    if survey.dictionary_waits:
+        waits = tags.table(
+            _head("zstd dictionary", "project", "waiting", "attempts", "next try", "error"),
+            id="dictionary-waits",
+        )
+        for w in survey.dictionary_waits:
+            waits(
+                _row(
+                    tags.td(tags.code(w.dict_id)),
+                    tags.td(w.project),
+                    tags.td(human_duration(now - w.since), class_="num"),
+                    tags.td(str(w.attempts), class_="num"),
+                    tags.td(f"in {human_duration(max(0.0, w.next_attempt_at - now))}"),
+                    tags.td(w.error, class_="msg"),
+                    **{"data-dict-id": w.dict_id},
+                )
+            )
+        section(tags.h2("Members waiting for a zstd dictionary"), waits)
     if index.recent_failures:
         failures = tags.table(
             _head("object", "project", "attempts", "needs operator", "next retry", "last error"),

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import base64
 import gzip
+import io
 import json
 import os
 import random
+import tarfile
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import blake3
 import zstandard
@@ -65,43 +67,74 @@ def checksum(data: bytes) -> str:
     return "blake3:" + blake3.blake3(data).hexdigest()
 
 
-def restore(directory: Path, basename: str, out: IO[bytes]) -> None:
-    """megawarc restore, from the documented format: for each index line, the header then the
-    member's bytes padded to 512 (warc/zst members), or the tar entry as is; pad to 10240."""
-    files: dict[str, Any] = {}
+class RestoreRefused(Exception):
+    """What ``megawarc restore`` would stop with."""
 
-    def container(name: str) -> Any:
-        if name not in files:
-            files[name] = open(directory / name, "rb")
-        return files[name]
 
+def restore(directory: Path, name: str, out: IO[bytes]) -> None:
+    """``megawarc restore <name>`` by the real tool's rules (ArchiveTeam/megawarc): it needs
+    ``<name>.megawarc.warc.gz`` and ``<name>.megawarc.json.gz``; for each index line, a "warc"
+    member is its header, its bytes from ``<name>.megawarc.warc.gz`` and zeros to 512, a "tar"
+    member its entry copied from ``<name>.megawarc.tar``; any other container is refused
+    ("Unkown container"); the output is padded to 10240.  Written from the format, not from
+    canner's builder."""
+    for ext in (".megawarc.warc.gz", ".megawarc.json.gz"):
+        if not (directory / (name + ext)).exists():
+            raise RestoreRefused(f"Input file {name + ext} does not exist.")
     written = 0
-    with gzip.open(directory / f"{basename}.megawarc.json.gz", "rb") as index:
+
+    def copy(file: str, offset: int, size: int) -> None:
+        nonlocal written
+        with open(directory / file, "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise RestoreRefused(f"End of file: {size} bytes expected, {len(data)} read")
+        out.write(data + b"\0" * (-size % 512))
+        written += size + (-size % 512)
+
+    with gzip.open(directory / f"{name}.megawarc.json.gz", "rb") as index:
         for raw_line in index:
             line = json.loads(raw_line)
             target = line["target"]
-            if target["container"] == "tar":
-                f = container(f"{basename}.megawarc.tar")
-                f.seek(target["offset"])
-                data = f.read(target["size"])
-                out.write(data)
-                written += len(data)
-                continue
-            name = (
-                f"{basename}.megawarc.warc.gz"
-                if target["container"] == "warc"
-                else f"{basename}.{target['dict_id']}.megawarc.warc.zst"
-            )
-            f = container(name)
-            f.seek(target["offset"])
-            header = base64.b64decode(line["header_base64"])
-            data = f.read(target["size"])
-            pad = b"\0" * (-len(data) % 512)
-            out.write(header + data + pad)
-            written += len(header) + len(data) + len(pad)
+            if target["container"] == "warc":
+                header = base64.b64decode(line["header_base64"])
+                out.write(header)
+                written += len(header)
+                copy(f"{name}.megawarc.warc.gz", target["offset"], target["size"])
+            elif target["container"] == "tar":
+                copy(f"{name}.megawarc.tar", target["offset"], target["size"])
+            else:
+                raise RestoreRefused(f"Unkown container: {target['container']}")
     out.write(b"\0" * (-written % 10240))
-    for f in files.values():
-        f.close()
+
+
+def restore_package(directory: Path, basename: str, scratch: Path) -> dict[str, bytes]:
+    """Every member of a package, by its tar name, as ``megawarc restore`` gives them back:
+    once for the gzip megawarc (``<basename>``) and once per zstd dictionary
+    (``<basename>.<dict id>``), whose ``.megawarc.warc.zst`` the tool reads under the
+    ``.megawarc.warc.gz`` name (a symlink in ``scratch``, as an operator would make)."""
+    scratch.mkdir(exist_ok=True)
+    members: dict[str, bytes] = {}
+    for index in sorted(directory.glob(f"{basename}*.megawarc.json.gz")):
+        name = index.name[: -len(".megawarc.json.gz")]
+        for path in directory.glob(f"{name}.megawarc.*"):
+            link = scratch / path.name
+            if not link.exists():
+                link.symlink_to(path)
+        zst = scratch / f"{name}.megawarc.warc.zst"
+        gz = scratch / f"{name}.megawarc.warc.gz"
+        if zst.exists() and not gz.exists():
+            gz.symlink_to(zst.resolve())
+        out = io.BytesIO()
+        restore(scratch, name, out)
+        assert len(out.getvalue()) % 10240 == 0
+        with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
+            for entry in tar.getmembers():
+                extracted = tar.extractfile(entry)
+                assert extracted is not None and entry.name not in members
+                members[entry.name] = extracted.read()
+    return members
 
 
 def write_member(directory: Path, name: str, data: bytes) -> Path:

@@ -2,13 +2,20 @@
 
 :func:`build_package` reads each member once: the same chunks feed its BLAKE3, its test
 (complete gzip, or complete zstd with its dictionary, whose output starts as a WARC record does)
-and the container it is appended to.  Valid ``.warc.gz`` members go to
-``B.megawarc.warc.gz``; valid ``.warc.zst`` members to ``B.<dict id>.megawarc.warc.zst``, which
-starts with that dictionary's skippable frame; everything else (other files, failed tests) to
-``B.megawarc.tar`` as tar entries.  ``B.megawarc.json.gz`` has one line per member in megawarc's
-format (``docs/reference/megawarc.md``) plus a ``canner`` object: object id, receipt id,
-checksum, size, project, and the file and offset of the member's bytes.  A member whose bytes do
-not hash to its receipt raises :class:`MemberMismatch` and nothing of it is kept.
+and the container it is appended to.  The package holds megawarcs laid out as ``megawarc pack``
+lays them out, so that ArchiveTeam's ``megawarc restore`` gives every member back: the gzip one,
+``B.megawarc.{warc.gz,tar,json.gz}`` (valid ``.warc.gz`` members in the WARC, everything else
+in the tar), and one per zstd dictionary, ``B.<dict id>.megawarc.{warc.zst,tar,json.gz}``,
+whose WARC starts with that dictionary's skippable frame and holds the valid ``.warc.zst``
+members of that dictionary (the ones that fail their test go to its tar).  A ``.warc.zst``
+member's dictionary is the frame it starts with, else the one its name gives
+(``.<project>.<10-digit dict id>.warc.zst``, see :mod:`canner.packaging.dictionaries`).  Each
+index has one line per member in megawarc's format (``docs/reference/megawarc.md``: container
+``warc`` or ``tar``) plus a ``canner`` object: object id, receipt id, checksum, size, project,
+and the file and offset of the member's bytes.  A member whose bytes do not hash to its receipt
+raises :class:`MemberMismatch` and nothing of it is kept.  (Packages built before the zstd
+megawarcs were apart have one index for all, whose zstd lines say ``zst``: they are still
+read, verified and restored from disk.)
 
 :func:`verify_package` re-reads the sealed files once: every member's bytes at its offsets must
 hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
@@ -28,11 +35,12 @@ import hashlib
 import json
 import os
 import queue
+import re
 import tarfile
 import threading
 import zlib as _zlib
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from io import FileIO
 from pathlib import Path
@@ -83,8 +91,28 @@ INFLATE_SLICE = 32 << 10
 WARC_MAGIC = b"WARC/"
 
 
-def zst_suffix(dict_id: int) -> str:
-    return f".{dict_id}.megawarc.warc.zst"
+WARC_ZST = ".megawarc.warc.zst"
+# A Wget-AT member without its dictionary names it: ``.<project>.<10-digit dict id>.warc.zst``.
+NAMED_DICTIONARY = re.compile(r"\.([0-9a-zA-Z-]+)\.([0-9]{10})\.warc\.zst$")
+
+
+def named_dictionary(filename: str | None) -> tuple[str, str] | None:
+    """``(project, dict id)`` named by a dictionary-less Wget-AT member's file name, or None."""
+    found = NAMED_DICTIONARY.search(filename or "")
+    return (found.group(1), found.group(2)) if found else None
+
+
+def is_index(suffix: str) -> bool:
+    """Whether a package file (``<basename><suffix>``) is one of its megawarcs' indexes."""
+    return suffix.endswith(INDEX)
+
+
+class DictionaryMissing(Exception):
+    """A dictionary-less ``.warc.zst`` member's dictionary was not given to the build."""
+
+    def __init__(self, member: Member, project: str, dict_id: str) -> None:
+        super().__init__(f"{member.object_id}: no zstd dictionary {dict_id} of {project}")
+        self.member, self.project, self.dict_id = member, project, dict_id
 
 
 class BuildStopped(Exception):
@@ -245,6 +273,46 @@ def read_dictionary(frame: bytes) -> tuple[zstandard.ZstdCompressionDict, int] |
     return (dictionary, dict_id) if dict_id else None
 
 
+def frame_dictionary(first: bytes) -> tuple[zstandard.ZstdCompressionDict, int] | None:
+    """The dictionary of the skippable frame a member starts with (``first`` holds at least the
+    frame), or None when it starts with no usable one."""
+    length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
+    if not first.startswith(SKIPPABLE_MAGIC) or not 0 < length <= MAX_DICTIONARY:
+        return None
+    return read_dictionary(first[: 8 + length])
+
+
+def frame_length(f: IO[bytes], first: bytes) -> bytes:
+    """``first`` (the member's first 8 bytes or fewer), read on to the end of the skippable
+    frame it starts with, when it starts with one a dictionary could be in."""
+    length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
+    if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
+        return _read_at_least(f, first, 8 + length)
+    return first
+
+
+def wanted_dictionaries(
+    members: list[Member], source: Callable[[str], Path]
+) -> list[tuple[str, str]]:
+    """``(project, dict id)`` of every dictionary the members name and do not hold (a
+    ``.warc.zst`` named ``.<project>.<10-digit dict id>.warc.zst`` that starts with no dictionary
+    frame), in member order, once each.  Reads the first bytes of those members (blocking); a
+    missing one is left to the build."""
+    wanted: dict[str, tuple[str, str]] = {}
+    for member in members:
+        named = named_dictionary(member_name(member))
+        if named is None or named[1] in wanted:
+            continue
+        try:
+            with open(source(member.object_id), "rb") as f:
+                if frame_dictionary(frame_length(f, _read_at_least(f, b"", 8))) is not None:
+                    continue
+        except FileNotFoundError:
+            continue
+        wanted[named[1]] = named
+    return list(wanted.values())
+
+
 # -- the builder -----------------------------------------------------------------------------
 
 
@@ -399,15 +467,36 @@ class _Pending:
 
 
 @define
+class _Megawarc:
+    """One megawarc of the package, as ``megawarc pack`` lays it out: ``<prefix>`` is "" for
+    the gzip one and ``.<dict id>`` for each zstd dictionary's; each has its own index, its own
+    tar and its own (virtual) original tar, whose position ``src_pos`` is."""
+
+    prefix: str
+    data: str  # the suffix of its WARC container
+    raw: IO[bytes]
+    index: gzip.GzipFile
+    # A zstd megawarc's dictionary frame (its container's first bytes) and dictionary.
+    frame: bytes = b""
+    dictionary: zstandard.ZstdCompressionDict | None = None
+    src_pos: int = 0
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.index.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+
+
+@define
 class _Builder:
     work: Path
     basename: str
     stop: threading.Event
     chunk: int
+    # Dictionary frames by dict id, for members that name their dictionary instead of holding it.
+    dictionaries: Mapping[str, bytes] = field(factory=dict)
     containers: dict[str, _Container] = field(factory=dict)
+    megawarcs: dict[str, _Megawarc] = field(factory=dict)
     placements: list[Placement] = field(factory=list)
-    src_pos: int = 0
-    # Members whose test failed in an earlier pass: straight to the tar.
+    # Members whose test failed in an earlier pass: straight to their megawarc's tar.
     force_tar: frozenset[str] = frozenset()
     # Each member is appended to its container while a lane checks it (:class:`_Lanes`);
     # the builder goes on to the next members meanwhile.  A BLAKE3 that differs from the
@@ -427,11 +516,29 @@ class _Builder:
             self.containers[suffix] = _Container(path, f)
         return self.containers[suffix]
 
+    def megawarc(
+        self,
+        prefix: str,
+        frame: bytes = b"",
+        dictionary: zstandard.ZstdCompressionDict | None = None,
+    ) -> _Megawarc:
+        """The megawarc of ``prefix``, started (its index opened) on first use; a zstd one keeps
+        the dictionary of its first member."""
+        if prefix not in self.megawarcs:
+            raw = open(self.work / (self.basename + prefix + INDEX), "wb")
+            index = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0)
+            data = prefix + (WARC_ZST if dictionary is not None else WARC_GZ)
+            self.megawarcs[prefix] = _Megawarc(prefix, data, raw, index, frame, dictionary)
+        return self.megawarcs[prefix]
+
     def close(self) -> None:
         if self.lanes is not None:
             self.lanes.close()
         for c in self.containers.values():
             c.file.close()
+        for m in self.megawarcs.values():
+            m.index.close()
+            m.raw.close()
 
     def read_chunks(self, f: FileIO, first: bytes) -> Iterator[Chunk]:
         """The member's bytes: ``first`` (read already), then views of pooled buffers, each
@@ -449,8 +556,26 @@ class _Builder:
                 return
             yield memoryview(buffer)[:n], buffer
 
-    def add(self, member: Member, path: Path) -> dict[str, Any]:
-        """Pack one member; return its index line."""
+    def _zstd_megawarc(self, member: Member, name: str, first: bytes) -> _Megawarc | None:
+        """The zstd megawarc of a ``.warc.zst`` member: its own dictionary frame's (``first``
+        holds the frame), else the dictionary its name gives; None when it has neither (it is
+        filed in the gzip megawarc's tar).  Raises :class:`DictionaryMissing`."""
+        found = frame_dictionary(first)
+        if found is not None:
+            frame = first[: 8 + int.from_bytes(first[4:8], "little")]
+            return self.megawarc(f".{found[1]}", frame, found[0])
+        named = named_dictionary(name)
+        if named is None:
+            return None
+        project, dict_id = named
+        given = self.dictionaries.get(dict_id)
+        usable = read_dictionary(given) if given is not None else None
+        if given is None or usable is None:
+            raise DictionaryMissing(member, project, dict_id)
+        return self.megawarc(f".{dict_id}", given, usable[0])
+
+    def add(self, member: Member, path: Path) -> None:
+        """Pack one member and write its index line."""
         name = member_name(member)
         header, fields = tar_header(name, member.size_bytes, member.accepted_at)
         try:
@@ -459,31 +584,26 @@ class _Builder:
             raise MemberMismatch(member, "missing") from None
         with f:
             first = b""
-            target: _Container | None = None
+            group: _Megawarc | None = None
             test: GzipTest | ZstdTest | None = None
-            suffix = TAR
             if name.endswith(".warc.gz"):
-                suffix, test = WARC_GZ, GzipTest()
+                test = GzipTest()
             elif name.endswith(".warc.zst"):
-                first = _read_at_least(f, first, 8)
-                length = int.from_bytes(first[4:8], "little") if len(first) >= 8 else 0
-                if first.startswith(SKIPPABLE_MAGIC) and 0 < length <= MAX_DICTIONARY:
-                    first = _read_at_least(f, first, 8 + length)
-                    found = read_dictionary(first[: 8 + length])
-                    if found is not None:
-                        dictionary, dict_id = found
-                        suffix, test = zst_suffix(dict_id), ZstdTest(dictionary)
-                        target = self.container(suffix, first[: 8 + length])
+                first = frame_length(f, _read_at_least(f, first, 8))
+                group = self._zstd_megawarc(member, name, first)
+                if group is not None:
+                    assert group.dictionary is not None
+                    test = ZstdTest(group.dictionary)
+            group = group or self.megawarc("")
             if test is not None and member.object_id in self.force_tar:
-                test, target = None, None
+                test = None
             chunks = self.read_chunks(f, first)
             if test is not None:
-                target = target or self.container(suffix)
-                line = self._append_tested(member, chunks, target, test, header, fields)
+                line = self._append_tested(member, chunks, group, test, header, fields)
             else:
-                line = self._append_tar(member, chunks, header, fields)
-        self.src_pos += len(header) + member.size_bytes + _padding(member.size_bytes)
-        return line
+                line = self._append_tar(member, chunks, group, header, fields)
+        group.write(line)
+        group.src_pos += len(header) + member.size_bytes + _padding(member.size_bytes)
 
     def _append(
         self,
@@ -530,18 +650,17 @@ class _Builder:
         self,
         member: Member,
         chunks: Iterator[Chunk],
-        target: _Container,
+        group: _Megawarc,
         test: GzipTest | ZstdTest,
         header: bytes,
         fields: dict[str, Any],
     ) -> dict[str, Any]:
+        target = self.container(group.data, group.frame)
         start = target.tell()
         size = self._append(member, chunks, target, test)
         target.members += 1
-        suffix = _suffix_of(self, target)
-        self.placements.append(Placement(member.object_id, suffix, start))
-        container = "warc" if suffix == WARC_GZ else "zst"
-        return self._line(member, container, start, size, header, fields, suffix, start)
+        self.placements.append(Placement(member.object_id, group.data, start))
+        return self._line(member, group, "warc", start, size, header, fields, group.data, start)
 
     def checks_done(self) -> set[str]:
         """Wait for every member's check; the ids of those whose test failed.  Raises
@@ -553,23 +672,28 @@ class _Builder:
         self,
         member: Member,
         chunks: Iterator[Chunk],
+        group: _Megawarc,
         header: bytes,
         fields: dict[str, Any],
     ) -> dict[str, Any]:
-        tar = self.container(TAR)
+        suffix = group.prefix + TAR
+        tar = self.container(suffix)
         start = tar.tell()
         tar.write(header)
         size = self._append(member, chunks, tar, None)
         tar.write(b"\0" * _padding(size))
         tar.members += 1
         data_offset = start + len(header)
-        self.placements.append(Placement(member.object_id, TAR, data_offset))
+        self.placements.append(Placement(member.object_id, suffix, data_offset))
         entry_size = len(header) + size + _padding(size)
-        return self._line(member, "tar", start, entry_size, header, fields, TAR, data_offset)
+        return self._line(
+            member, group, "tar", start, entry_size, header, fields, suffix, data_offset
+        )
 
     def _line(
         self,
         member: Member,
+        group: _Megawarc,
         container: str,
         offset: int,
         size: int,
@@ -578,13 +702,12 @@ class _Builder:
         suffix: str,
         data_offset: int,
     ) -> dict[str, Any]:
-        entry = self.src_pos
+        # megawarc's restore knows two containers: "warc" (its megawarc's WARC file, gzip or
+        # zstd) and "tar"; offsets in src_offsets are in this megawarc's own original tar.
+        entry = group.src_pos
         data = entry + len(header)
-        target: dict[str, Any] = {"container": container, "offset": offset, "size": size}
-        if container == "zst":
-            target["dict_id"] = int(suffix.split(".")[1])
         return {
-            "target": target,
+            "target": {"container": container, "offset": offset, "size": size},
             "src_offsets": {
                 "entry": entry,
                 "data": data,
@@ -604,10 +727,6 @@ class _Builder:
                 "offset": data_offset,
             },
         }
-
-
-def _suffix_of(builder: _Builder, target: _Container) -> str:
-    return target.path.name[len(builder.basename) :]
 
 
 def _read_at_least(f: IO[bytes], data: bytes, n: int) -> bytes:
@@ -635,58 +754,58 @@ def build_package(
     stop: threading.Event,
     chunk: int = CHUNK,
     test_threads: int | None = None,
+    dictionaries: Mapping[str, bytes] | None = None,
 ) -> BuiltPackage:
-    """Write the megawarc of ``members`` (in this order) into the directory ``work``.
+    """Write the megawarcs of ``members`` (in this order) into the directory ``work``: the
+    gzip one (``<basename>.megawarc.*``) and one per zstd dictionary
+    (``<basename>.<dict id>.megawarc.*``), each with its own index and tar, as megawarc does.
 
-    ``source(object_id)`` is a member's upload file.  Every file written is fsynced (the caller
-    renames ``work`` into place and fsyncs its parent).  Each member is read once, unless one
-    fails its test: then the package is written again with it in the tar.  ``test_threads``
-    (default: one per CPU) test members side by side.  Raises :class:`MemberMismatch` for a
-    member whose bytes do not match its receipt, :class:`BuildStopped` when ``stop`` is set,
-    ``OSError`` for I/O failures; ``work`` is then left for the caller to remove.
+    ``source(object_id)`` is a member's upload file.  ``dictionaries`` holds the dictionary
+    frames (``dictionary_frame``) of the members that name their dictionary instead of holding
+    it, by dict id.  Every file written is fsynced (the caller renames ``work`` into place and
+    fsyncs its parent).  Each member is read once, unless one fails its test: then the package
+    is written again with it in its megawarc's tar.  ``test_threads`` (default: one per CPU)
+    test members side by side.  Raises :class:`MemberMismatch` for a member whose bytes do not
+    match its receipt, :class:`DictionaryMissing` for one whose dictionary was not given,
+    :class:`BuildStopped` when ``stop`` is set, ``OSError`` for I/O failures; ``work`` is then
+    left for the caller to remove.
     """
     lanes = test_threads or max(1, os.cpu_count() or 1)
     force_tar: frozenset[str] = frozenset()
     while True:
         for leftover in work.iterdir():
             leftover.unlink()
+        builder = _Builder(work, basename, stop, chunk, dictionaries or {}, force_tar=force_tar)
         try:
-            return _build(members, source, work, basename, stop, chunk, lanes, force_tar)
+            return _build(builder, members, source, lanes)
         except _TestsFailed as e:
             force_tar = force_tar | e.object_ids
 
 
 def _build(
-    members: list[Member],
-    source: Callable[[str], Path],
-    work: Path,
-    basename: str,
-    stop: threading.Event,
-    chunk: int,
-    lanes: int,
-    force_tar: frozenset[str],
+    builder: _Builder, members: list[Member], source: Callable[[str], Path], lanes: int
 ) -> BuiltPackage:
-    builder = _Builder(work, basename, stop, chunk, force_tar=force_tar)
-    builder.lanes = _Lanes(lanes, chunk)
-    index_path = work / (basename + INDEX)
+    builder.lanes = _Lanes(lanes, builder.chunk)
     try:
-        with (
-            open(index_path, "wb") as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as index,
-        ):
-            for member in members:
-                line = builder.add(member, source(member.object_id))
-                index.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
-            raw.flush()
+        for member in members:
+            builder.add(member, source(member.object_id))
         failed = builder.checks_done()
         if failed:
             raise _TestsFailed(failed)
-        tar = builder.containers.get(TAR)
-        if tar is not None:
-            tar.write(b"\0" * _padding(tar.tell(), TAR_RECORD))
         files: dict[str, int] = {}
+        for m in builder.megawarcs.values():
+            # megawarc's restore needs the WARC container even when no member went there.
+            builder.container(m.data, m.frame)
+            tar = builder.containers.get(m.prefix + TAR)
+            if tar is not None:
+                tar.write(b"\0" * _padding(tar.tell(), TAR_RECORD))
+            m.index.close()
+            m.raw.flush()
+            os.fsync(m.raw.fileno())
+            files[m.prefix + INDEX] = m.raw.tell()
+        warcs = {m.data for m in builder.megawarcs.values()}
         for suffix, c in list(builder.containers.items()):
-            if c.members == 0:
+            if c.members == 0 and suffix not in warcs:
                 c.file.close()
                 c.path.unlink()
                 del builder.containers[suffix]
@@ -694,9 +813,6 @@ def _build(
             c.file.flush()
             os.fsync(c.file.fileno())
             files[suffix] = c.tell()
-        with open(index_path, "rb") as done:
-            os.fsync(done.fileno())
-        files[INDEX] = index_path.stat().st_size
         return BuiltPackage(files, builder.placements)
     finally:
         builder.close()
@@ -711,6 +827,22 @@ def read_index(path: Path) -> Iterator[dict[str, Any]]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
+
+
+def index_files(directory: Path, basename: str) -> list[Path]:
+    """The indexes of a package: its gzip megawarc's and each zstd dictionary's (a package
+    built before those were apart has one, for every member)."""
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.name.startswith(basename + ".") and p.name.endswith(INDEX)
+    )
+
+
+def package_lines(directory: Path, basename: str) -> Iterator[dict[str, Any]]:
+    """Every index line of a package, index by index."""
+    for path in index_files(directory, basename):
+        yield from read_index(path)
 
 
 class VerifyFailed(Exception):
@@ -730,7 +862,7 @@ def verify_package(
     :class:`VerifyFailed` naming the member, :class:`BuildStopped`, or ``OSError``."""
     spans: dict[str, list[tuple[int, int, str, str]]] = {}
     listed: set[str] = set()
-    for line in read_index(directory / (basename + INDEX)):
+    for line in package_lines(directory, basename):
         c = line["canner"]
         listed.add(c["object_id"])
         suffix = c["file"][len(basename) :]

@@ -40,15 +40,18 @@ from canner.delivery.queue import (
 )
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
 from canner.packaging import batches as sql
-from canner.packaging.batches import PackageRow
+from canner.packaging.batches import Member, PackageRow
+from canner.packaging.dictionary_api import Dictionaries, DictionaryUnavailable
 from canner.packaging.megawarc import (
     CHUNK,
     INDEX,
     BuildStopped,
+    DictionaryMissing,
     MemberMismatch,
     VerifyFailed,
     build_package,
     verify_package,
+    wanted_dictionaries,
 )
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
@@ -127,6 +130,8 @@ class PackagingService(Service):
     )
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
+    # The zstd dictionaries members name instead of holding (None: such members wait).
+    _dictionaries: Dictionaries | None = None
     observer: OutboundObserver = UNOBSERVED
     _resume_after: dict[int, float] = field(factory=dict)
     # What the last tick's batching did, and the package ids of builds running (for operators).
@@ -275,6 +280,9 @@ class PackagingService(Service):
                 row, f"not enough free space for a {needed}-byte package ({free} bytes free)"
             )
             return None
+        frames = await self._dictionary_frames(row, members)
+        if frames is None:
+            return None
         work = await self._run(self._store.new_work, package_id)
         log.info(
             "building package {package} of {members} objects ({bytes} bytes)",
@@ -286,8 +294,18 @@ class PackagingService(Service):
         )
         try:
             built = await self._pack(
-                build_package, members, self._uploads.data_path, work, package_id, self._stopping
+                build_package,
+                members,
+                self._uploads.data_path,
+                work,
+                package_id,
+                self._stopping,
+                dictionaries=frames,
             )
+        except DictionaryMissing as e:  # a dictionary given, then not usable: a retry fetches
+            await self._run(self._store.discard, work)
+            await self._build_failed(row, f"building failed: {e}")
+            return None
         except MemberMismatch as e:
             await self._run(self._store.discard, work)
             now = self._clock.seconds()
@@ -326,6 +344,39 @@ class PackagingService(Service):
             files=sorted(built.files),
         )
         return evolve(row, state="sealed", package_id=package_id, batch_date=batch_date)
+
+    async def _dictionary_frames(
+        self, row: PackageRow, members: list[Member]
+    ) -> dict[str, bytes] | None:
+        """The dictionary frames the members name and do not hold; None when one cannot be had
+        yet: the batch then waits (back to ``closed``) until that dictionary's next attempt,
+        and none of its members is ever filed as "not a WARC" for want of it."""
+        wanted = await self._run(wanted_dictionaries, members, self._uploads.data_path)
+        if not wanted:
+            return {}
+        url = self._projects[row.project].packaging.zstd_dictionary_url
+        now = self._clock.seconds()
+        try:
+            if self._dictionaries is None:
+                raise DictionaryUnavailable(
+                    row.project, wanted[0][1], "unconfigured", "no dictionary store", now + 60
+                )
+            return await self._dictionaries.frames(row.project, url, wanted)
+        except DictionaryUnavailable as e:
+            error = f"waiting for {e}"
+            again = max(e.next_attempt_at, now + 1.0)
+            await self._index.run(sql.record_build_failure, row.batch_id, error, again, now)
+            log.warn(
+                "package build of batch {batch_id} waits for zstd dictionary {dict_id} of"
+                " {dict_project}, retry in {delay:.0f}s: {error}",
+                batch_id=row.batch_id,
+                project=row.project,
+                dict_project=e.project,
+                dict_id=e.dict_id,
+                delay=again - now,
+                error=e.detail,
+            )
+            return None
 
     async def _build_failed(self, row: PackageRow, error: str) -> None:
         now = self._clock.seconds()

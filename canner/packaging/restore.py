@@ -18,7 +18,7 @@ from canner.blocking import BlockingRunner
 from canner.delivery.index import Index
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, RestoredPackage
-from canner.packaging.megawarc import INDEX, read_index
+from canner.packaging.megawarc import package_lines
 from canner.packaging.store import PackageStore
 from canner.sinks.plan import format_date
 
@@ -32,7 +32,7 @@ def read_package(
     ``archived(object_id)`` says which members a verified ledger owns."""
     directory = store.directory(package_id)
     members, placements = [], []
-    for line in read_index(directory / (package_id + INDEX)):
+    for line in package_lines(directory, package_id):
         c = line["canner"]
         members.append(
             Member(
@@ -47,11 +47,12 @@ def read_package(
         placements.append((c["object_id"], c["file"][len(package_id) :], c["offset"]))
     if not members:
         return None
+    # Member order (acceptance) across the package's megawarcs: the first names the batch date.
+    members.sort(key=lambda m: (m.accepted_at, m.object_id))
     files = [
         (p.name[len(package_id) :], p.stat().st_size)
         for p in directory.iterdir()
-        if p.name.startswith(package_id + ".megawarc.")
-        or (p.name.startswith(package_id + ".") and p.name.endswith(".megawarc.warc.zst"))
+        if p.name.startswith(package_id + ".") and ".megawarc." in p.name
     ]
     delivery = store.read_delivery(package_id)
     if delivery is not None:

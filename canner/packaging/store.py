@@ -5,7 +5,8 @@ a temp directory (``.tmp-<package id>-<random>``) whose files are fsynced, then 
 place, and ``packages/`` is fsynced: a package directory under its final name is always complete.
 A temp directory is only ever a build in progress, so at start-up every one is an orphan of a
 crash and is removed.  Once a package is delivered, verified at IA and past retention, its
-containers are deleted; its index (``.megawarc.json.gz``) and a delivery record
+containers are deleted; its indexes (``*.megawarc.json.gz``: the gzip megawarc's and one per
+zstd dictionary) and a delivery record
 (``.delivery.json``) stay, so a lost ``delivery.sqlite`` can be rebuilt from this directory.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 from attrs import frozen
 
 from canner import fs
-from canner.packaging.megawarc import INDEX
+from canner.packaging.megawarc import index_files, is_index
 
 DELIVERY_RECORD = ".delivery.json"
 
@@ -98,18 +99,19 @@ class PackageStore:
         return doc
 
     def purge(self, package_id: str, suffixes: list[str]) -> None:
-        """Delete a delivered package's containers (missing is done); its index and delivery
+        """Delete a delivered package's containers (missing is done); its indexes and delivery
         record stay."""
         directory = self.directory(package_id)
         for suffix in suffixes:
-            if suffix != INDEX:
+            if not is_index(suffix):
                 (directory / (package_id + suffix)).unlink(missing_ok=True)
         fs.fsync_dir(directory)
 
     def package_ids(self) -> Iterator[str]:
-        """Every package directory under its final name."""
+        """Every package directory under its final name (one with an index: a package of
+        zstd members only has no gzip megawarc, hence no ``<id>.megawarc.json.gz``)."""
         with os.scandir(self.root) as entries:
             for entry in entries:
                 if entry.is_dir() and not entry.name.startswith(fs.TEMP_PREFIX):
-                    if (Path(entry.path) / (entry.name + INDEX)).exists():
+                    if index_files(Path(entry.path), entry.name):
                         yield entry.name

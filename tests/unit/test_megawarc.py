@@ -15,22 +15,28 @@ import zstandard
 from warcio.archiveiterator import ArchiveIterator
 
 from canner.packaging.batches import Member
+from canner.packaging.dictionaries import dictionary_frame
 from canner.packaging.megawarc import (
     INDEX,
     TAR,
     WARC_GZ,
     BuildStopped,
+    DictionaryMissing,
     GzipTest,
     MemberMismatch,
     VerifyFailed,
     build_package,
     member_name,
+    package_lines,
     read_index,
     verify_package,
+    wanted_dictionaries,
 )
 from tests.packaging_support import (
+    RestoreRefused,
     checksum,
     restore,
+    restore_package,
     train_dictionary,
     warc_bytes,
     warc_record,
@@ -81,35 +87,53 @@ def mixed(tmp_path: Path) -> tuple[list[Member], Path, dict[str, bytes]]:
 def test_members_land_in_the_right_containers_and_restore_byte_for_byte(
     tmp_path: Path, mixed: tuple[list[Member], Path, dict[str, bytes]]
 ) -> None:
-    """Valid .warc.gz go to the WARC, .warc.zst to one file per dictionary, the rest (other
-    files, a truncated gzip, a gzip that is no WARC) to the tar; megawarc restore gives back
-    every member byte for byte, in member order."""
+    """Valid .warc.gz go to the WARC, .warc.zst to one megawarc per dictionary (its own index,
+    WARC and tar), the rest (other files, a truncated gzip, a gzip that is no WARC) to the
+    gzip megawarc's tar; megawarc restore, run on each megawarc by the real tool's rules, gives
+    back every member byte for byte."""
     members, src, originals = mixed
     work = build(tmp_path, members, src, chunk=4096)
     names = sorted(p.name for p in work.iterdir())
     dict_ids = sorted(
-        {line["target"].get("dict_id") for line in read_index(work / (BASE + INDEX))} - {None}
+        p.name.split(".")[1] for p in work.glob(f"{BASE}.*{INDEX}") if p.name != BASE + INDEX
     )
     assert len(dict_ids) == 2
     assert names == sorted(
         [BASE + WARC_GZ, BASE + TAR, BASE + INDEX]
         + [f"{BASE}.{d}.megawarc.warc.zst" for d in dict_ids]
+        + [f"{BASE}.{d}{INDEX}" for d in dict_ids]
     )
-    lines = list(read_index(work / (BASE + INDEX)))
-    containers = [line["target"]["container"] for line in lines]
-    assert containers == ["warc", "tar", "zst", "warc", "zst", "tar", "zst", "tar"]
-    out = io.BytesIO()
-    restore(work, BASE, out)
-    assert len(out.getvalue()) % 10240 == 0
-    with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
-        entries = tar.getmembers()
-        assert [e.name for e in entries] == [member_name(m) for m in members]
-        for entry, member in zip(entries, members, strict=True):
-            extracted = tar.extractfile(entry)
-            assert extracted is not None
-            data = extracted.read()
-            assert data == originals[member.object_id]
-            assert checksum(data) == member.checksum
+    containers = [line["target"]["container"] for line in read_index(work / (BASE + INDEX))]
+    assert containers == ["warc", "tar", "warc", "tar", "tar"]
+    for d in dict_ids:
+        lines = list(read_index(work / f"{BASE}.{d}{INDEX}"))
+        assert {line["target"]["container"] for line in lines} == {"warc"}
+        assert {line["canner"]["file"] for line in lines} == {f"{BASE}.{d}.megawarc.warc.zst"}
+    restored = restore_package(work, BASE, tmp_path / "restore")
+    assert restored == {member_name(m): originals[m.object_id] for m in members}
+    assert all(checksum(restored[member_name(m)]) == m.checksum for m in members)
+
+
+def test_the_old_combined_index_is_what_megawarc_restore_rejects(tmp_path: Path) -> None:
+    """megawarc restore refuses an index line whose container is not warc or tar (the one
+    combined index of packages built before the zstd megawarcs were apart said "zst")."""
+    (tmp_path / "old.megawarc.warc.gz").write_bytes(b"")
+    line = {"target": {"container": "zst", "offset": 0, "size": 1}, "header_base64": ""}
+    with gzip.open(tmp_path / "old.megawarc.json.gz", "wb") as f:
+        f.write(json.dumps(line).encode() + b"\n")
+    with pytest.raises(RestoreRefused, match="Unkown container: zst"):
+        restore(tmp_path, "old", io.BytesIO())
+
+
+def test_a_megawarc_with_only_tar_members_still_restores(tmp_path: Path) -> None:
+    """A package with no valid WARC member keeps an empty WARC container, which megawarc
+    restore needs, and restores byte for byte."""
+    named = [("notes.txt", b"x" * 700), ("broken.warc.gz", warc_bytes(5)[:-3])]
+    members, src = members_from(tmp_path, named)
+    work = build(tmp_path, members, src)
+    assert (work / (BASE + WARC_GZ)).stat().st_size == 0
+    restored = restore_package(work, BASE, tmp_path / "restore")
+    assert restored == {member_name(m): data for m, (_, data) in zip(members, named, strict=True)}
 
 
 def test_the_warc_container_is_one_readable_warc_and_offsets_hash_to_receipts(
@@ -123,7 +147,7 @@ def test_the_warc_container_is_one_readable_warc_and_offsets_hash_to_receipts(
         records = [r.rec_headers.get_header("WARC-Target-URI") for r in ArchiveIterator(f)]
     assert len([r for r in records if r]) == 3 + 5
     by_id = {m.object_id: m for m in members}
-    for line in read_index(work / (BASE + INDEX)):
+    for line in package_lines(work, BASE):
         c = line["canner"]
         member = by_id[c["object_id"]]
         assert c["receipt_id"] == f"receipt:{member.object_id}"
@@ -136,7 +160,7 @@ def test_the_warc_container_is_one_readable_warc_and_offsets_hash_to_receipts(
             f.seek(c["offset"])
             assert checksum(f.read(c["size_bytes"])) == member.checksum
     per_file: dict[str, int] = {}
-    for line in read_index(work / (BASE + INDEX)):
+    for line in package_lines(work, BASE):
         per_file[line["canner"]["file"]] = per_file.get(line["canner"]["file"], 0) + 1
     for path in work.glob("*.megawarc.warc.zst"):
         data = path.read_bytes()
@@ -162,7 +186,7 @@ def test_verification_pass_gives_md5s_and_catches_a_changed_package(
     assert set(md5s) == {p.name[len(BASE) :] for p in work.iterdir()}
     with pytest.raises(VerifyFailed, match="differ"):
         verify_package(work, BASE, threading.Event(), expected=[*ids, "f" * 32])
-    first = next(read_index(work / (BASE + INDEX)))["canner"]
+    first = next(package_lines(work, BASE))["canner"]
     path = work / first["file"]
     data = bytearray(path.read_bytes())
     data[first["offset"] + 3] ^= 0xFF
@@ -199,15 +223,18 @@ def test_a_stop_request_ends_the_build(tmp_path: Path) -> None:
 def test_index_lines_follow_megawarc_format(
     tmp_path: Path, mixed: tuple[list[Member], Path, dict[str, bytes]]
 ) -> None:
-    """src_offsets chain entry -> data -> next_entry through the original tar, and the header
-    fields are tarfile's with the type as a one-character string."""
+    """In each megawarc's index, src_offsets chain entry -> data -> next_entry through its own
+    original tar, and the header fields are tarfile's with the type as a one-character string."""
     members, src, _ = mixed
     work = build(tmp_path, members, src)
-    lines = list(read_index(work / (BASE + INDEX)))
-    position = 0
-    for line, member in zip(lines, members, strict=True):
+    by_id = {m.object_id: m for m in members}
+    position: dict[str, int] = {}
+    for line in package_lines(work, BASE):
+        member = by_id[line["canner"]["object_id"]]
         offsets = line["src_offsets"]
-        assert offsets["entry"] == position
+        file = line["canner"]["file"]
+        megawarc = file[: file.index(".megawarc.")]
+        assert offsets["entry"] == position.get(megawarc, 0)
         assert offsets["data"] - offsets["entry"] == len(base64.b64decode(line["header_base64"]))
         assert offsets["next_entry"] == offsets["data"] + member.size_bytes + (
             -member.size_bytes % 512
@@ -215,7 +242,8 @@ def test_index_lines_follow_megawarc_format(
         assert line["header_fields"]["type"] == "0"
         assert line["header_fields"]["size"] == member.size_bytes
         assert json.dumps(line)  # plain JSON
-        position = offsets["next_entry"]
+        position[megawarc] = offsets["next_entry"]
+    assert len(position) == 3
 
 
 def test_the_same_members_always_give_the_same_bytes(
@@ -297,3 +325,37 @@ def test_many_empty_and_tiny_members_are_packed(tmp_path: Path) -> None:
             extracted = tar.extractfile(entry)
             assert extracted is not None and extracted.read() == data
     assert check_threads() == []
+
+
+def test_a_member_that_names_its_dictionary_is_packed_behind_the_given_frame(
+    tmp_path: Path,
+) -> None:
+    """A dictionary-less .warc.zst named .<project>.<10-digit id>.warc.zst goes into
+    B.<id>.megawarc.warc.zst behind the frame it is given (raw dictionaries compressed, as
+    megawarc does); without that dictionary the build raises DictionaryMissing, and a member that
+    holds its own dictionary needs none."""
+    dictionary = train_dictionary(11)
+    compressor = zstandard.ZstdCompressor(dict_data=dictionary)
+    dictless = b"".join(compressor.compress(warc_bytes(i, gz=False)) for i in range(2))
+    named = [
+        ("x.urls.0000000042.warc.zst", dictless),
+        ("held.warc.zst", zst_warc(12, dictionary, compress_dict=False)),
+    ]
+    members, src = members_from(tmp_path, named)
+    assert wanted_dictionaries(members, lambda oid: src / oid) == [("urls", "0000000042")]
+    with pytest.raises(DictionaryMissing, match="0000000042"):
+        build(tmp_path, members, src)
+    frame = dictionary_frame(dictionary.as_bytes())
+    assert frame[8:12] == b"\x28\xb5\x2f\xfd"
+    work = tmp_path / "named"
+    work.mkdir()
+    build_package(
+        members, lambda oid: src / oid, work, BASE, threading.Event(),
+        dictionaries={"0000000042": frame},
+    )  # fmt: skip
+    data = (work / f"{BASE}.0000000042.megawarc.warc.zst").read_bytes()
+    assert data == frame + dictless
+    held = (work / f"{BASE}.{dictionary.dict_id()}.megawarc.warc.zst").read_bytes()
+    assert held.endswith(named[1][1])
+    restored = restore_package(work, BASE, tmp_path / "restore")
+    assert restored == {member_name(m): d for m, (_, d) in zip(members, named, strict=True)}

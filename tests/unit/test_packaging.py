@@ -3,11 +3,15 @@ batching, building, the verification pass, source purge, delivery, purge and reb
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import re
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
+import zstandard
 from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
@@ -23,7 +27,17 @@ from canner.inventory import survey_json, take_survey
 from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
 from canner.observe import Destination
 from canner.packaging import batches as sql
-from canner.packaging.megawarc import INDEX, TAR, WARC_GZ
+from canner.packaging.dictionaries import DictionaryStore, dictionary_frame
+from canner.packaging.dictionary_api import Dictionaries, DictionaryUnavailable
+from canner.packaging.megawarc import (
+    INDEX,
+    TAR,
+    WARC_GZ,
+    WARC_ZST,
+    index_files,
+    read_index,
+    verify_package,
+)
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
@@ -32,7 +46,13 @@ from canner.sinks.plan import ItemPlan
 from canner.status_page import StatusView, render_status
 from canner.tus.store import UploadStore
 from tests.fakes import SyncIndex, succeeded
-from tests.packaging_support import checksum, warc_bytes
+from tests.packaging_support import (
+    checksum,
+    restore_package,
+    train_dictionary,
+    warc_bytes,
+    zst_warc,
+)
 
 RETENTION = 3600.0
 
@@ -87,14 +107,19 @@ class FakeItems:
         return succeed(RemoteCheck(True))
 
 
-def project_config(tmp_path: Path, target: str, max_wait: str = "1h") -> Any:
+def project_config(
+    tmp_path: Path, target: str, max_wait: str = "1h", dictionary_url: str | None = None
+) -> Any:
+    packaging = {"mode": "megawarc", "target_bytes": target, "max_wait": max_wait}
+    if dictionary_url is not None:
+        packaging["zstd_dictionary_url"] = dictionary_url
     raw = {
         "issuer": "https://c.test",
         "min_free_bytes": 1,
         "data_dir": str(tmp_path),
         "projects": {
             "example": {
-                "packaging": {"mode": "megawarc", "target_bytes": target, "max_wait": max_wait},
+                "packaging": packaging,
                 "delivery": {
                     "sink": "internet_archive",
                     "credentials": "ia.ini",
@@ -109,7 +134,12 @@ def project_config(tmp_path: Path, target: str, max_wait: str = "1h") -> Any:
 
 class Harness:
     def __init__(
-        self, tmp_path: Path, target: str = "3000", max_wait: str = "1h", in_flight: Any = None
+        self,
+        tmp_path: Path,
+        target: str = "3000",
+        max_wait: str = "1h",
+        in_flight: Any = None,
+        dictionary_api: Any = None,
     ) -> None:
         self.metrics = Metrics(DELIVER, ["example"])
         self.tmp = tmp_path
@@ -124,7 +154,10 @@ class Harness:
         # The daemon's attempts in flight (a test may bring its own to look at).
         self.in_flight = in_flight if in_flight is not None else InFlight(self.clock)
         self.items = FakeItems()
-        self.projects = project_config(tmp_path, target, max_wait)
+        url = "https://dicts.test/api" if dictionary_api is not None else None
+        self.projects = project_config(tmp_path, target, max_wait, url)
+        self.dictionary_store = DictionaryStore(tmp_path / "dictionaries")
+        self.dictionary_api = dictionary_api
         self.open_index()
         self.accepted: dict[str, bytes] = {}
         # Ids a verified ledger owns (ArchivedIds.contains in production).
@@ -151,6 +184,13 @@ class Harness:
             random=lambda: 0.0,
             archived=lambda oid: oid in self.archived,
             observer=self.metrics,
+            dictionaries=Dictionaries(
+                store=self.dictionary_store,
+                api=self.dictionary_api,
+                run=run_inline,
+                now=self.clock.seconds,
+                observer=self.metrics,
+            ),
         )
 
     def accept(self, data: bytes, name: str = "a.warc.gz") -> str:
@@ -557,3 +597,182 @@ def test_a_package_delivery_waits_at_least_ias_retry_after(tmp_path: Path) -> No
     assert row.next_attempt_at == h.clock.seconds() + 3600
     failed = {"project": "example", "needs_operator": "false", "reason": "rate_limited"}
     assert h.metric("canner_delivery_failures_total", **failed, kind="package") == 2
+
+
+def to_combined_index(directory: Path, package_id: str) -> None:
+    """Rewrite a package's indexes as packages were before the zstd megawarcs were apart: one
+    index for every member, whose zstd lines say "zst"."""
+    lines = []
+    for path in index_files(directory, package_id):
+        zst = path.name != package_id + INDEX
+        for line in read_index(path):
+            if zst and line["target"]["container"] == "warc":
+                line["target"]["container"] = "zst"
+            lines.append(line)
+        path.unlink()
+    lines.sort(key=lambda line: (line["canner"]["accepted_at"], line["canner"]["object_id"]))
+    with gzip.open(directory / (package_id + INDEX), "wb") as f:
+        for line in lines:
+            f.write(json.dumps(line).encode() + b"\n")
+
+
+def test_zstd_megawarcs_keep_their_indexes_and_come_back_from_disk(tmp_path: Path) -> None:
+    """A package of gzip and zstd members delivers one index and one WARC per megawarc, keeps
+    every index when it is purged, and comes back from disk with all its members, as does a
+    package written with the one combined index of earlier versions."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    dictionary = train_dictionary(7)
+    zst = [h.accept(zst_warc(i, dictionary, compress_dict=True), f"z{i}.warc.zst") for i in (1, 2)]
+    gz = h.accept(warc_bytes(3))
+    h.clock.advance(11)
+    h.tick(3)
+    (row,) = h.packages()
+    assert row.package_id is not None and row.remote_verified_at is not None
+    d = f".{dictionary.dict_id()}"
+    sent = {name[len(row.package_id) :] for _, name in h.items.files}
+    assert sent == {WARC_GZ, INDEX, d + WARC_ZST, d + INDEX}
+    h.clock.advance(RETENTION + 1)
+    h.tick()
+    directory = h.store.directory(row.package_id)
+    left = {p.name[len(row.package_id) :] for p in directory.iterdir()}
+    assert left == {INDEX, d + INDEX, ".delivery.json"}
+    for combined in (False, True):
+        if combined:
+            to_combined_index(directory, row.package_id)
+        h.index.close()
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / f"delivery.sqlite{suffix}").unlink(missing_ok=True)
+        h.open_index()
+        assert succeeded(h.service.restore_packages()) == 1
+        (after,) = h.packages()
+        assert (after.package_id, after.members, after.batch_date) == (
+            row.package_id,
+            3,
+            row.batch_date,
+        )
+        for oid in (*zst, gz):
+            obj = succeeded(h.index.run(dsql.get_row, oid))
+            assert obj is not None and obj.state == "delivered"
+        placed = succeeded(h.index.run(dsql.get_row, zst[0]))
+        assert placed.remote_name == row.package_id + d + WARC_ZST
+
+
+def test_a_package_with_the_combined_index_of_earlier_versions_still_verifies(
+    tmp_path: Path,
+) -> None:
+    """The verification pass reads a sealed package written with one combined index."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    dictionary = train_dictionary(8)
+    h.accept(zst_warc(1, dictionary, compress_dict=False), "z.warc.zst")
+    h.accept(warc_bytes(2))
+    h.clock.advance(11)
+    h.items.fail_next = 10**6
+    h.tick()
+    (row,) = h.packages()
+    assert row.package_id is not None
+    directory = h.store.directory(row.package_id)
+    to_combined_index(directory, row.package_id)
+    ids = [m.object_id for m in succeeded(h.index.run(sql.batch_members, row.batch_id))]
+    md5s = verify_package(directory, row.package_id, threading.Event(), expected=ids)
+    assert set(md5s) == {p.name[len(row.package_id) :] for p in directory.iterdir()}
+
+
+@define(eq=False)
+class ScriptedDictionaries:
+    """A dictionary source that serves ``served`` by id, or fails while ``failing``."""
+
+    served: dict[str, bytes]
+    failing: bool = True
+    calls: list[tuple[str, str, str]] = field(factory=list)
+
+    async def fetch(self, url: str, project: str, dict_id: str) -> bytes:
+        self.calls.append((url, project, dict_id))
+        if self.failing:
+            raise DictionaryUnavailable(project, dict_id, "api", "GET: answered 503")
+        return self.served[dict_id]
+
+
+def dictless_zst(seed: int, dictionary: zstandard.ZstdCompressionDict) -> bytes:
+    """A Wget-AT ``--warc-zstd-dict-no-include`` member: record frames, no dictionary frame."""
+    compressor = zstandard.ZstdCompressor(dict_data=dictionary)
+    return b"".join(
+        compressor.compress(warc_bytes(seed * 10 + i, records=1, gz=False)) for i in range(3)
+    )
+
+
+def test_members_wait_for_a_dictionary_the_api_cannot_give_then_pack_behind_it(
+    tmp_path: Path,
+) -> None:
+    """A batch whose dictionary-less members name a dictionary the API cannot give waits (no
+    package, nothing in a tar), counted, on the status page and in canner status; once the API
+    answers, the dictionary is kept and the members are packed behind its frame; a later batch
+    naming it fetches nothing."""
+    dict_id = "1234567890"
+    dictionary = train_dictionary(9)
+    api = ScriptedDictionaries({dict_id: dictionary.as_bytes()})
+    h = Harness(tmp_path, target="100000", max_wait="10s", dictionary_api=api)
+    named = [
+        h.accept(dictless_zst(i, dictionary), f"item{i}.urls.{dict_id}.warc.zst") for i in (1, 2)
+    ]
+    h.accept(warc_bytes(3))
+    h.clock.advance(11)
+    h.tick()
+    (row,) = h.packages()
+    assert row.state == "closed" and row.package_id is None
+    assert row.build_error is not None and dict_id in row.build_error
+    assert api.calls == [("https://dicts.test/api", "urls", dict_id)]
+    assert list(h.store.package_ids()) == []
+    assert all(h.uploads.data_path(oid).exists() for oid in named)
+    assert h.metric("canner_zstd_dictionary_failures_total", project="example", reason="api") == 1
+    survey = take_survey(tmp_path, ObjectIds(), h.clock.seconds())
+    (wait,) = survey.dictionary_waits
+    assert (wait.dict_id, wait.project, wait.attempts) == (dict_id, "urls", 1)
+    assert survey_json(survey)["dictionary_waits"][0]["dict_id"] == dict_id
+    page = render_status(StatusView("https://c.test", survey, 1, ())).decode()
+    assert 'id="dictionary-waits"' in page and dict_id in page
+    # The next tries wait for the dictionary's backoff, not for every tick.
+    h.clock.advance(5)
+    h.tick()
+    assert len(api.calls) == 1
+    api.failing = False
+    h.clock.advance(wait.next_attempt_at - h.clock.seconds())
+    h.tick(3)
+    (row,) = h.packages()
+    assert row.package_id is not None and row.remote_verified_at is not None
+    assert len(api.calls) == 2
+    assert h.metric("canner_zstd_dictionaries_fetched_total", project="example") == 1
+    assert take_survey(tmp_path, ObjectIds(), h.clock.seconds()).dictionary_waits == ()
+    assert h.dictionary_store.load(dict_id) == dictionary.as_bytes()
+    directory = h.store.directory(row.package_id)
+    zst = (directory / f"{row.package_id}.{dict_id}{WARC_ZST}").read_bytes()
+    frame = dictionary_frame(dictionary.as_bytes())
+    assert zst.startswith(frame) and frame[8:12] == b"\x28\xb5\x2f\xfd"
+    restored = restore_package(directory, row.package_id, tmp_path / "restore")
+    assert sorted(restored.values()) == sorted(h.accepted.values())
+    # Kept by id: a later batch naming it (after a restart: a new service) fetches nothing.
+    h.open_index()
+    h.accept(dictless_zst(4, dictionary), f"item4.urls.{dict_id}.warc.zst")
+    h.clock.advance(11)
+    h.tick(3)
+    assert len(api.calls) == 2
+    assert all(r.remote_verified_at is not None for r in h.packages())
+
+
+def test_a_dictionary_without_an_api_or_with_a_bad_one_is_never_a_tar_member(
+    tmp_path: Path,
+) -> None:
+    """Without a zstd_dictionary_url the members naming a dictionary wait (reason
+    unconfigured); members that hold their dictionary are packed meanwhile in other batches."""
+    h = Harness(tmp_path, target="100000", max_wait="10s")
+    dictionary = train_dictionary(10)
+    h.accept(dictless_zst(1, dictionary), "a.urls.0000000042.warc.zst")
+    h.clock.advance(11)
+    h.tick()
+    (row,) = h.packages()
+    assert row.state == "closed" and row.build_error is not None
+    assert "zstd_dictionary_url" in row.build_error
+    assert (
+        h.metric("canner_zstd_dictionary_failures_total", project="example", reason="unconfigured")
+        == 1
+    )
+    assert h.dictionary_store.wait("0000000042") is not None

@@ -60,6 +60,10 @@ def test_identity_is_the_default_and_megawarc_parses(tmp_path: Path) -> None:
     )
     packaging = packed.projects["example"].packaging
     assert (packaging.megawarc, packaging.target_bytes, packaging.max_wait) == (True, 2 << 30, 7200)
+    assert packaging.zstd_dictionary_url is None
+    url = "https://dicts.example/api/dictionary"
+    with_api = parse_config(config({"mode": "megawarc", "zstd_dictionary_url": url}), tmp_path)
+    assert with_api.projects["example"].packaging.zstd_dictionary_url == url
     # A megawarc item's basename defaults to the package id.
     assert packed.projects["example"].delivery is not None
     assert packed.projects["example"].delivery.remote_name == "{package}"
@@ -92,6 +96,21 @@ def test_identity_is_the_default_and_megawarc_parses(tmp_path: Path) -> None:
             "projects.example.delivery.remote_name",
         ),
         ({"mode": "identity"}, {}, "projects.example.delivery.identifier"),
+        (
+            {"mode": "megawarc", "zstd_dictionary_url": "ftp://dicts.example/"},
+            {},
+            "projects.example.packaging.zstd_dictionary_url",
+        ),
+        (
+            {"mode": "megawarc", "zstd_dictionary_url": 7},
+            {},
+            "projects.example.packaging.zstd_dictionary_url",
+        ),
+        (
+            {"zstd_dictionary_url": "https://dicts.example/api"},
+            {"identifier": "x-{object_id}"},
+            "projects.example.packaging.zstd_dictionary_url",
+        ),
     ],
 )
 def test_bad_packaging_refuses_to_load_naming_the_key(
