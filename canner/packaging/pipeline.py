@@ -44,12 +44,12 @@ from canner.packaging.batches import Member, PackageRow
 from canner.packaging.dictionary_api import Dictionaries, DictionaryUnavailable
 from canner.packaging.megawarc import (
     CHUNK,
-    INDEX,
     BuildStopped,
     DictionaryMissing,
     MemberMismatch,
     VerifyFailed,
     build_package,
+    is_index,
     verify_package,
     wanted_dictionaries,
 )
@@ -451,8 +451,9 @@ class PackagingService(Service):
         delivery = self._projects[row.project].delivery
         assert delivery is not None
         files = await self._index.run(sql.package_files, row.batch_id)
-        # The index goes last: an item whose index is listed has every container.
-        files.sort(key=lambda f: (f.suffix == INDEX, f.suffix))
+        # The indexes go last (one per megawarc, a zstd dictionary's too): an item whose
+        # indexes are listed has every container.
+        files.sort(key=lambda f: (is_index(f.suffix), f.suffix))
         item_bytes = sum(f.size_bytes for f in files)
         plans = []
         for f in files:

@@ -740,6 +740,9 @@ def test_members_wait_for_a_dictionary_the_api_cannot_give_then_pack_behind_it(
     (row,) = h.packages()
     assert row.package_id is not None and row.remote_verified_at is not None
     assert len(api.calls) == 2
+    # Every megawarc's index (the dictionary's too) goes after every container of the item.
+    kinds = [name.endswith(INDEX) for name in h.items.puts]
+    assert kinds == sorted(kinds) and kinds.count(True) == 2, h.items.puts
     assert h.metric("canner_zstd_dictionaries_fetched_total", project="example") == 1
     assert take_survey(tmp_path, ObjectIds(), h.clock.seconds()).dictionary_waits == ()
     assert h.dictionary_store.load(dict_id) == dictionary.as_bytes()
