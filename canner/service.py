@@ -24,7 +24,7 @@ from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config
+from canner.config import Config, RsyncConfig
 from canner.connections import ConnectionLimits, connection_limits
 from canner.daemon import (
     DaemonRoot,
@@ -58,6 +58,7 @@ from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.rsync.intake import RsyncIntake, prepare_rsync
 from canner.sinks.base import Sink
 from canner.startup import (
     DELIVER_WRITES,
@@ -178,6 +179,35 @@ def receiver_parts(
     return ReceiverParts(acceptance, intake, hq, site, floor, journal)
 
 
+def rsync_intake(
+    config: Config,
+    rsync: RsyncConfig,
+    parts: ReceiverParts,
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    io: BlockingRunner,
+    hashing: BlockingRunner,
+    reactor: Any,
+    metrics: Metrics,
+) -> RsyncIntake:
+    """The rsync door (``[rsync]``): adopts what the rsync daemon finished into the store."""
+    return RsyncIntake(
+        incoming=rsync.incoming,
+        projects=tuple(config.projects),
+        area=prepare_rsync(config, rsync),
+        uploads=uploads,
+        receipts=receipts,
+        acceptance=parts.acceptance,
+        run=io,
+        hash=hashing,
+        clock=reactor,
+        ids=config.object_ids,
+        interval=rsync.scan_interval,
+        reactor=reactor,
+        observer=metrics,
+    )
+
+
 def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
@@ -238,6 +268,9 @@ def receiver_service(
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
+    if config.rsync is not None:
+        rsync_intake(config, config.rsync, parts, uploads, receipts, io, hashing, reactor,
+                     metrics).setServiceParent(top)  # fmt: skip
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)
