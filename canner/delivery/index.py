@@ -47,6 +47,8 @@ class AcceptedObject:
     # Set when a rebuild could not restore all of it (a damaged journal line held a record of
     # it): the row comes flagged for an operator, with this as its error.
     problem: str | None = None
+    # The worker that uploaded it, when its intake door names one (schema v7).
+    downloader: str | None = None
 
     @classmethod
     def of(
@@ -67,6 +69,7 @@ class AcceptedObject:
             delivery,
             released_at,
             problem,
+            origin.downloader,
         )
 
 
@@ -164,8 +167,8 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
     before = cur.connection.total_changes
     fresh, delivered = [], []
     for o in objects:
-        row = (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at,
-               int(o.problem is not None), o.problem)  # fmt: skip
+        row = (o.object_id, o.project, o.filename, o.downloader, o.size_bytes, o.checksum,
+               o.accepted_at, int(o.problem is not None), o.problem)  # fmt: skip
         if o.delivery is None:
             fresh.append((*row, now, now))
         else:
@@ -176,17 +179,17 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
                  d.verified_at, d.purge_after, d.purged_at, check, now)
             )  # fmt: skip
     cur.executemany(
-        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, needs_operator, last_error, state, next_attempt_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+        "INSERT OR IGNORE INTO objects (object_id, project, filename, downloader, size_bytes,"
+        " checksum, accepted_at, needs_operator, last_error, state, next_attempt_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
         fresh,
     )
     cur.executemany(
-        "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-        " accepted_at, needs_operator, last_error, state, content_md5, remote_identifier,"
-        " remote_name, delivered_at, verified_at, purge_after, purged_at, next_check_at,"
-        " updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT OR IGNORE INTO objects (object_id, project, filename, downloader, size_bytes,"
+        " checksum, accepted_at, needs_operator, last_error, state, content_md5,"
+        " remote_identifier, remote_name, delivered_at, verified_at, purge_after, purged_at,"
+        " next_check_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         delivered,
     )
     added = cur.connection.total_changes - before
@@ -364,6 +367,7 @@ COLUMNS = (
     "redeliveries",
     "force_upload",
     "released_at",
+    "downloader",
 )
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM objects"
 
@@ -397,6 +401,8 @@ class QueueRow:
     # 1: a read-back found the remote bytes wrong; the next delivery must PUT (schema v5).
     force_upload: int = 0
     released_at: float | None = None
+    # The worker that uploaded it, when its intake door names one (schema v7).
+    downloader: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -691,3 +697,29 @@ def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:
     cur.execute(_SELECT + " WHERE object_id = ?", (object_id,))
     rows = _rows(cur)
     return rows[0] if rows else None
+
+
+# -- objects by origin (schema v7's objects_origin) -------------------------------------------
+
+# A bound on what one origin query returns: a file name is one item, sent a few times at most.
+ORIGIN_MATCHES_MAX = 100
+
+
+def ids_by_origin(
+    cur: sqlite3.Cursor,
+    project: str,
+    filename: str,
+    downloader: str | None = None,
+    any_downloader: bool = False,
+    limit: int = ORIGIN_MATCHES_MAX,
+) -> list[str]:
+    """Ids of the objects of ``project`` named ``filename`` (oldest accepted first): those of
+    ``downloader`` (None matches objects without one), or of every downloader with
+    ``any_downloader``.  At most ``limit``; served by the ``objects_origin`` index."""
+    query = "SELECT object_id FROM objects WHERE project = ? AND filename = ?"
+    args: list[Any] = [project, filename]
+    if not any_downloader:
+        query += " AND downloader IS ?"
+        args.append(downloader)
+    cur.execute(query + " ORDER BY accepted_at, object_id LIMIT ?", (*args, limit))
+    return [row[0] for row in cur.fetchall()]
