@@ -53,6 +53,7 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.manhole import daemon_manhole
 from canner.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.objects import ObjectReader
+from canner.origins import AcceptedOrigins
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
@@ -183,6 +184,7 @@ def rsync_intake(
     config: Config,
     rsync: RsyncConfig,
     parts: ReceiverParts,
+    origins: AcceptedOrigins,
     uploads: UploadStore,
     receipts: ReceiptStore,
     io: BlockingRunner,
@@ -203,6 +205,7 @@ def rsync_intake(
         clock=reactor,
         ids=config.object_ids,
         interval=rsync.scan_interval,
+        origins=origins,
         reactor=reactor,
         observer=metrics,
     )
@@ -269,8 +272,9 @@ def receiver_service(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
     if config.rsync is not None:
-        rsync_intake(config, config.rsync, parts, uploads, receipts, io, hashing, reactor,
-                     metrics).setServiceParent(top)  # fmt: skip
+        origins = AcceptedOrigins(receipts=receipts, run=io, index=index)
+        rsync_intake(config, config.rsync, parts, origins, uploads, receipts, io, hashing,
+                     reactor, metrics).setServiceParent(top)  # fmt: skip
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)

@@ -11,7 +11,7 @@ Rounds never overlap: a request during a round runs one more round after it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,12 @@ from twisted.python.filepath import FilePath
 
 from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
-from canner.checksum import Checksum, TrailingHash
+from canner.checksum import TrailingHash
 from canner.config import Config, RsyncConfig
 from canner.crashpoints import crash_point
 from canner.ids import ObjectIds
 from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
+from canner.origins import AcceptedOrigins, OriginKey
 from canner.receipts import Receipt, ReceiptStore
 from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, NotARegularFile, claim_state
 from canner.rsync.incoming import Arrival, arrivals, is_final_name
@@ -39,14 +40,11 @@ from canner.tus.store import UploadStore
 
 log = Logger()
 
-# The same project, downloader, file name, size and BLAKE3 as an accepted object: its receipt.
-AlreadyAccepted = Callable[[Claim, int, Checksum], Deferred[Receipt | None]]
-
 _WATCH_MASK = inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_CLOSE_WRITE
 
 
-def nothing_accepted(claim: Claim, size: int, checksum: Checksum) -> Deferred[Receipt | None]:
-    return succeed(None)
+class AdoptionAbandoned(Exception):
+    """A claimed upload can no longer be accepted (its bytes were rejected or vanished)."""
 
 
 def prepare_rsync(config: Config, rsync: RsyncConfig) -> AdoptionArea:
@@ -84,8 +82,9 @@ class RsyncIntake(Service):
     _clock: IReactorTime
     _ids: ObjectIds
     _interval: float
+    # The idempotency rule: a re-sent file (same origin, size, BLAKE3) is the object it was.
+    _origins: AcceptedOrigins
     _reactor: Any = None  # for inotify; None: scans only (tests)
-    _already: AlreadyAccepted = nothing_accepted
     observer: AdoptionObserver = UNOBSERVED_ADOPTION
     _loop: LoopingCall | None = field(default=None, init=False)
     _notifier: inotify.INotify | None = field(default=None, init=False)
@@ -129,8 +128,9 @@ class RsyncIntake(Service):
         self._idle.append(waiter)
         return waiter
 
-    def _notified(self, _ignored: object, path: FilePath[str], mask: int) -> None:
-        if is_final_name(path.basename()):
+    def _notified(self, _ignored: object, path: FilePath[Any], mask: int) -> None:
+        # Twisted's inotify hands out bytes paths.
+        if is_final_name(os.fsdecode(path.basename())):
             self.kick()
 
     def kick(self) -> None:
@@ -196,44 +196,55 @@ class RsyncIntake(Service):
             if state in (ClaimState.RECEIPTED, ClaimState.UNMOVED):
                 await self._run(self._area.release, oid)
                 return
-            digest: TrailingHash | None = None
-            if state is ClaimState.MOVED:
-                try:
-                    digest, checksum, size = await self._hash(self._area.hash, oid)
-                except NotARegularFile:
-                    log.warn("dropped {filename} of {project}: not a regular file",
-                             filename=claim.filename, project=claim.project)  # fmt: skip
-                    await self._run(self._area.drop, oid)
-                    return
-                existing = await self._already(claim, size, checksum)
-                if existing is not None:
-                    await self._run(self._area.drop, oid)
-                    log.info(
-                        "{filename} from {downloader} is {object_id}, already accepted",
-                        filename=claim.filename,
-                        downloader=claim.downloader,
-                        object_id=existing.object_id,
-                        project=claim.project,
-                    )
-                    return
+            if state is ClaimState.STORED:
+                await self._accept(claim, None, arrived_at)
+                return
+            try:
+                digest, checksum, size = await self._hash(self._area.hash, oid)
+            except NotARegularFile:
+                log.warn("dropped {filename} of {project}: not a regular file",
+                         filename=claim.filename, project=claim.project)  # fmt: skip
+                await self._run(self._area.drop, oid)
+                return
+
+            async def commit() -> Receipt:
                 info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
                 await self._run(self._area.stage, info, self._uploads)
-            await self._accept(claim, digest, arrived_at)
+                return await self._accept(claim, digest, arrived_at)
+
+            if claim.downloader is None:
+                # No worker named: the idempotency rule needs one (a file straight in the
+                # module is always a new object).
+                await commit()
+                return
+            key = OriginKey(claim.project, claim.downloader, claim.filename, size, checksum)
+            receipt, new = await self._origins.once(key, lambda: Deferred.fromCoroutine(commit()))
+            if not new:
+                await self._run(self._area.drop, oid)
+                log.info(
+                    "{filename} from {downloader} is {object_id}, already accepted",
+                    filename=claim.filename,
+                    downloader=claim.downloader,
+                    object_id=receipt.object_id,
+                    project=claim.project,
+                )
         except (AcceptanceFailed, ChecksumMismatch) as e:
             log.error("adoption of {object_id} failed, tried again: {error}",
+                      object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+        except AdoptionAbandoned as e:
+            # Only a damaged disk gets here: the bytes no longer hash as they did.
+            log.error("adoption of {object_id} gave up: {error}",
                       object_id=oid, project=claim.project, error=str(e))  # fmt: skip
 
     async def _accept(
         self, claim: Claim, digest: TrailingHash | None, arrived_at: float | None
-    ) -> None:
+    ) -> Receipt:
         oid = claim.object_id
         info = await self._run(self._uploads.read_info, oid)
         if info is None or info.rejected is not None:
             # Only a damaged disk gets here: the bytes no longer hash as they did.
-            log.error("adoption of {object_id} gave up: its upload is gone or rejected",
-                      object_id=oid, project=claim.project)  # fmt: skip
             await self._run(self._area.release, oid)
-            return
+            raise AdoptionAbandoned(f"the upload of {oid} is gone or rejected")
         upload = await self._run(self._uploads.open_locked, info)
         if digest is not None:
             upload.digest = digest
@@ -249,3 +260,4 @@ class RsyncIntake(Service):
             project=claim.project,
         )
         self.observer.adopted(claim.project, seconds)
+        return receipt
