@@ -32,7 +32,7 @@ from canner.crashpoints import crash_point
 from canner.ids import ObjectIds
 from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
 from canner.origins import AcceptedOrigins, OriginKey
-from canner.receipts import Receipt, ReceiptStore
+from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, NotARegularFile, claim_state
 from canner.rsync.incoming import Arrival, arrivals, is_final_name
 from canner.startup import CannotStart
@@ -193,7 +193,10 @@ class RsyncIntake(Service):
         oid = claim.object_id
         try:
             state = await self._run(claim_state, claim, self._area, self._uploads, self._receipts)
-            if state in (ClaimState.RECEIPTED, ClaimState.UNMOVED):
+            if state is ClaimState.RECEIPTED:
+                await self._committed_before(claim)
+                return
+            if state is ClaimState.UNMOVED:
                 await self._run(self._area.release, oid)
                 return
             if state is ClaimState.STORED:
@@ -235,6 +238,20 @@ class RsyncIntake(Service):
             # Only a damaged disk gets here: the bytes no longer hash as they did.
             log.error("adoption of {object_id} gave up: {error}",
                       object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+
+    async def _committed_before(self, claim: Claim) -> None:
+        """A crash came after the commit point: the index row may never have been written, and
+        this process does not remember the key, so both are done again before the claim goes
+        (the insert is idempotent).  A re-sent copy then finds the object."""
+        receipt = await self._run(self._receipts.read, claim.object_id)
+        if receipt is not None:
+            origin = Origin(claim.project, claim.filename, claim.downloader)
+            self._acceptance.enqueue_delivery(receipt, origin)
+            if claim.downloader is not None:
+                key = OriginKey(claim.project, claim.downloader, claim.filename,
+                                receipt.size_bytes, receipt.checksum)  # fmt: skip
+                self._origins.remember(key, receipt.object_id)
+        await self._run(self._area.release, claim.object_id)
 
     async def _accept(
         self, claim: Claim, digest: TrailingHash | None, arrived_at: float | None
