@@ -18,9 +18,10 @@ from pathlib import Path
 from deliver_support import venv_bin
 from e2e_support import REPO, end_process, free_port
 
-# seesaw's RsyncUpload (archiveteam-targets.md): rsync -rltv --timeout=300 --contimeout=300
-# --progress --bwlimit <n> [extra args] --files-from=- <src dir> <target>, with the extra args
-# pipelines commonly add.
+# seesaw's RsyncUpload (ArchiveTeam/seesaw-kit, seesaw/externalprocess.py):
+#   rsync -rltv --timeout=300 --contimeout=300 --progress --bwlimit <n> [extra args]
+#         --files-from=- <src dir> <target>
+# with the extra args pipelines commonly add.
 SEESAW_ARGS = ["-rltv", "--timeout=300", "--contimeout=300", "--progress"]
 PIPELINE_EXTRA = ["--recursive", "--min-size", "1", "--no-compress"]
 
