@@ -377,9 +377,7 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     doc["status"] = ["ok", "warning", "critical"][code]
     doc["reasons"] = reasons
     if config.rsync is not None:
-        doc["rsync_waiting"] = count_waiting(
-            config.rsync.incoming, config.projects, data_dir / "adopting"
-        )
+        doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
     io.out.write(json.dumps(doc, indent=2) + "\n" if as_json else _status_text(doc, config))
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")

@@ -71,15 +71,23 @@ def _walk(directory: Path, project: str, downloader: str | None, depth: int) -> 
             yield from _walk(Path(entry.path), project, entry.name, depth + 1)
 
 
-def count_waiting(incoming: Path, projects: Iterable[str], adopting: Path) -> int:
-    """Files that rsync has finished and canner has not yet accepted: finished files in the
-    incoming tree plus claims in the adoption area (blocking; for ``canner status``)."""
+def count_waiting(incoming: Path, projects: Iterable[str], data_dir: Path) -> int:
+    """Files that rsync has finished and canner has not yet accepted (blocking; for ``canner
+    status`` and the status page): finished files in the incoming tree, plus claimed ones that
+    left it (in ``adopting/``, or in ``uploads/`` without a receipt yet).  Each is counted once."""
     waiting = sum(1 for _ in arrivals(incoming, projects))
+    adopting = data_dir / "adopting"
     try:
         with os.scandir(adopting) as it:
-            waiting += sum(1 for e in it if e.name.endswith(CLAIM_SUFFIX))
+            claims = [e.name[: -len(CLAIM_SUFFIX)] for e in it if e.name.endswith(CLAIM_SUFFIX)]
     except FileNotFoundError:
-        pass
+        return waiting
+    for object_id in claims:
+        if os.path.lexists(adopting / object_id) or (
+            os.path.lexists(data_dir / "uploads" / object_id)
+            and not os.path.lexists(data_dir / "receipts" / f"{object_id}.json")
+        ):
+            waiting += 1
     return waiting
 
 

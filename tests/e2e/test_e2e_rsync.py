@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from deliver_support import Deliver, DirectoryReceiver, deliveries, venv_bin, wait_for
 from e2e_support import REPO, Receiver, blake3_hex, end_process, scrape
 from rsync_support import RsyncDaemon, have_rsync, seesaw_rsync, seesaw_rsync_started
@@ -107,6 +109,15 @@ def rsync_daemon(rcv: Receiver, cleanup: Callable[[Callable[[], Any]], None]) ->
     return daemon
 
 
+def rsync_waiting(rcv: Receiver) -> int:
+    """``canner status --json``'s count of files waiting for adoption."""
+    status = subprocess.run(
+        [venv_bin("canner"), "status", "--json", "--config", str(rcv.config_path)],
+        cwd=REPO, capture_output=True, timeout=30, check=False,
+    )  # fmt: skip
+    return int(json.loads(status.stdout)["rsync_waiting"])
+
+
 def adopted_all(rcv: Receiver) -> bool:
     """Nothing waits in the incoming tree or the adoption area."""
     return not files_under(rcv.data_dir / "incoming") and not files_under(rcv.data_dir / "adopting")
@@ -163,11 +174,9 @@ def test_seesaw_rsync_upload_is_adopted_receipted_and_delivered(
     metrics = scrape(f"{rcv.base_url}/metrics")
     assert metrics[("canner_rsync_adopted_total", frozenset({("project", "example")}))] == 3
     assert metrics[("canner_rsync_waiting_files", frozenset())] == 0
-    status = subprocess.run(
-        [venv_bin("canner"), "status", "--json", "--config", str(rcv.config_path)],
-        cwd=REPO, capture_output=True, timeout=30, check=False,
-    )  # fmt: skip
-    assert json.loads(status.stdout)["rsync_waiting"] == 0
+    assert rsync_waiting(rcv) == 0
+    page = requests.get(f"{rcv.base_url}/", timeout=10).text
+    assert re.search(r'data-field="rsync_waiting"><b>0</b>', page), "no backlog on the status page"
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
@@ -197,6 +206,7 @@ def test_a_receiver_killed_at_each_adoption_step_loses_nothing_and_makes_one_obj
     where = files_under(rcv.data_dir / "incoming") + files_under(rcv.data_dir / "adopting")
     where += [f for f in files_under(rcv.data_dir / "uploads") if not f.endswith(".info")]
     assert where, f"the file vanished at {point}"
+    assert rsync_waiting(rcv) == (0 if point == "rsync.accepted" else 1)
 
     rcv.start()
     wait_for(lambda: objects(rcv.data_dir), 20, "a receipt after the restart",
