@@ -155,25 +155,28 @@ class RsyncIntake(Service):
             waiter.callback(None)
 
     async def _round(self) -> None:
+        # Waiting: claims a crash or a failure left that this round could not finish, and every
+        # finished file in the incoming tree until it is adopted.
+        stuck = 0
         for claim in await self._run(self._area.claims):
             if self._stopping:
                 return
-            await self._settle(claim, None)
+            stuck += 0 if await self._settle(claim, None) else 1
         found: list[Arrival] = await self._run(
             lambda: list(arrivals(self._incoming, self._projects))
         )
-        waiting = len(found)
+        waiting = stuck + len(found)
         self.observer.adoption_waiting(waiting)
         for arrival in found:
             if self._stopping:
                 return
-            await self._adopt(arrival)
-            waiting -= 1
-            self.observer.adoption_waiting(waiting)
+            if await self._adopt(arrival):
+                waiting -= 1
+                self.observer.adoption_waiting(waiting)
 
-    async def _adopt(self, arrival: Arrival) -> None:
-        """Adopt one file; a failure is logged and the file (or its claim) waits for the next
-        round."""
+    async def _adopt(self, arrival: Arrival) -> bool:
+        """Adopt one file; False when it failed (logged): the file, or its claim, waits for the
+        next round."""
         try:
             if arrival.size == 0:
                 # Nothing to deliver, and an upload has at least one byte (seesaw sends
@@ -181,34 +184,37 @@ class RsyncIntake(Service):
                 await self._run(arrival.path.unlink, True)
                 log.warn("removed empty rsync file {filename} of {project}",
                          filename=arrival.filename, project=arrival.project)  # fmt: skip
-                return
+                return True
             claim = Claim(self._ids.new(), arrival.project, arrival.downloader, arrival.filename)
-            if await self._run(self._area.claim, claim, arrival):
-                await self._settle(claim, arrival.arrived_at)
+            if not await self._run(self._area.claim, claim, arrival):
+                return True  # gone from incoming/: adopted already, or replaced and found again
+            return await self._settle(claim, arrival.arrived_at)
         except Exception:
             log.failure("adopting {path} failed; it is tried again", path=str(arrival.path))
+            return False
 
-    async def _settle(self, claim: Claim, arrived_at: float | None) -> None:
-        """Carry ``claim`` through the rest of its steps, from wherever the bytes are."""
+    async def _settle(self, claim: Claim, arrived_at: float | None) -> bool:
+        """Carry ``claim`` through the rest of its steps, from wherever the bytes are; False when
+        a step failed (logged) and the claim stays for the next round."""
         oid = claim.object_id
         try:
             state = await self._run(claim_state, claim, self._area, self._uploads, self._receipts)
             if state is ClaimState.RECEIPTED:
                 await self._committed_before(claim)
-                return
+                return True
             if state is ClaimState.UNMOVED:
                 await self._run(self._area.release, oid)
-                return
+                return True
             if state is ClaimState.STORED:
                 await self._accept(claim, None, arrived_at)
-                return
+                return True
             try:
                 digest, checksum, size = await self._hash(self._area.hash, oid)
             except NotARegularFile:
                 log.warn("dropped {filename} of {project}: not a regular file",
                          filename=claim.filename, project=claim.project)  # fmt: skip
                 await self._run(self._area.drop, oid)
-                return
+                return True
 
             async def commit() -> Receipt:
                 info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
@@ -219,7 +225,7 @@ class RsyncIntake(Service):
                 # No worker named: the idempotency rule needs one (a file straight in the
                 # module is always a new object).
                 await commit()
-                return
+                return True
             key = OriginKey(claim.project, claim.downloader, claim.filename, size, checksum)
             receipt, new = await self._origins.once(key, lambda: Deferred.fromCoroutine(commit()))
             if not new:
@@ -231,13 +237,19 @@ class RsyncIntake(Service):
                     object_id=receipt.object_id,
                     project=claim.project,
                 )
+            return True
         except (AcceptanceFailed, ChecksumMismatch) as e:
             log.error("adoption of {object_id} failed, tried again: {error}",
                       object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            return False
         except AdoptionAbandoned as e:
             # Only a damaged disk gets here: the bytes no longer hash as they did.
             log.error("adoption of {object_id} gave up: {error}",
                       object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            return True
+        except Exception:
+            log.failure("adoption of {object_id} failed; it is tried again", object_id=oid)
+            return False
 
     async def _committed_before(self, claim: Claim) -> None:
         """A crash came after the commit point: the index row may never have been written, and

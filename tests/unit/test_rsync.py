@@ -162,7 +162,7 @@ class Node:
     def area(self) -> AdoptionArea:
         return AdoptionArea(self.data / "adopting")
 
-    def intake(self) -> RsyncIntake:
+    def intake(self, observer: Any = None) -> RsyncIntake:
         acceptance = Acceptance(
             uploads=self.uploads, receipts=self.receipts, run=run_inline, hash=run_inline,
             clock=self.clock, issuer=ISSUER,
@@ -174,6 +174,7 @@ class Node:
             run=run_inline, hash=run_inline, clock=self.clock, ids=ObjectIds(),
             interval=10.0,
             origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
+            **({"observer": observer} if observer is not None else {}),
         )  # fmt: skip
 
     def arrive(self, name: str, data: bytes, downloader: str = "alice") -> Path:
@@ -341,3 +342,36 @@ def test_nothing_runs_after_stop(tmp_path: Path) -> None:
     intake.kick()
     assert node.objects() == {}
     assert os.path.exists(node.data / "incoming" / "example" / "alice" / "a.warc.gz")
+
+
+@define
+class Backlog:
+    """An adoption observer that records the waiting counts it is told."""
+
+    waiting: list[int] = field(factory=list)
+    projects: list[str] = field(factory=list)
+
+    def adoption_waiting(self, count: int) -> None:
+        self.waiting.append(count)
+
+    def adopted(self, project: str, seconds: float | None) -> None:
+        self.projects.append(project)
+
+
+def test_a_claim_that_cannot_finish_keeps_counting_as_waiting(tmp_path: Path) -> None:
+    """A claim whose upload cannot be read (a damaged sidecar) stays, is reported as waiting, and
+    does not stop the files after it."""
+    node = Node(tmp_path)
+    claim, arrival = claimed(node, b"bytes")
+    node.area.claim(claim, arrival)
+    node.area.stage(claim.upload_info(5, b3(b"bytes"), int(START)), node.uploads)
+    (node.data / "uploads" / f"{claim.object_id}.info").write_bytes(b"{damaged")
+    node.arrive("b.warc.gz", b"other")
+    backlog = Backlog()
+    intake = node.intake(backlog)
+    intake.startService()
+    succeeded(intake.stopService())
+    assert backlog.waiting == [2, 1]
+    assert backlog.projects == ["example"]
+    assert [o.filename for _, o in node.objects().values()] == ["b.warc.gz"]
+    assert node.leftovers() == [f"adopting/{claim.object_id}.claim"]
