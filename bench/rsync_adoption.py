@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,9 +47,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(predicate: object, timeout: float, what: str, interval: float = 0.002) -> None:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.002
+) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(interval)
@@ -55,6 +59,10 @@ def wait_until(predicate: object, timeout: float, what: str, interval: float = 0
 
 def receipts(data: Path) -> int:
     return sum(1 for n in os.listdir(data / "receipts") if not n.endswith(".meta.json"))
+
+
+def more_receipts(data: Path, than: int) -> bool:
+    return receipts(data) > than
 
 
 def send(src: Path, names: list[str], target: str) -> None:
@@ -116,7 +124,7 @@ def main() -> None:
             before = receipts(data)
             send(src, [name], target)
             exited = time.monotonic()
-            wait_until(lambda before=before: receipts(data) > before, 30, f"{name}'s receipt")
+            wait_until(partial(more_receipts, data, before), 30, f"{name}'s receipt")
             latencies.append(time.monotonic() - exited)
             (src / name).unlink()
         if latencies:

@@ -215,7 +215,7 @@ def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
-    metrics and (when configured) the manhole."""
+    metrics and (when configured) the rsync intake and the manhole."""
     uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
