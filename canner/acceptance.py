@@ -124,7 +124,7 @@ class Acceptance:
     async def _accept(self, upload: LockedUpload, started: float) -> Receipt:
         """The steps; ``started`` is when the last byte triggered acceptance."""
         info = upload.info
-        origin = Origin(info.project, info.filename)
+        origin = info.origin
         receipt: Receipt | None = None
         hash_seconds = 0.0
         try:

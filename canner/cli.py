@@ -67,6 +67,8 @@ from canner.packaging import batches as psql
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
+from canner.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
+from canner.rsync.incoming import count_waiting
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.directory import validate_directory
 from canner.sinks.plan import (
@@ -320,6 +322,8 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     lines.append(
         f"purges overdue   {doc['purge_overdue']} (lag {human_duration(doc['purge_lag_s'])})"
     )
+    if "rsync_waiting" in doc:
+        lines.append(f"rsync waiting    {doc['rsync_waiting']} files finished, not yet adopted")
     if any((doc.get("packages") or {}).values()):
         phases = ", ".join(f"{phase} {n}" for phase, n in doc["packages"].items() if n)
         lines.append(f"packages         {phases}")
@@ -382,6 +386,8 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     code, reasons = judge_survey(survey, config)
     doc["status"] = ["ok", "warning", "critical"][code]
     doc["reasons"] = reasons
+    if config.rsync is not None:
+        doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
     io.out.write(json.dumps(doc, indent=2) + "\n" if as_json else _status_text(doc, config))
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
@@ -953,6 +959,31 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     return 1 if problems or damage else 0
 
 
+# -- rsyncd-conf -------------------------------------------------------------------------------
+
+
+def write_rsyncd_conf(
+    config_path: Path, templates: Path, runtime_dir: Path, output: Path | None, io: Io
+) -> int:
+    """Write the rsync daemon's configuration for ``[rsync]`` (to ``output``, or stdout)."""
+    config = load_config(config_path)
+    if config.rsync is None:
+        raise CommandError("the config has no [rsync] table: the rsync intake is off")
+    text = rsyncd_conf(
+        (templates / GLOBAL_TEMPLATE).read_text(encoding="utf-8"),
+        (templates / MODULE_TEMPLATE).read_text(encoding="utf-8"),
+        projects=config.projects,
+        incoming=config.rsync.incoming,
+        max_connections=config.rsync.max_connections,
+        runtime_dir=runtime_dir,
+    )
+    if output is None:
+        io.out.write(text)
+    else:
+        output.write_text(text, encoding="utf-8")
+    return 0
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -1013,6 +1044,16 @@ def _parser() -> argparse.ArgumentParser:
     ledger.add_argument(
         "--timeout", type=float, default=600.0, help="flush: seconds to wait (default 600)"
     )
+    conf = command("rsyncd-conf", "write the rsync daemon's config: one module per project")
+    conf.add_argument(
+        "--templates", type=Path, default=Path("/etc/canner/rsyncd"),
+        help="the directory of rsyncd.conf and module.conf (default /etc/canner/rsyncd)",
+    )  # fmt: skip
+    conf.add_argument(
+        "--runtime-dir", type=Path, default=Path("/run/canner/rsyncd"),
+        help="the daemon's runtime directory (its lock file)",
+    )  # fmt: skip
+    conf.add_argument("--output", type=Path, help="write here instead of standard output")
     return parser
 
 
@@ -1046,6 +1087,9 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),
         "release": lambda: release(args.config, args.ids, io),
+        "rsyncd-conf": lambda: write_rsyncd_conf(
+            args.config, args.templates, args.runtime_dir, args.output, io
+        ),
         "ledger": lambda: (
             flush_ledger(args.config, args.timeout, io)
             if args.action == "flush"

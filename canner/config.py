@@ -205,6 +205,19 @@ class LedgerConfig:
 
 
 @frozen
+class RsyncConfig:
+    """``[rsync]``: the rsync intake (absent: no rsync intake).  A stock rsync daemon writes into
+    ``incoming/<project>/<downloader>/`` and canner-receiver adopts what it finishes
+    (:mod:`canner.rsync`); ``incoming`` must be on the data directory's filesystem."""
+
+    incoming: Path
+    # How often the whole incoming tree is scanned for what inotify missed.
+    scan_interval: float = 10.0
+    # The rsync daemon's ``max connections`` per module (``canner rsyncd-conf`` writes it).
+    max_connections: int = 64
+
+
+@frozen
 class Config:
     """The whole validated configuration."""
 
@@ -234,6 +247,7 @@ class Config:
 
     hq: HQConfig | None = None
     ledger: LedgerConfig | None = None
+    rsync: RsyncConfig | None = None
 
     @property
     def object_ids(self) -> ObjectIds:
@@ -260,8 +274,10 @@ _TOP_KEYS = {
     "packaging_concurrency",
     "hq",
     "ledger",
+    "rsync",
 }
 _HQ_KEYS = {"tokens"}
+_RSYNC_KEYS = {"incoming", "scan_interval", "max_connections"}
 _LEDGER_KEYS = {
     "period",
     "delay",
@@ -549,6 +565,25 @@ def _parse_hq(raw: Any, base_dir: Path) -> HQConfig | None:
     return HQConfig(tokens=(base_dir / _string(raw, "tokens", "hq.tokens")).resolve())
 
 
+def _parse_rsync(raw: Any, base_dir: Path, data_dir: Path) -> RsyncConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("rsync", "must be a table")
+    _unknown(raw, _RSYNC_KEYS, "rsync.")
+    incoming = _string(raw, "incoming", "rsync.incoming", str(data_dir / "incoming"))
+    if not incoming:
+        raise ConfigError("rsync.incoming", "must not be empty")
+    interval = _duration(raw, "scan_interval", "rsync.scan_interval", "10s")
+    if interval <= 0:
+        raise ConfigError("rsync.scan_interval", "must be positive")
+    return RsyncConfig(
+        incoming=(base_dir / incoming).resolve(),
+        scan_interval=interval,
+        max_connections=_positive_int(raw, "max_connections", 64, "rsync.max_connections"),
+    )
+
+
 def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | None:
     if raw is None:
         return None
@@ -790,6 +825,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         ),
         hq=_parse_hq(raw.get("hq"), base_dir),
         ledger=_parse_ledger(raw.get("ledger"), base_dir, node_prefix),
+        rsync=_parse_rsync(raw.get("rsync"), base_dir, resolved_data_dir),
     )
 
 

@@ -157,6 +157,21 @@ class Metrics:
         self.stale_uploads_removed = Counter(
             "canner_stale_uploads_removed", "Abandoned partial uploads removed", registry=rcv
         )
+        self.rsync_waiting = Gauge(
+            "canner_rsync_waiting_files",
+            "Files rsync has finished that wait for adoption (none accepted yet)",
+            registry=rcv,
+        )
+        self.rsync_adopted = Counter(
+            "canner_rsync_adopted", "rsync files adopted (receipt committed)", ["project"],
+            registry=rcv,
+        )  # fmt: skip
+        self.rsync_adoption_seconds = Histogram(
+            "canner_rsync_adoption_seconds",
+            "Seconds from rsync's rename of a file into place to its durable receipt",
+            buckets=SECONDS_BUCKETS,
+            registry=rcv,
+        )
         kind = ["kind"]
         self.delivery_attempts = Counter(
             "canner_delivery_attempts",
@@ -288,6 +303,14 @@ class Metrics:
 
     def stale_removed(self, count: int) -> None:
         self.stale_uploads_removed.inc(count)
+
+    def adoption_waiting(self, count: int) -> None:
+        self.rsync_waiting.set(count)
+
+    def adopted(self, project: str, seconds: float | None) -> None:
+        self.rsync_adopted.labels(self._project(project)).inc()
+        if seconds is not None:
+            self.rsync_adoption_seconds.observe(seconds)
 
     def observe_response(self, method: str, creation: bool, code: int) -> None:
         """Count one answered receiver request (``method`` after tus's method override;

@@ -156,11 +156,14 @@ class ObjectReader:
         return results
 
     def origin(self, object_id: str) -> Origin | None:
-        """Project and filename of an indexed object (the tus HEAD of a purged upload needs
-        them); None when the index lacks the object or cannot be read."""
+        """Project, filename and downloader of an indexed object (the tus HEAD of a purged
+        upload needs them); None when the index lacks the object or cannot be read."""
         try:
             cur = self._cursor()
-            cur.execute("SELECT project, filename FROM objects WHERE object_id = ?", (object_id,))
+            cur.execute(
+                "SELECT project, filename, downloader FROM objects WHERE object_id = ?",
+                (object_id,),
+            )
             found = cur.fetchone()
         except (sqlite3.Error, IndexUnavailable):
             self._local.conn = None

@@ -58,6 +58,18 @@ class UploadObserver(Protocol):
         """The sweep removed ``count`` abandoned partial uploads."""
 
 
+class AdoptionObserver(Protocol):
+    """The rsync intake's facts (:mod:`canner.rsync.intake`)."""
+
+    def adoption_waiting(self, count: int) -> None:
+        """``count`` finished rsync files wait for adoption (set by each scan, then lowered as
+        each is adopted)."""
+
+    def adopted(self, project: str, seconds: float | None) -> None:
+        """A file was adopted and its receipt committed, ``seconds`` after rsync renamed it into
+        place (None when a restart finished it: the arrival time is not kept)."""
+
+
 class OutboundObserver(Protocol):
     """The facts of every transfer that leaves the node, whatever its kind."""
 
@@ -148,6 +160,19 @@ class Unobserved:
 
 
 UNOBSERVED = Unobserved()
+
+
+class UnobservedAdoption:
+    """:class:`AdoptionObserver`, doing nothing."""
+
+    def adoption_waiting(self, count: int) -> None:
+        pass
+
+    def adopted(self, project: str, seconds: float | None) -> None:
+        pass
+
+
+UNOBSERVED_ADOPTION = UnobservedAdoption()
 
 
 def counting_sent(

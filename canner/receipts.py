@@ -85,16 +85,29 @@ def parse_receipt(data: bytes) -> Receipt:
 
 @frozen
 class Origin:
-    """What the worker declared besides the checksum: kept next to the receipt for rebuilds."""
+    """What the worker declared besides the checksum: kept next to the receipt for rebuilds.
+
+    ``downloader`` names the worker (an Archive Team nickname) when the intake door knows it
+    (``PUT /seesaw/<project>/<downloader>/<filename>``); None for tus uploads.  Its JSON form
+    carries the key only when set, so records of objects without one stay byte for byte what
+    they were, and records written before it existed read as None.
+    """
 
     project: str
     filename: str | None
+    downloader: str | None = None
+
+    def fields(self) -> dict[str, str | None]:
+        """``project``, ``filename`` and, when set, ``downloader`` (the records' shared part)."""
+        found: dict[str, str | None] = {"project": self.project, "filename": self.filename}
+        if self.downloader is not None:
+            found["downloader"] = self.downloader
+        return found
 
     def to_json(self, object_id: str) -> bytes:
-        return json.dumps(
-            {"object_id": object_id, "project": self.project, "filename": self.filename},
-            separators=(",", ":"),
-        ).encode("utf-8")
+        return json.dumps({"object_id": object_id, **self.fields()}, separators=(",", ":")).encode(
+            "utf-8"
+        )
 
 
 @frozen
@@ -154,12 +167,7 @@ ORIGIN = "origin"
 
 def origin_journal_record(object_id: str, origin: Origin) -> dict[str, Any]:
     """The facts journal's copy of an origin record, written before the payload is purged."""
-    return {
-        "kind": ORIGIN,
-        "object_id": object_id,
-        "project": origin.project,
-        "filename": origin.filename,
-    }
+    return {"kind": ORIGIN, "object_id": object_id, **origin.fields()}
 
 
 def origin_of(record: dict[str, Any] | None) -> Origin | None:
@@ -172,10 +180,14 @@ def parse_origin(data: bytes) -> Origin:
 
 
 def _origin(raw: Any) -> Origin:
-    project, filename = raw["project"], raw.get("filename")
-    if not isinstance(project, str) or not (filename is None or isinstance(filename, str)):
-        raise ValueError("origin record needs a string project and an optional filename")
-    return Origin(project, filename)
+    project, filename, downloader = raw["project"], raw.get("filename"), raw.get("downloader")
+    if not isinstance(project, str) or not all(
+        v is None or isinstance(v, str) for v in (filename, downloader)
+    ):
+        raise ValueError(
+            "origin record needs a string project, an optional filename and downloader"
+        )
+    return Origin(project, filename, downloader)
 
 
 @frozen

@@ -24,7 +24,7 @@ from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config
+from canner.config import Config, RsyncConfig
 from canner.connections import ConnectionLimits, connection_limits
 from canner.daemon import (
     DaemonRoot,
@@ -53,11 +53,13 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.manhole import daemon_manhole
 from canner.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.objects import ObjectReader
+from canner.origins import AcceptedOrigins
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.rsync.intake import RsyncIntake, prepare_rsync
 from canner.sinks.base import Sink
 from canner.startup import (
     DELIVER_WRITES,
@@ -178,11 +180,42 @@ def receiver_parts(
     return ReceiverParts(acceptance, intake, hq, site, floor, journal)
 
 
+def rsync_intake(
+    config: Config,
+    rsync: RsyncConfig,
+    parts: ReceiverParts,
+    origins: AcceptedOrigins,
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    io: BlockingRunner,
+    hashing: BlockingRunner,
+    reactor: Any,
+    metrics: Metrics,
+) -> RsyncIntake:
+    """The rsync door (``[rsync]``): adopts what the rsync daemon finished into the store."""
+    return RsyncIntake(
+        incoming=rsync.incoming,
+        projects=tuple(config.projects),
+        area=prepare_rsync(config, rsync),
+        uploads=uploads,
+        receipts=receipts,
+        acceptance=parts.acceptance,
+        run=io,
+        hash=hashing,
+        clock=reactor,
+        ids=config.object_ids,
+        interval=rsync.scan_interval,
+        origins=origins,
+        reactor=reactor,
+        observer=metrics,
+    )
+
+
 def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
-    metrics and (when configured) the manhole."""
+    metrics and (when configured) the rsync intake and the manhole."""
     uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
@@ -238,6 +271,10 @@ def receiver_service(
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
+    if config.rsync is not None:
+        origins = AcceptedOrigins(receipts=receipts, run=io, index=index)
+        rsync_intake(config, config.rsync, parts, origins, uploads, receipts, io, hashing,
+                     reactor, metrics).setServiceParent(top)  # fmt: skip
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)

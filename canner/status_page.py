@@ -34,6 +34,7 @@ from canner.config import Config
 from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
 from canner.inventory import Survey, take_survey
+from canner.rsync.incoming import count_waiting
 from canner.trends import ALL, WINDOW, levels, per_minute
 from canner.trends import projects as trend_projects
 from canner.version import version
@@ -104,6 +105,8 @@ class StatusView:
     started_at: float = 0.0  # when this receiver started
     # project -> base URL of its IA item pages (the delivery's metadata_url)
     item_urls: Mapping[str, str] = field(factory=dict)
+    # Files rsync finished that wait for adoption (None: no rsync intake).
+    rsync_waiting: int | None = None
 
     @property
     def deliver(self) -> Liveness:
@@ -131,6 +134,9 @@ class StatusSource:
     _version: str = "-"
     _item_urls: Mapping[str, str] = field(factory=dict)
     _started_at: float | None = None
+    # Counts the rsync files waiting for adoption (blocking), with each survey.
+    _rsync_backlog: Callable[[], int] | None = None
+    _rsync_waiting: int | None = None
 
     @classmethod
     def for_config(
@@ -152,7 +158,13 @@ class StatusSource:
                 if p.delivery is not None
             },
             started_at=clock.seconds(),
-        )
+            rsync_backlog=(
+                partial(count_waiting, config.rsync.incoming, tuple(config.projects),
+                        config.data_dir)
+                if config.rsync is not None
+                else None
+            ),
+        )  # fmt: skip
 
     def view(self) -> Deferred[StatusView]:
         if self._started_at is None:
@@ -167,6 +179,7 @@ class StatusSource:
                 version=self._version,
                 started_at=self._started_at or survey.taken_at,
                 item_urls=self._item_urls,
+                rsync_waiting=self._rsync_waiting,
             )
 
         return self._survey().addCallback(build)
@@ -191,8 +204,14 @@ class StatusSource:
                 else:
                     d.callback(result)
 
-        self._run(self._take, now).addBoth(done)
+        self._run(self._take_all, now).addBoth(done)
         return waiter
+
+    def _take_all(self, now: float) -> Survey:
+        """The survey and, with it, the rsync backlog (blocking: in the survey's thread)."""
+        if self._rsync_backlog is not None:
+            self._rsync_waiting = self._rsync_backlog()
+        return self._take(now)
 
 
 # -- rendering (pure) --------------------------------------------------------------------------
@@ -563,19 +582,24 @@ def _in_flight(view: StatusView) -> Tag:
     return section(table)
 
 
-def _uploads(survey: Survey) -> Tag:
+def _uploads(survey: Survey, rsync_waiting: int | None) -> Tag:
     uploads = survey.active_uploads
-    section = tags.section(
-        tags.h2("Active uploads"),
-        tags.table(
-            _row(tags.th("uploads without a receipt"), _count("active_uploads", len(uploads))),
-            _row(
-                tags.th("bytes stored so far"),
-                _bytes("active_upload_bytes", survey.active_upload_bytes),
-            ),
-            id="active-summary",
+    summary = tags.table(
+        _row(tags.th("uploads without a receipt"), _count("active_uploads", len(uploads))),
+        _row(
+            tags.th("bytes stored so far"),
+            _bytes("active_upload_bytes", survey.active_upload_bytes),
         ),
+        id="active-summary",
     )
+    if rsync_waiting is not None:
+        summary(
+            _row(
+                tags.th("rsync files waiting for adoption"),
+                _count("rsync_waiting", rsync_waiting),
+            )
+        )
+    section = tags.section(tags.h2("Active uploads"), summary)
     if not uploads:
         return section(tags.p("No uploads in progress."))
     table = tags.table(_head("upload", "project", "bytes", "progress", "idle"), id="active-uploads")
@@ -779,7 +803,7 @@ def render_status(view: StatusView) -> bytes:
             _storage(view),
             _in_flight(view),
             _trends(view),
-            _uploads(view.survey),
+            _uploads(view.survey, view.rsync_waiting),
             _projects(view.survey),
             _deliveries(view),
             _problems(view.problems),

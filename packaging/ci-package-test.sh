@@ -168,6 +168,10 @@ if [ -n "$UNITDIR" ] && [ -f "$UNITDIR/canner-deliver.service" ]; then
 else
   die "unit files canner-receiver.service and canner-deliver.service are installed"
 fi
+check "canner-rsyncd.service is installed, not enabled (the rsync intake is opt-in)" \
+  bash -c "[ -f $UNITDIR/canner-rsyncd.service ] && [ ! -e /etc/systemd/system/multi-user.target.wants/canner-rsyncd.service ]"
+check "the rsyncd templates are conffiles in /etc/canner/rsyncd" \
+  bash -c "cmp /etc/canner/rsyncd/module.conf '$REPO/conf/rsyncd/module.conf' && dpkg-query -W -f='\${Conffiles}\n' canner | grep -q '^ /etc/canner/rsyncd/module.conf '"
 EX=/usr/share/doc/canner/examples
 if [ -f $EX/haproxy/canner.cfg ] && [ -f $EX/nginx/canner.conf ] && [ -f $EX/prometheus/canner-alerts.yml ] \
   && [ -f $EX/grafana/canner.json ]; then

@@ -50,6 +50,8 @@ class AcceptedObject:
     # Set when a rebuild could not restore all of it (a damaged journal line held a record of
     # it): the row comes flagged for an operator, with this as its error.
     problem: str | None = None
+    # The worker that uploaded it, when its intake door names one (schema v7).
+    downloader: str | None = None
 
     @classmethod
     def of(
@@ -70,6 +72,7 @@ class AcceptedObject:
             delivery,
             released_at,
             problem,
+            origin.downloader,
         )
 
 
@@ -168,10 +171,11 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
     for o in objects:
         d = o.delivery
         cur.execute(
-            "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
-            " accepted_at, content_md5, remote_name, purge_after, purged_at, updated_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (o.object_id, o.project, o.filename, o.size_bytes, o.checksum, o.accepted_at,
+            "INSERT OR IGNORE INTO objects (object_id, project, filename, downloader, size_bytes,"
+            " checksum, accepted_at, content_md5, remote_name, purge_after, purged_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (o.object_id, o.project, o.filename, o.downloader, o.size_bytes, o.checksum,
+             o.accepted_at,
              *((None,) * 4 if d is None else (d.content_md5, d.remote_name, d.purge_after,
                                               d.purged_at)), now),
         )  # fmt: skip
@@ -367,6 +371,7 @@ COLUMNS = (
     "redeliveries",
     "force_upload",
     "released_at",
+    "downloader",
 )
 # Objects with their outbound row (schema v8's view).
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM object_delivery"
@@ -401,6 +406,8 @@ class QueueRow:
     # 1: a read-back found the remote bytes wrong; the next delivery must PUT.
     force_upload: int = 0
     released_at: float | None = None
+    # The worker that uploaded it, when its intake door names one (schema v7).
+    downloader: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -626,3 +633,29 @@ def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:
     cur.execute(_SELECT + " WHERE object_id = ?", (object_id,))
     rows = _rows(cur)
     return rows[0] if rows else None
+
+
+# -- objects by origin (schema v7's objects_origin) -------------------------------------------
+
+# A bound on what one origin query returns: a file name is one item, sent a few times at most.
+ORIGIN_MATCHES_MAX = 100
+
+
+def ids_by_origin(
+    cur: sqlite3.Cursor,
+    project: str,
+    filename: str,
+    downloader: str | None = None,
+    any_downloader: bool = False,
+    limit: int = ORIGIN_MATCHES_MAX,
+) -> list[str]:
+    """Ids of the objects of ``project`` named ``filename`` (oldest accepted first): those of
+    ``downloader`` (None matches objects without one), or of every downloader with
+    ``any_downloader``.  At most ``limit``; served by the ``objects_origin`` index."""
+    query = "SELECT object_id FROM objects WHERE project = ? AND filename = ?"
+    args: list[Any] = [project, filename]
+    if not any_downloader:
+        query += " AND downloader IS ?"
+        args.append(downloader)
+    cur.execute(query + " ORDER BY accepted_at, object_id LIMIT ?", (*args, limit))
+    return [row[0] for row in cur.fetchall()]

@@ -60,7 +60,7 @@ def delete_payload(
     object_id = row.object_id
     journal.append(
         [
-            origin_journal_record(object_id, Origin(row.project, row.filename)),
+            origin_journal_record(object_id, Origin(row.project, row.filename, row.downloader)),
             delivery_journal_record(object_id, delivery_record(row, now)),
         ]
     )

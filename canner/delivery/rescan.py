@@ -74,7 +74,7 @@ def _origin(
         info = None
     if info is None:
         return None
-    origin = Origin(info.project, info.filename)
+    origin = info.origin
     receipts.record_origin(object_id, origin)
     return origin
 

@@ -382,6 +382,8 @@ class UploadIntake:
             metadata["project"] = origin.project
             if origin.filename:
                 metadata["filename"] = origin.filename
+            if origin.downloader:
+                metadata["downloader"] = origin.downloader
         return Outcome(upload_id, receipt.size_bytes, receipt.size_bytes, metadata, receipt)
 
     # -- the body -------------------------------------------------------------------------------

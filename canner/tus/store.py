@@ -33,6 +33,7 @@ from attrs import define, evolve, field, frozen
 
 from canner import fs
 from canner.checksum import Checksum, TrailingHash, parse_checksum
+from canner.receipts import Origin
 
 # Bytes a streaming upload writes before they are handed to the kernel's writeback.
 WRITE_BEHIND_WINDOW = 32 << 20
@@ -104,6 +105,15 @@ class UploadInfo:
     @property
     def filename(self) -> str | None:
         return self.metadata.get("filename") or None
+
+    @property
+    def downloader(self) -> str | None:
+        """The worker named by the intake door (``PUT /seesaw/...``); None for tus uploads."""
+        return self.metadata.get("downloader") or None
+
+    @property
+    def origin(self) -> Origin:
+        return Origin(self.project, self.filename, self.downloader)
 
     def to_json(self, offset: int) -> bytes:
         doc: dict[str, Any] = {

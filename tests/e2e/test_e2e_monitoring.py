@@ -43,7 +43,8 @@ def dashboard_expressions() -> list[str]:
 
 def test_alert_rules_pass_promtool() -> None:
     """``promtool check rules`` accepts the shipped rules, and they alert on what the issue
-    asks: deliver down, backlog age, needs-operator rows, free space, purges, acceptance."""
+    asks: deliver down, backlog age, needs-operator rows, free space, purges, acceptance, the
+    rsync adoption backlog."""
     checked = subprocess.run(
         [promtool(), "check", "rules", str(RULES)],
         capture_output=True,
@@ -52,7 +53,7 @@ def test_alert_rules_pass_promtool() -> None:
         check=False,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 11 rules found" in checked.stdout
+    assert "SUCCESS: 12 rules found" in checked.stdout
     names = set(METRIC.findall(" ".join(rule_expressions())))
     for needed in (
         "canner_deliver_up",
@@ -61,6 +62,7 @@ def test_alert_rules_pass_promtool() -> None:
         "canner_data_free_bytes",
         "canner_purge_lag_seconds",
         "canner_acceptance_failures_total",
+        "canner_rsync_waiting_files",
     ):
         assert needed in names, needed
 

@@ -92,6 +92,21 @@ def test_upload_facts_are_counted_by_project_and_reason() -> None:
     assert sample(m, "canner_stale_uploads_removed_total") == 3
 
 
+def test_rsync_adoption_facts_are_counted() -> None:
+    """The waiting gauge follows the intake; adoptions count per configured project, and only
+    those with a known arrival time go into the latency histogram."""
+    m = Metrics(RECEIVER, ["example"])
+    m.adoption_waiting(3)
+    m.adopted("example", 0.2)
+    m.adopted("elsewhere", None)
+    m.adoption_waiting(1)
+    assert sample(m, "canner_rsync_waiting_files") == 1
+    assert sample(m, "canner_rsync_adopted_total", project="example") == 1
+    assert sample(m, "canner_rsync_adopted_total", project="") == 1
+    assert sample(m, "canner_rsync_adoption_seconds_count") == 1
+    assert sample(m, "canner_rsync_adoption_seconds_sum") == 0.2
+
+
 @pytest.mark.parametrize("kind", list(Outbound))
 def test_outbound_facts_are_counted_the_same_for_every_kind(kind: Outbound) -> None:
     """Objects, package files and ledgers: attempts after the first are retries, failures are

@@ -106,7 +106,7 @@ CREATE VIEW object_delivery AS
            o.purge_after, o.purged_at, d.next_check_at,
            max(o.updated_at, d.updated_at) AS updated_at, d.redeliveries, d.force_upload,
            o.released_at, o.batch_id, o.packed_file, o.packed_offset, o.pack_rejected_at,
-           o.ledger_id
+           o.ledger_id, o.downloader
     FROM objects o JOIN outbound d ON d.kind = 'object' AND d.ref = o.object_id;
 CREATE VIEW package_delivery AS
     SELECT p.batch_id, p.project, p.state, p.members, p.bytes, p.oldest_accepted_at,

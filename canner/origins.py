@@ -1,0 +1,158 @@
+"""Objects by origin: a worker that sends the same file again gets the same object.
+
+Intake doors that know who sent a file (``PUT /seesaw/<project>/<downloader>/<filename>``, an
+rsync module's downloader directory) accept it through :meth:`AcceptedOrigins.once`: once the
+file is stored, fsynced and hashed, an object already accepted with exactly the same
+:class:`OriginKey` (project, downloader, file name, size and BLAKE3) answers with its receipt,
+and nothing new is created.  Archive Team's seesaw re-sends a whole item after a lost response,
+so this is what makes an item delivered once.
+
+Which source decides: the receipt in ``receipts/``, the acceptance commit point.  A candidate
+counts only if its receipt is on disk with exactly the key's size and checksum (an object
+released and archived since, whose receipt is gone, no longer counts: the new copy is
+accepted).  Candidates come from two places, because the delivery index lags acceptance (the
+receiver inserts rows through ``IndexFeed`` after the commit point, batched and best effort):
+
+1. the keys this process committed through :meth:`once`, remembered on the reactor thread in
+   the same turn the commit succeeded, before any answer is written: a retry that arrives right
+   after the first answer was lost finds its object here, whatever the index says yet;
+2. the index (``objects_origin``, schema v7), for everything older.
+
+Files with the same key handled at the same time in this process are serialised: the second
+waits for the first's commit, then finds it.  One receiver serves a data directory, so no other
+process commits keys meanwhile.  What is not covered: a receiver killed after a commit point
+and before that object's index row was written forgets it until canner-deliver's rescan (at
+its start and hourly) inserts the row; a copy sent again in that window becomes a second
+object with the same bytes (delivered twice, never lost).  A failing index lookup is logged
+and counts as no match, for the same reason: a duplicate is safe, a refused upload is not.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from attrs import define, field, frozen
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from canner.blocking import BlockingRunner
+from canner.checksum import Checksum
+from canner.delivery.index import Index, ids_by_origin
+from canner.receipts import Receipt, ReceiptStore
+
+log = Logger()
+
+# Keys of this process's own commits kept in memory; the index has their rows within a
+# second or two, so this only has to outlast its lag (at thousands of acceptances a second).
+RECENT_MAX = 20_000
+
+
+@frozen
+class OriginKey:
+    """What makes two stored files the same object for a worker that sends again."""
+
+    project: str
+    downloader: str
+    filename: str
+    size_bytes: int
+    checksum: Checksum
+
+    def matches(self, receipt: Receipt) -> bool:
+        return receipt.size_bytes == self.size_bytes and receipt.checksum == self.checksum
+
+
+@define(eq=False, kw_only=True)
+class AcceptedOrigins:
+    """Finds the object already accepted for an :class:`OriginKey`, and commits new ones one
+    key at a time (see the module docstring for the contract).  Reactor thread only."""
+
+    _receipts: ReceiptStore
+    _run: BlockingRunner
+    # The delivery index; None when the receiver runs without one (then only this process's
+    # own commits are found).
+    _index: Index | None = None
+    _recent: OrderedDict[OriginKey, str] = field(factory=OrderedDict)
+    # Keys whose commit runs now, with whoever waits for it to end.
+    _committing: dict[OriginKey, list[Deferred[None]]] = field(factory=dict)
+
+    def find(self, key: OriginKey) -> Deferred[Receipt | None]:
+        """The receipt of an object accepted with exactly ``key``, or None.
+
+        The oldest matching object wins when there are several (copies accepted before this
+        existed, or during a crash window).  Never fails: a failing lookup is logged as None.
+        """
+        return Deferred.fromCoroutine(self._find(key))
+
+    def once(
+        self, key: OriginKey, commit: Callable[[], Deferred[Receipt]]
+    ) -> Deferred[tuple[Receipt, bool]]:
+        """``(receipt, True)`` after running ``commit`` when no object has ``key`` yet;
+        ``(existing receipt, False)`` without running it when one has.
+
+        ``commit`` must publish a receipt for the new object and fire once it is durable; a
+        failure of it propagates, and the next file with ``key`` is looked up afresh.  A file
+        with the same key that arrives while a commit of it runs waits for that commit.
+        """
+        return Deferred.fromCoroutine(self._once(key, commit))
+
+    def remember(self, key: OriginKey, object_id: str) -> None:
+        """Note that ``object_id`` was committed with ``key`` in this process."""
+        self._recent[key] = object_id
+        self._recent.move_to_end(key)
+        while len(self._recent) > RECENT_MAX:
+            self._recent.popitem(last=False)
+
+    async def _once(
+        self, key: OriginKey, commit: Callable[[], Deferred[Receipt]]
+    ) -> tuple[Receipt, bool]:
+        while True:
+            while key in self._committing:
+                waiter: Deferred[None] = Deferred()
+                self._committing[key].append(waiter)
+                await waiter
+            found = await self._find(key)
+            if found is not None:
+                return found, False
+            if key not in self._committing:  # nobody claimed it while we looked
+                break
+        self._committing[key] = []
+        try:
+            receipt = await commit()
+            self.remember(key, receipt.object_id)
+        finally:
+            for waiter in self._committing.pop(key):
+                waiter.callback(None)
+        return receipt, True
+
+    async def _find(self, key: OriginKey) -> Receipt | None:
+        try:
+            recent = self._recent.get(key)
+            if recent is not None:
+                receipt = await self._run(self._matching, key, [recent])
+                if receipt is not None:
+                    return receipt
+            if self._index is None:
+                return None
+            candidates: list[str] = await self._index.run(
+                ids_by_origin, key.project, key.filename, key.downloader
+            )
+            return await self._run(self._matching, key, candidates)
+        except Exception as e:
+            log.error(
+                "looking up earlier copies of {filename} from {downloader} ({project}) failed,"
+                " accepting it as new: {error}",
+                filename=key.filename,
+                downloader=key.downloader,
+                project=key.project,
+                error=str(e),
+            )
+            return None
+
+    def _matching(self, key: OriginKey, object_ids: list[str]) -> Receipt | None:
+        """The first of ``object_ids`` whose receipt is on disk and matches (blocking)."""
+        for object_id in object_ids:
+            receipt = self._receipts.read(object_id)
+            if receipt is not None and key.matches(receipt):
+                return receipt
+        return None

@@ -1,0 +1,292 @@
+"""The rsync intake service: finds the files rsync finished and adopts them one at a time.
+
+It learns of files from inotify (``IN_MOVED_TO``: rsync renames a finished file into place) and
+from a scan of the whole incoming tree every ``scan_interval`` (what inotify missed: a queue
+overflow, a directory made before its watch, a restart).  Each notification asks for a round; a
+round finishes the claims a crash left (:mod:`canner.rsync.adoption`), then adopts every file
+the scan finds, in turn, through the receiver's one :class:`~canner.acceptance.Acceptance`.
+Rounds never overlap: a request during a round runs one more round after it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+from twisted.application.service import Service
+from twisted.internet import inotify
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.filepath import FilePath
+
+from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.blocking import BlockingRunner
+from canner.checksum import TrailingHash
+from canner.config import Config, RsyncConfig
+from canner.crashpoints import crash_point
+from canner.ids import ObjectIds
+from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
+from canner.origins import AcceptedOrigins, OriginKey
+from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, NotARegularFile, claim_state
+from canner.rsync.incoming import Arrival, arrivals, is_final_name
+from canner.startup import CannotStart
+from canner.tus.store import UploadStore
+
+log = Logger()
+
+_WATCH_MASK = inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_CLOSE_WRITE
+
+
+class AdoptionAbandoned(Exception):
+    """A claimed upload can no longer be accepted (its bytes were rejected or vanished)."""
+
+
+def prepare_rsync(config: Config, rsync: RsyncConfig) -> AdoptionArea:
+    """Make ``adopting/`` and one incoming directory per project (start-up, blocking), and check
+    that they share the data directory's filesystem (every adoption step is a rename)."""
+    area = AdoptionArea(config.data_dir / "adopting")
+    try:
+        area.directory.mkdir(mode=0o750, exist_ok=True)
+        rsync.incoming.mkdir(mode=0o750, exist_ok=True)
+        for project in config.projects:
+            (rsync.incoming / project).mkdir(mode=0o750, exist_ok=True)
+        devices = {os.stat(p).st_dev for p in (config.data_dir, area.directory, rsync.incoming)}
+    except OSError as e:
+        raise CannotStart(f"cannot prepare the rsync intake in {rsync.incoming}: {e}") from None
+    if len(devices) != 1:
+        raise CannotStart(
+            f"[rsync] incoming {rsync.incoming} is not on the filesystem of data_dir"
+            f" {config.data_dir}: adoption must be a rename, never a copy"
+        )
+    return area
+
+
+@define(eq=False, kw_only=True)
+class RsyncIntake(Service):
+    """Adopts finished rsync files from ``incoming`` (see the module docstring)."""
+
+    _incoming: Path
+    _projects: Sequence[str]
+    _area: AdoptionArea
+    _uploads: UploadStore
+    _receipts: ReceiptStore
+    _acceptance: Acceptance
+    _run: BlockingRunner
+    _hash: BlockingRunner
+    _clock: IReactorTime
+    _ids: ObjectIds
+    _interval: float
+    # The idempotency rule: a re-sent file (same origin, size, BLAKE3) is the object it was.
+    _origins: AcceptedOrigins
+    _reactor: Any = None  # for inotify; None: scans only (tests)
+    observer: AdoptionObserver = UNOBSERVED_ADOPTION
+    _loop: LoopingCall | None = field(default=None, init=False)
+    _notifier: inotify.INotify | None = field(default=None, init=False)
+    _running: Deferred[None] | None = field(default=None, init=False)
+    _again: bool = field(default=False, init=False)
+    _stopping: bool = field(default=False, init=False)
+    _idle: list[Deferred[None]] = field(factory=list, init=False)
+
+    def startService(self) -> None:
+        super().startService()
+        if self._reactor is not None:
+            self._notifier = inotify.INotify(self._reactor)
+            self._notifier.startReading()
+            for project in self._projects:
+                self._notifier.watch(
+                    FilePath(str(self._incoming / project)),
+                    mask=_WATCH_MASK,
+                    autoAdd=True,
+                    recursive=True,
+                    callbacks=[self._notified],
+                )
+        self._loop = LoopingCall(self.kick)
+        self._loop.clock = self._clock
+        self._loop.start(self._interval, now=True)
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        self._stopping = True
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        if self._notifier is not None:
+            self._notifier.connectionLost(None)
+            self._notifier = None
+        return self.idle()
+
+    def idle(self) -> Deferred[None]:
+        """Fires once no round runs (at once when none does)."""
+        if self._running is None:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle.append(waiter)
+        return waiter
+
+    def _notified(self, _ignored: object, path: FilePath[Any], mask: int) -> None:
+        # Twisted's inotify hands out bytes paths.
+        if is_final_name(os.fsdecode(path.basename())):
+            self.kick()
+
+    def kick(self) -> None:
+        """Ask for a round: now, or right after the one that runs."""
+        if self._stopping:
+            return
+        if self._running is not None:
+            self._again = True
+            return
+        self._running = Deferred.fromCoroutine(self._round())
+        self._running.addErrback(lambda f: log.failure("rsync adoption round failed", f))
+        self._running.addBoth(self._round_ended)
+
+    def _round_ended(self, _: object) -> None:
+        self._running = None
+        if self._again and not self._stopping:
+            self._again = False
+            self.kick()
+            return
+        waiters, self._idle = self._idle, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    async def _round(self) -> None:
+        # Waiting: claims a crash or a failure left that this round could not finish, and every
+        # finished file in the incoming tree until it is adopted.
+        stuck = 0
+        for claim in await self._run(self._area.claims):
+            if self._stopping:
+                return
+            stuck += 0 if await self._settle(claim, None) else 1
+        found: list[Arrival] = await self._run(
+            lambda: list(arrivals(self._incoming, self._projects))
+        )
+        waiting = stuck + len(found)
+        self.observer.adoption_waiting(waiting)
+        for arrival in found:
+            if self._stopping:
+                return
+            if await self._adopt(arrival):
+                waiting -= 1
+                self.observer.adoption_waiting(waiting)
+
+    async def _adopt(self, arrival: Arrival) -> bool:
+        """Adopt one file; False when it failed (logged): the file, or its claim, waits for the
+        next round."""
+        try:
+            if arrival.size == 0:
+                # Nothing to deliver, and an upload has at least one byte (seesaw sends
+                # --min-size 1): the name goes, so it does not wait for ever.
+                await self._run(arrival.path.unlink, True)
+                log.warn("removed empty rsync file {filename} of {project}",
+                         filename=arrival.filename, project=arrival.project)  # fmt: skip
+                return True
+            claim = Claim(self._ids.new(), arrival.project, arrival.downloader, arrival.filename)
+            if not await self._run(self._area.claim, claim, arrival):
+                return True  # gone from incoming/: adopted already, or replaced and found again
+            return await self._settle(claim, arrival.arrived_at)
+        except Exception:
+            log.failure("adopting {path} failed; it is tried again", path=str(arrival.path))
+            return False
+
+    async def _settle(self, claim: Claim, arrived_at: float | None) -> bool:
+        """Carry ``claim`` through the rest of its steps, from wherever the bytes are; False when
+        a step failed (logged) and the claim stays for the next round."""
+        oid = claim.object_id
+        try:
+            state = await self._run(claim_state, claim, self._area, self._uploads, self._receipts)
+            if state is ClaimState.RECEIPTED:
+                await self._committed_before(claim)
+                return True
+            if state is ClaimState.UNMOVED:
+                await self._run(self._area.release, oid)
+                return True
+            if state is ClaimState.STORED:
+                await self._accept(claim, None, arrived_at)
+                return True
+            try:
+                digest, checksum, size = await self._hash(self._area.hash, oid)
+            except NotARegularFile:
+                log.warn("dropped {filename} of {project}: not a regular file",
+                         filename=claim.filename, project=claim.project)  # fmt: skip
+                await self._run(self._area.drop, oid)
+                return True
+
+            async def commit() -> Receipt:
+                info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
+                await self._run(self._area.stage, info, self._uploads)
+                return await self._accept(claim, digest, arrived_at)
+
+            if claim.downloader is None:
+                # No worker named: the idempotency rule needs one (a file straight in the
+                # module is always a new object).
+                await commit()
+                return True
+            key = OriginKey(claim.project, claim.downloader, claim.filename, size, checksum)
+            receipt, new = await self._origins.once(key, lambda: Deferred.fromCoroutine(commit()))
+            if not new:
+                await self._run(self._area.drop, oid)
+                log.info(
+                    "{filename} from {downloader} is {object_id}, already accepted",
+                    filename=claim.filename,
+                    downloader=claim.downloader,
+                    object_id=receipt.object_id,
+                    project=claim.project,
+                )
+            return True
+        except (AcceptanceFailed, ChecksumMismatch) as e:
+            log.error("adoption of {object_id} failed, tried again: {error}",
+                      object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            return False
+        except AdoptionAbandoned as e:
+            # Only a damaged disk gets here: the bytes no longer hash as they did.
+            log.error("adoption of {object_id} gave up: {error}",
+                      object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            return True
+        except Exception:
+            log.failure("adoption of {object_id} failed; it is tried again", object_id=oid)
+            return False
+
+    async def _committed_before(self, claim: Claim) -> None:
+        """A crash came after the commit point: the index row may never have been written, and
+        this process does not remember the key, so both are done again before the claim goes
+        (the insert is idempotent).  A re-sent copy then finds the object."""
+        receipt = await self._run(self._receipts.read, claim.object_id)
+        if receipt is not None:
+            origin = Origin(claim.project, claim.filename, claim.downloader)
+            self._acceptance.enqueue_delivery(receipt, origin)
+            if claim.downloader is not None:
+                key = OriginKey(claim.project, claim.downloader, claim.filename,
+                                receipt.size_bytes, receipt.checksum)  # fmt: skip
+                self._origins.remember(key, receipt.object_id)
+        await self._run(self._area.release, claim.object_id)
+
+    async def _accept(
+        self, claim: Claim, digest: TrailingHash | None, arrived_at: float | None
+    ) -> Receipt:
+        oid = claim.object_id
+        info = await self._run(self._uploads.read_info, oid)
+        if info is None or info.rejected is not None:
+            # Only a damaged disk gets here: the bytes no longer hash as they did.
+            await self._run(self._area.release, oid)
+            raise AdoptionAbandoned(f"the upload of {oid} is gone or rejected")
+        upload = await self._run(self._uploads.open_locked, info)
+        if digest is not None:
+            upload.digest = digest
+        receipt = await self._acceptance.accept(upload)
+        crash_point("rsync.accepted")
+        await self._run(self._area.release, oid)
+        seconds = None if arrived_at is None else max(0.0, self._clock.seconds() - arrived_at)
+        log.info(
+            "adopted {filename} from {downloader} as {object_id}",
+            filename=claim.filename,
+            downloader=claim.downloader,
+            object_id=receipt.object_id,
+            project=claim.project,
+        )
+        self.observer.adopted(claim.project, seconds)
+        return receipt

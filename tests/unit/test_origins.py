@@ -1,0 +1,250 @@
+"""Objects by origin: the downloader in receipts' side files and the index, and the idempotency
+lookup (``canner.origins``) over real receipt files and a real SQLite index."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from twisted.internet.defer import Deferred, succeed
+
+from canner.blocking import run_inline
+from canner.checksum import parse_checksum
+from canner.delivery import index as sql
+from canner.delivery.index import AcceptedObject
+from canner.delivery.rescan import read_accepted
+from canner.journal import Journal, JournalLookup
+from canner.origins import AcceptedOrigins, OriginKey
+from canner.receipts import (
+    Origin,
+    Receipt,
+    ReceiptStore,
+    origin_journal_record,
+    origin_of,
+    parse_origin,
+)
+from canner.tus.store import UploadStore
+from tests.fakes import SyncIndex, succeeded
+
+CHECKSUM = parse_checksum("blake3:" + "ab" * 32)
+OTHER = parse_checksum("blake3:" + "cd" * 32)
+ISSUER = "https://canner.test"
+
+
+def oid(n: int) -> str:
+    return f"{n:032x}"
+
+
+def key(downloader: str = "alice", size: int = 10, checksum: object = CHECKSUM) -> OriginKey:
+    return OriginKey("urls", downloader, "item.warc.zst", size, checksum)  # type: ignore[arg-type]
+
+
+# -- the origin record ---------------------------------------------------------------------
+
+
+def test_an_origin_without_downloader_keeps_its_json_byte_for_byte() -> None:
+    """An origin with no downloader writes exactly the side file it always wrote."""
+    assert Origin("urls", "a.warc").to_json(oid(1)) == (
+        b'{"object_id":"' + oid(1).encode() + b'","project":"urls","filename":"a.warc"}'
+    )
+    record = origin_journal_record(oid(1), Origin("urls", None))
+    assert record == {"kind": "origin", "object_id": oid(1), "project": "urls", "filename": None}
+
+
+def test_an_origin_with_downloader_round_trips_and_old_records_read_as_none() -> None:
+    """The downloader survives the side file and the journal; records without it read None."""
+    origin = Origin("urls", "a.warc", "alice")
+    assert parse_origin(origin.to_json(oid(1))) == origin
+    assert origin_of(origin_journal_record(oid(1), origin)) == origin
+    assert parse_origin(b'{"object_id":"x","project":"urls","filename":"a"}').downloader is None
+    with pytest.raises(ValueError):
+        parse_origin(b'{"project":"urls","filename":"a","downloader":7}')
+
+
+# -- the index -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[SyncIndex]:
+    found = SyncIndex(tmp_path / "delivery.sqlite")
+    yield found
+    found.close()
+
+
+def accepted(n: int, origin: Origin, size: int = 10, checksum: object = CHECKSUM) -> AcceptedObject:
+    receipt = Receipt(oid(n), ISSUER, checksum, size, n)  # type: ignore[arg-type]
+    return AcceptedObject.of(receipt, origin)
+
+
+def test_the_index_keeps_the_downloader_and_finds_objects_by_origin(index: SyncIndex) -> None:
+    """Rows carry the downloader; the origin query filters by it, or not, oldest first."""
+    succeeded(
+        index.run(
+            sql.insert_objects,
+            [
+                accepted(3, Origin("urls", "item.warc.zst", "bob")),
+                accepted(2, Origin("urls", "item.warc.zst", "alice")),
+                accepted(1, Origin("urls", "item.warc.zst")),
+                accepted(4, Origin("other", "item.warc.zst", "alice")),
+            ],
+            5.0,
+        )
+    )
+    assert succeeded(index.run(sql.get_row, oid(2))).downloader == "alice"
+    by = sql.ids_by_origin
+    assert succeeded(index.run(by, "urls", "item.warc.zst", "alice")) == [oid(2)]
+    assert succeeded(index.run(by, "urls", "item.warc.zst", None)) == [oid(1)]
+    every = succeeded(index.run(by, "urls", "item.warc.zst", None, True))
+    assert every == [oid(1), oid(2), oid(3)]
+
+
+def test_the_origin_query_uses_the_origin_index(index: SyncIndex) -> None:
+    """Looking objects up by origin is an index search, not a scan of ``objects``."""
+    plan = index.query(
+        "EXPLAIN QUERY PLAN SELECT object_id FROM objects WHERE project = ? AND filename = ?"
+        " AND downloader IS ? ORDER BY accepted_at, object_id LIMIT 5",
+        "urls",
+        "a",
+        "alice",
+    )
+    assert any("objects_origin" in row[-1] for row in plan), plan
+
+
+def test_rows_written_before_version_7_keep_working(tmp_path: Path) -> None:
+    """An index at version 6 with rows upgrades: its rows have no downloader and still load."""
+    path = tmp_path / "delivery.sqlite"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for number, text in sql._migrations():
+        if number <= 6:
+            conn.executescript(text)
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
+    conn.execute(
+        "INSERT INTO objects (object_id, project, filename, size_bytes, checksum, accepted_at)"
+        " VALUES (?, 'urls', 'a.warc', 1, ?, 1)",
+        (oid(1), str(CHECKSUM)),
+    )
+    conn.close()
+    assert sql.upgrade_schema(path) >= 7
+    index = SyncIndex(path)
+    try:
+        row = succeeded(index.run(sql.get_row, oid(1)))
+        assert row.downloader is None and row.filename == "a.warc"
+    finally:
+        index.close()
+
+
+def test_a_rebuild_from_receipts_carries_the_downloader(tmp_path: Path) -> None:
+    """The rescan reads the downloader from the origin side file into the row it inserts."""
+    receipts = ReceiptStore(tmp_path / "receipts")
+    receipts.directory.mkdir()
+    (tmp_path / "uploads").mkdir()
+    receipts.record_origin(oid(1), Origin("urls", "item.warc.zst", "alice"))
+    receipts.commit(Receipt(oid(1), ISSUER, CHECKSUM, 10, 1))
+    journal = JournalLookup(Journal(tmp_path / "journal"))
+    try:
+        found = read_accepted(receipts, UploadStore(tmp_path / "uploads"), journal, [oid(1)])
+    finally:
+        journal.close()
+    assert [o.downloader for o in found.objects] == ["alice"]
+
+
+# -- the idempotency lookup ----------------------------------------------------------------
+
+
+class Node:
+    """A receipts directory and an index, as the receiver has them."""
+
+    def __init__(self, root: Path, index: SyncIndex | None) -> None:
+        self.receipts = ReceiptStore(root / "receipts")
+        self.receipts.directory.mkdir()
+        self.index = index
+        self.origins = AcceptedOrigins(receipts=self.receipts, run=run_inline, index=index)
+
+    def accept(self, n: int, origin: Origin, size: int = 10, checksum: object = CHECKSUM) -> None:
+        """An object accepted (receipt on disk) with its index row."""
+        receipt = Receipt(oid(n), ISSUER, checksum, size, n)  # type: ignore[arg-type]
+        self.receipts.record_origin(oid(n), origin)
+        self.receipts.commit(receipt)
+        if self.index is not None:
+            succeeded(self.index.run(sql.insert_objects, [AcceptedObject.of(receipt, origin)], 1))
+
+    def commit(self, n: int, size: int = 10) -> Deferred[Receipt]:
+        """A commit as acceptance runs it: the receipt is durable when this fires."""
+        return succeed(self.receipts.commit(Receipt(oid(n), ISSUER, CHECKSUM, size, n)))
+
+
+@pytest.fixture
+def node(tmp_path: Path, index: SyncIndex) -> Node:
+    return Node(tmp_path, index)
+
+
+def test_an_indexed_object_with_exactly_the_key_is_found(node: Node) -> None:
+    """Project, downloader, file name, size and checksum must all match."""
+    node.accept(1, Origin("urls", "item.warc.zst", "alice"))
+    assert succeeded(node.origins.find(key())) == node.receipts.read(oid(1))
+    for other in (key("bob"), key(size=11), key(checksum=OTHER)):
+        assert succeeded(node.origins.find(other)) is None
+
+
+def test_a_commit_not_yet_in_the_index_is_found_by_the_next_copy(node: Node) -> None:
+    """A retry right after the first copy's commit gets its receipt before the index has it."""
+    first = succeeded(node.origins.once(key(), lambda: node.commit(1)))
+    assert first == (node.receipts.read(oid(1)), True)
+    assert node.index is not None
+    assert node.index.query("SELECT count(*) FROM objects") == [(0,)]
+    assert succeeded(node.origins.once(key(), lambda: node.commit(2))) == (first[0], False)
+    assert node.receipts.read(oid(2)) is None
+
+
+def test_a_second_copy_waits_for_the_first_ones_commit(node: Node) -> None:
+    """Two copies at once: the second runs no commit and answers the first one's receipt."""
+    pending: Deferred[Receipt] = Deferred()
+    first = node.origins.once(key(), lambda: pending)
+    second = node.origins.once(key(), lambda: node.commit(2))
+    assert not first.called and not second.called
+    pending.callback(node.receipts.commit(Receipt(oid(1), ISSUER, CHECKSUM, 10, 1)))
+    receipt = node.receipts.read(oid(1))
+    assert succeeded(first) == (receipt, True)
+    assert succeeded(second) == (receipt, False)
+    assert node.receipts.read(oid(2)) is None
+
+
+def test_a_failed_commit_lets_the_next_copy_commit(node: Node) -> None:
+    """A commit that fails leaves nothing claimed: the waiting copy becomes the object."""
+    pending: Deferred[Receipt] = Deferred()
+    first = node.origins.once(key(), lambda: pending)
+    second = node.origins.once(key(), lambda: node.commit(2))
+    pending.errback(OSError(5, "fsync failed"))
+    with pytest.raises(OSError):
+        succeeded(first)
+    assert succeeded(second) == (node.receipts.read(oid(2)), True)
+
+
+def test_an_object_whose_receipt_is_gone_no_longer_counts(node: Node) -> None:
+    """Archived objects (receipt deleted) do not swallow a new copy."""
+    node.accept(1, Origin("urls", "item.warc.zst", "alice"))
+    node.receipts.receipt_path(oid(1)).unlink()
+    assert succeeded(node.origins.find(key())) is None
+
+
+def test_a_failing_index_is_no_match(tmp_path: Path) -> None:
+    """An index that cannot answer makes the copy a new object rather than a refusal."""
+
+    class Broken:
+        def run(self, f: object, *args: object) -> Deferred[object]:
+            raise sqlite3.OperationalError("disk I/O error")
+
+    origins = AcceptedOrigins(receipts=ReceiptStore(tmp_path), run=run_inline, index=Broken())
+    assert succeeded(origins.find(key())) is None
+
+
+def test_without_an_index_only_this_process_commits_are_found(tmp_path: Path) -> None:
+    """A receiver without a usable index still answers retries of its own commits."""
+    node = Node(tmp_path, None)
+    node.accept(1, Origin("urls", "item.warc.zst", "alice"))
+    assert succeeded(node.origins.find(key())) is None
+    created = succeeded(node.origins.once(key(size=5), lambda: node.commit(2, size=5)))
+    assert succeeded(node.origins.find(key(size=5))) == created[0]
