@@ -53,11 +53,13 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.manhole import daemon_manhole
 from canner.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.objects import ObjectReader
+from canner.origins import AcceptedOrigins
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.seesaw import SeesawDoor, SeesawRoutes
 from canner.sinks.base import Sink
 from canner.startup import (
     DELIVER_WRITES,
@@ -131,6 +133,7 @@ def receiver_parts(
         issuer=config.issuer,
         enqueue=enqueue,
         observer=metrics,
+        origins=AcceptedOrigins(receipts=receipts, run=run, index=index),
     )
     floor = FloorWatch(config.min_free_bytes)
     status = StatusSource.for_config(config, run=run, clock=clock, problems=problems)
@@ -174,6 +177,7 @@ def receiver_parts(
         header_timeout=config.connections.header_timeout,
         hq=hq.app.resource(),
         reactor=clock,
+        seesaw=(SeesawDoor(config=config, intake=intake, run=run, clock=clock), SeesawRoutes()),
     )
     return ReceiverParts(acceptance, intake, hq, site, floor, journal)
 

@@ -137,13 +137,24 @@ class UploadIntake:
             admission = partial(self._admit_append, request.requestHeaders, route.target, length)
         else:
             return None
+        return self.open_stream(request, admission, self._finish)
+
+    def open_stream(
+        self,
+        request: ReceiverRequest,
+        admission: Callable[[], Deferred[LockedUpload | Outcome]],
+        finish: Callable[[LockedUpload, bool], Deferred[Outcome]],
+    ) -> BodyStream:
+        """The stream of an upload body that ``admission`` admits (a :class:`TusError` it raises
+        or fails with is the answer), written like every upload's and handed to ``finish``
+        (:meth:`_finish`, :meth:`finish_whole`) once over."""
         transport = request.transport
         assert transport is not None
         stream = BodyStream(
             self._run,
             transport,  # type: ignore[arg-type]
             self._append,
-            self._finish,
+            finish,
             request,
             self._clock.seconds,
         )
@@ -162,6 +173,46 @@ class UploadIntake:
 
         admitting.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
+
+    # -- whole files in one request (other doors: canner.seesaw) -------------------------------
+
+    def create_whole(self, info: UploadInfo) -> LockedUpload:
+        """Admit and create an upload whose bytes all come in one request, and lock it
+        (blocking): refused like a tus creation while the node drains or is under its free
+        space floor.  The caller streams it through :meth:`open_stream` with
+        :meth:`finish_whole`."""
+        created = self._create(info, "", with_body=True)
+        assert isinstance(created, LockedUpload)
+        return created
+
+    def whole_created(self, upload: LockedUpload) -> LockedUpload:
+        """Count a :meth:`create_whole` (reactor thread), as a tus creation counts."""
+        return self._created(upload, upload.info.project)  # type: ignore[return-value]
+
+    def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+        """After a whole-file body: acceptance when every byte came, as for tus; otherwise the
+        upload cannot be resumed, so its bytes go at once and nothing of it stays."""
+        if upload.offset == upload.info.size:
+            return self._finish(upload, lost)
+        info, offset = upload.info, upload.offset
+        log.info(
+            "{object_id} ended at {offset} of {size} bytes: discarded",
+            object_id=info.upload_id,
+            offset=offset,
+            size=info.size,
+            project=info.project,
+        )
+
+        def discard() -> None:
+            try:
+                self._uploads.remove(info.upload_id)
+            finally:
+                upload.close()
+
+        def cut_short(_: object) -> Outcome:
+            raise TusError(400, f"the body ended after {offset} of {info.size} bytes")
+
+        return self._run(discard).addCallbacks(cut_short, _failure_status)
 
     def _hold(self, upload_id: str, stream: BodyStream) -> None:
         """Remember which request writes ``upload_id`` until it lets go of the lock."""
