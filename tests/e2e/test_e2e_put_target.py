@@ -249,7 +249,8 @@ def _receipt(header: str) -> dict[str, Any]:
 
 
 def test_curl_upload_is_receipted_and_delivered(make_node: Callable[..., Node]) -> None:
-    """seesaw's curl gets 201 with a receipt for the stored bytes; the file is delivered."""
+    """seesaw's curl gets 201 with a receipt for the stored bytes; the file is delivered, and
+    HQ finds it by origin."""
     node = make_node()
     path, data = node.item(3 * MiB)
     dumped = node.files.parent / "headers.txt"
@@ -274,6 +275,14 @@ def test_curl_upload_is_receipted_and_delivered(make_node: Callable[..., Node]) 
     assert delivered.read_bytes() == data
     row = deliveries(node.receiver.config_path)[oid]
     assert (row["project"], row["filename"], row["downloader"]) == (PROJECT, ITEM, DOWNLOADER)
+    # Where is item X: HQ asks by origin and sees it delivered.
+    where = requests.get(
+        f"{node.receiver.base_url}/api/v1/objects:by-origin",
+        params={"project": PROJECT, "filename": ITEM, "downloader": DOWNLOADER},
+        timeout=10,
+    ).json()
+    [found] = where["results"]
+    assert found["object_id"] == oid and found["delivery"]["state"] == "delivered"
 
 
 def test_a_lost_answer_then_the_retry_makes_one_object(make_node: Callable[..., Node]) -> None:

@@ -12,9 +12,11 @@ import pytest
 from twisted.web.http_headers import Headers
 
 from canner import drain
+from canner.delivery.index import AcceptedObject, insert_objects
 from canner.routing import Kind, Surface, route
 from canner.seesaw import declared_digests, parse_target
 from canner.tus.protocol import TusError
+from tests.fakes import SyncIndex, succeeded
 from tests.unit.receiver_harness import (
     RECEIPT_FIELDS,
     START,
@@ -305,3 +307,35 @@ def test_the_target_is_decoded_per_segment() -> None:
     assert (target.downloader, target.filename) == ("al ice", "itém.warc")
     assert len(("é" * 127).encode()) == 254
     parse_target("example/a/" + "%C3%A9" * 127, {"example"})
+
+
+# -- where is item X (HQ's query by origin) --------------------------------------------------
+
+
+def test_hq_finds_objects_by_origin_as_it_describes_them_by_id(rcv: InMemoryReceiver) -> None:
+    """By project and file name (and downloader), each object as ``GET /api/v1/objects/{id}``
+    answers it; an unknown name is an empty list, a missing argument a 400."""
+    index = SyncIndex(rcv.data_dir / "delivery.sqlite")
+    try:
+        put(rcv)
+        put(rcv, path=PATH.replace("/alice/", "/bob/"))
+        put(rcv, path=PATH.replace(".warc.zst", ".other.warc.zst"))
+        objects = [AcceptedObject.of(receipt, origin) for receipt, origin in rcv.enqueued]
+        succeeded(index.run(insert_objects, objects, START))
+    finally:
+        index.close()
+    name = PATH.rsplit("/", 1)[1]
+    query = f"/api/v1/objects:by-origin?project=example&filename={name}"
+    found = rcv.exchange("GET", query)
+    assert found.status == 200 and found.header("Cache-Control") == "no-store"
+    doc = found.json()
+    assert doc["truncated"] is False
+    assert [d["downloader"] for d in doc["results"]] == ["alice", "bob"]
+    for result in doc["results"]:
+        by_id = rcv.exchange("GET", f"/api/v1/objects/{result['object_id']}").json()
+        assert result == by_id and by_id["filename"] == name
+    alice = rcv.exchange("GET", query + "&downloader=alice").json()["results"]
+    assert [d["object_id"] for d in alice] == [doc["results"][0]["object_id"]]
+    assert rcv.exchange("GET", query.replace(name, "nope")).json()["results"] == []
+    refused = rcv.exchange("GET", "/api/v1/objects:by-origin?project=example")
+    assert refused.status == 400 and refused.json()["error"] == "bad_request"
