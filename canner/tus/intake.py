@@ -191,10 +191,14 @@ class UploadIntake:
 
     def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
         """After a whole-file body: acceptance when every byte came, as for tus; otherwise the
-        upload cannot be resumed, so its bytes go at once and nothing of it stays."""
-        if upload.offset == upload.info.size:
-            return self._finish(upload, lost)
-        info, offset = upload.info, upload.offset
+        upload cannot be resumed, so its bytes go at once and nothing of it stays.  An
+        acceptance that fails for a reason other than a checksum mismatch (storage trouble, the
+        receiver stopping) leaves nothing either: the worker sends the file again (a mismatch
+        keeps its sidecar, rejected, for the sweep)."""
+        info = upload.info
+        if upload.offset == info.size:
+            return self._finish(upload, lost).addErrback(self._discard_unaccepted, info)
+        offset = upload.offset
         log.info(
             "{object_id} ended at {offset} of {size} bytes: discarded",
             object_id=info.upload_id,
@@ -482,6 +486,25 @@ class UploadIntake:
             lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
             _failure_status,
         )
+
+    def _discard_unaccepted(self, failure: Failure, info: UploadInfo) -> Deferred[Outcome]:
+        error = failure.value
+        if isinstance(error, TusError) and error.status == 422:
+            return fail(failure)
+
+        def discard() -> None:
+            # Acceptance has let go of the lock; no receipt exists and none will.
+            if self._receipts.read(info.upload_id) is None:
+                self._uploads.remove(info.upload_id)
+                self._receipts.forget_origin(info.upload_id)
+
+        def kept(error: Failure) -> None:
+            # The receiver is stopping, or the disk failing: the sweep removes it later.
+            log.warn("{object_id} stays for the sweep: {error}", object_id=info.upload_id,
+                     error=str(error.value))  # fmt: skip
+
+        done: Deferred[None] = self._run(discard).addErrback(kept)
+        return done.addCallback(lambda _: fail(failure))
 
     # -- HEAD -----------------------------------------------------------------------------------
 

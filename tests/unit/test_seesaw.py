@@ -4,8 +4,11 @@ intake and acceptance over a real data directory), and its pure parsers."""
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,14 @@ from twisted.web.http_headers import Headers
 
 from canner import drain
 from canner.delivery.index import AcceptedObject, insert_objects
+from canner.ids import ObjectIds
+from canner.journal import Journal
+from canner.receipts import Origin, ReceiptStore
 from canner.routing import Kind, Surface, route
 from canner.seesaw import declared_digests, parse_target
 from canner.tus.protocol import TusError
+from canner.tus.store import UploadInfo, UploadStore
+from canner.tus.sweep import sweep_stale
 from tests.fakes import SyncIndex, succeeded
 from tests.unit.receiver_harness import (
     RECEIPT_FIELDS,
@@ -339,3 +347,48 @@ def test_hq_finds_objects_by_origin_as_it_describes_them_by_id(rcv: InMemoryRece
     assert rcv.exchange("GET", query.replace(name, "nope")).json()["results"] == []
     refused = rcv.exchange("GET", "/api/v1/objects:by-origin?project=example")
     assert refused.status == 400 and refused.json()["error"] == "bad_request"
+
+
+# -- nothing stays of a file that was not accepted -------------------------------------------
+
+
+def test_a_put_whose_acceptance_fails_leaves_nothing(
+    rcv: InMemoryReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receipt commit's fsync fails: 503 with Retry-After, and no upload, receipt or
+    origin record stays (the worker sends the file again)."""
+    real = os.fsync
+
+    def failing(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(rcv.receipts_dir):
+            raise OSError(errno.EIO, "I/O error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    r = put(rcv)
+    assert r.status == 503 and r.header("Retry-After"), r.body
+    assert rcv.upload_entries() == set()
+    assert list(rcv.receipts_dir.iterdir()) == []
+    monkeypatch.setattr(os, "fsync", real)
+    assert put(rcv).status == 201
+
+
+def test_the_sweep_removes_a_complete_whole_file_upload_left_unaccepted(tmp_path: Path) -> None:
+    """A crash between a PUT's last byte and its receipt leaves a complete upload no worker
+    will resume: the sweep removes it once idle; a complete tus upload stays for its worker."""
+    uploads, receipts = UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
+    uploads.directory.mkdir()
+    receipts.directory.mkdir()
+    ids = ObjectIds()
+    whole, tus = ids.new(), ids.new()
+    meta = {"project": "example", "filename": "a.warc"}
+    uploads.create(UploadInfo(whole, 3, {**meta, "downloader": "alice"}, 1))
+    uploads.create(UploadInfo(tus, 3, {**meta, "checksum": blake3_hex(b"abc")}, 1))
+    for oid in (whole, tus):
+        uploads.data_path(oid).write_bytes(b"abc")
+    receipts.record_origin(whole, Origin("example", "a.warc", "alice"))
+    now = time.time() + 3600
+    report = sweep_stale(uploads, receipts, Journal(tmp_path / "journal"), ids, now, 1800)
+    assert report.removed == [whole]
+    assert uploads.present(tus) and not uploads.present(whole)
+    assert receipts.read_origin(whole) is None
