@@ -326,6 +326,7 @@ def test_hq_finds_objects_by_origin_as_it_describes_them_by_id(rcv: InMemoryRece
     index = SyncIndex(rcv.data_dir / "delivery.sqlite")
     try:
         put(rcv)
+        rcv.advance(1)  # oldest first: alice's is accepted a second before bob's
         put(rcv, path=PATH.replace("/alice/", "/bob/"))
         put(rcv, path=PATH.replace(".warc.zst", ".other.warc.zst"))
         objects = [AcceptedObject.of(receipt, origin) for receipt, origin in rcv.enqueued]
