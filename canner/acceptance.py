@@ -9,10 +9,10 @@ receipt published without overwriting, then ``receipts/`` fsynced: the commit po
 
 An upload without a declared BLAKE3 (``PUT /seesaw/...``) is receipted with the BLAKE3 of its
 stored bytes; the other digests its door declared (``Content-MD5``, ``Content-Digest`` sha-256)
-are checked over the same read.  When its door named the worker (the origin has a downloader),
-the commit goes through :class:`~canner.origins.AcceptedOrigins`: a copy of an object already
-accepted (same project, downloader, file name, size and BLAKE3) gets that object's receipt, and
-its own bytes are discarded.
+are checked over the same read.  When its door also named the worker and the file, its commit
+goes through :class:`~canner.origins.AcceptedOrigins`: a copy of an object already accepted (same
+project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
+are discarded.
 
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
 already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
@@ -43,7 +43,7 @@ from canner.fs import fsync_dir
 from canner.observe import UNOBSERVED, UploadObserver
 from canner.origins import AcceptedOrigins, OriginKey
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
+from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -137,7 +137,7 @@ class Acceptance:
         origin = info.origin
         receipt: Receipt | None = None
         hash_seconds = 0.0
-        key = self._origin_key(origin, info.size)
+        key = self._origin_key(info)
         try:
             if info.size <= INLINE_HASH_MAX and key is None:
                 # Small: the whole sequence in one thread hop, in the same order.
@@ -205,13 +205,14 @@ class Acceptance:
         hash_seconds, digest = self.verify_checksum(upload)
         return None, hash_seconds, self.commit_receipt(upload, digest)
 
-    def _origin_key(self, origin: Origin, size: int) -> Callable[[Checksum], OriginKey] | None:
+    def _origin_key(self, info: UploadInfo) -> Callable[[Checksum], OriginKey] | None:
         """How to key the upload among accepted objects, once hashed; None when it is not
-        looked up (no lookup configured, or its door did not name the worker and the file)."""
-        if self._origins is None or origin.downloader is None or origin.filename is None:
+        looked up: no lookup configured, a tus upload (its worker holds its own id, and
+        resumes it), or a door that did not name the worker and the file."""
+        project, downloader, filename = info.project, info.downloader, info.filename
+        if self._origins is None or not info.whole_file or downloader is None or not filename:
             return None
-        project, downloader, filename = origin.project, origin.downloader, origin.filename
-        return lambda digest: OriginKey(project, downloader, filename, size, digest)
+        return lambda digest: OriginKey(project, downloader, filename, info.size, digest)
 
     async def _commit_once(
         self, upload: LockedUpload, key: OriginKey, digest: Checksum

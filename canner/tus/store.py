@@ -109,6 +109,13 @@ class UploadInfo:
         return None if text is None else parse_checksum(text)
 
     @property
+    def whole_file(self) -> bool:
+        """True for an upload whose door declares no BLAKE3 (``PUT /seesaw/...``): its bytes
+        all come in one request, so it is never resumed, and a complete one left without a
+        receipt is never accepted later."""
+        return self.checksum is None
+
+    @property
     def declared_digests(self) -> dict[str, str]:
         """Other digests the worker declared, checked over the stored bytes at acceptance:
         ``{"md5" | "sha256": lowercase hex}`` (see :data:`DECLARED_DIGESTS`)."""

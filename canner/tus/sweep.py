@@ -76,13 +76,13 @@ def sweep_stale(
             if (
                 info is not None
                 and info.rejected is None
-                and info.downloader is None
+                and not info.whole_file
                 and uploads.offset(upload_id) >= info.size
             ):
                 # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
                 # PATCH from the worker still turns it into a receipt, so it is never swept.
-                # A whole-file upload (its door names the worker: PUT /seesaw/...) has no such
-                # worker: it sends the file again, so its stale copy goes like any other.
+                # A whole-file upload (PUT /seesaw/...) has no such worker: it sends the file
+                # again, so its stale copy goes like any other.
                 continue
         if not _remove_unlocked(uploads, receipts, upload_id):
             continue

@@ -32,6 +32,7 @@ from tests.unit.receiver_harness import (
     InMemoryReceiver,
     Response,
     blake3_hex,
+    metadata_header,
 )
 
 DATA = b"WARC/1.1\r\n" * 1000
@@ -393,3 +394,24 @@ def test_the_sweep_removes_a_complete_whole_file_upload_left_unaccepted(tmp_path
     assert report.removed == [whole]
     assert uploads.present(tus) and not uploads.present(whole)
     assert receipts.read_origin(whole) is None
+
+
+def test_tus_uploads_naming_a_downloader_are_never_merged(rcv: InMemoryReceiver) -> None:
+    """A tus worker holds its own upload id: two identical tus uploads that name a downloader
+    are two objects (the origin keeps the downloader all the same)."""
+    meta = metadata_header(
+        [("project", "example"), ("checksum", blake3_hex(DATA)), ("filename", "a.warc"),
+         ("downloader", "alice")]
+    )  # fmt: skip
+    headers = [
+        ("Tus-Resumable", "1.0.0"),
+        ("Upload-Length", str(len(DATA))),
+        ("Upload-Metadata", meta),
+        ("Content-Type", "application/offset+octet-stream"),
+    ]
+    first = rcv.exchange("POST", "/files/", headers, DATA)
+    second = rcv.exchange("POST", "/files/", headers, DATA)
+    assert first.status == second.status == 201
+    assert first.header("Artifact-Receipt") != second.header("Artifact-Receipt")
+    assert len(rcv.receipt_ids_on_disk()) == 2
+    assert [o.downloader for _, o in rcv.enqueued] == ["alice", "alice"]
