@@ -415,3 +415,17 @@ def test_tus_uploads_naming_a_downloader_are_never_merged(rcv: InMemoryReceiver)
     assert first.header("Artifact-Receipt") != second.header("Artifact-Receipt")
     assert len(rcv.receipt_ids_on_disk()) == 2
     assert [o.downloader for _, o in rcv.enqueued] == ["alice", "alice"]
+
+
+def test_a_put_over_the_connection_cap_gets_503_with_retry_after(tmp_path: Path) -> None:
+    """Past the per-address cap, a worker's PUT connection is answered 503 Retry-After before
+    anything is read, and nothing is stored; once a slot frees, the PUT goes through."""
+    rcv = InMemoryReceiver.build(tmp_path, connections={"max_per_client": 1})
+    held = rcv.connect()
+    over = rcv.connect()
+    over.send_head("PUT", PATH, [("Content-Length", str(len(DATA))), ("Expect", "100-continue")])
+    [answer] = over.responses
+    assert answer.status == 503 and answer.header("Retry-After")
+    assert rcv.upload_entries() == set()
+    held.close()
+    assert put(rcv).status == 201
