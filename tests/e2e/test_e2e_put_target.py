@@ -19,7 +19,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -67,7 +69,7 @@ def seesaw_curl(path: Path, target: str, *observe: str) -> subprocess.CompletedP
             target,
         ],
         capture_output=True,
-        timeout=300,
+        timeout=120,
         check=False,
     )
 
@@ -127,12 +129,18 @@ class Relay:
                 self._threads.append(thread)
 
     def _end(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Cut both sides: the receiver sees the connection end, curl a reset at once (a mere
+        FIN would leave it sending into a full window until its 900 s speed limit)."""
         self.cut.set()
-        for s in (client, upstream):
+        # Shut down before closing: a close alone neither wakes the other thread's recv nor,
+        # while that recv runs, tells the peer anything.
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        for s in (upstream, client):
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        client.close()
 
     def _up(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
@@ -287,7 +295,7 @@ def test_curl_upload_is_receipted_and_delivered(make_node: Callable[..., Node]) 
 
 def test_a_lost_answer_then_the_retry_makes_one_object(make_node: Callable[..., Node]) -> None:
     """The first 201 never reaches curl (it fails, as seesaw would see it); the retry gets the
-    same receipt; one object is delivered."""
+    same receipt, and so does one after a receiver restart; one object is delivered."""
     node = make_node()
     path, data = node.item(2 * MiB)
     relay = node.relay(drop_answer=True)
@@ -301,6 +309,13 @@ def test_a_lost_answer_then_the_retry_makes_one_object(make_node: Callable[..., 
     assert status == 200 and _receipt(headers["artifact-receipt"])["object_id"] == oid
     assert node.receipts() == [oid]
     assert {e for e in node.uploads_left() if not e.endswith(".info")} == {oid}
+    # After a restart the receiver remembers nothing: the index finds the first copy.
+    node.receiver.restart(signal.SIGTERM)
+    again = seesaw_curl(path, node.target(), "--dump-header", str(dumped))
+    assert again.returncode == 0, again.stderr
+    status, headers = _headers(dumped)
+    assert status == 200 and _receipt(headers["artifact-receipt"])["object_id"] == oid
+    assert node.receipts() == [oid]
     wait_for(lambda: node.delivered(oid).exists(), 60, "the delivery", 0.2)
     assert node.delivered(oid).read_bytes() == data
     assert [p.name for p in node.archive.iterdir()] == [f"{PROJECT}-{oid}"]
