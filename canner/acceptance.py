@@ -7,6 +7,13 @@ See docs/architecture.md, "Acceptance".
 receipt published without overwriting, then ``receipts/`` fsynced: the commit point) ->
 ``enqueue_delivery`` (best effort).  Each step runs in as few thread hops as it can.
 
+An upload without a declared BLAKE3 (``PUT /seesaw/...``) is receipted with the BLAKE3 of its
+stored bytes; the other digests its door declared (``Content-MD5``, ``Content-Digest`` sha-256)
+are checked over the same read.  When its door also named the worker and the file, its commit
+goes through :class:`~canner.origins.AcceptedOrigins`: a copy of an object already accepted (same
+project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
+are discarded.
+
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
 already on disk is returned unchanged.  One acceptance per upload runs at a time in this process
 (callers join it), and the caller's flock keeps other processes out.
@@ -31,11 +38,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner, PoolStopped
-from canner.checksum import HashCancelled, TrailingHash
+from canner.checksum import Checksum, HashCancelled, TrailingHash, stored_digests
 from canner.fs import fsync_dir
 from canner.observe import UNOBSERVED, UploadObserver
+from canner.origins import AcceptedOrigins, OriginKey
 from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadStore
+from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -73,6 +81,8 @@ class Acceptance:
     _issuer: str
     _enqueue: Enqueue
     observer: UploadObserver = UNOBSERVED
+    # Copies of accepted objects, for uploads whose door names the worker (None: no lookup).
+    _origins: AcceptedOrigins | None = None
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
 
@@ -127,8 +137,9 @@ class Acceptance:
         origin = info.origin
         receipt: Receipt | None = None
         hash_seconds = 0.0
+        key = self._origin_key(info)
         try:
-            if info.size <= INLINE_HASH_MAX:
+            if info.size <= INLINE_HASH_MAX and key is None:
                 # Small: the whole sequence in one thread hop, in the same order.
                 existing, hash_seconds, receipt = await self._run(
                     self._accept_inline, upload, origin
@@ -136,8 +147,12 @@ class Acceptance:
             else:
                 existing = await self._run(self.sync_upload, upload, origin)
                 if existing is None:
-                    hash_seconds = await self._hash(self.verify_checksum, upload)
-                    receipt = await self._run(self.commit_receipt, upload)
+                    hashing = self._run if info.size <= INLINE_HASH_MAX else self._hash
+                    hash_seconds, digest = await hashing(self.verify_checksum, upload)
+                    if key is None:
+                        receipt = await self._run(self.commit_receipt, upload, digest)
+                    else:
+                        receipt, existing = await self._commit_once(upload, key(digest), digest)
         except ChecksumMismatch as e:
             log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
                      project=info.project, reason=str(e))  # fmt: skip
@@ -187,8 +202,45 @@ class Acceptance:
         existing = self.sync_upload(upload, origin)
         if existing is not None:
             return existing, 0.0, None
-        hash_seconds = self.verify_checksum(upload)
-        return None, hash_seconds, self.commit_receipt(upload)
+        hash_seconds, digest = self.verify_checksum(upload)
+        return None, hash_seconds, self.commit_receipt(upload, digest)
+
+    def _origin_key(self, info: UploadInfo) -> Callable[[Checksum], OriginKey] | None:
+        """How to key the upload among accepted objects, once hashed; None when it is not
+        looked up: no lookup configured, a tus upload (its worker holds its own id, and
+        resumes it), or a door that did not name the worker and the file."""
+        project, downloader, filename = info.project, info.downloader, info.filename
+        if self._origins is None or not info.whole_file or downloader is None or not filename:
+            return None
+        return lambda digest: OriginKey(project, downloader, filename, info.size, digest)
+
+    async def _commit_once(
+        self, upload: LockedUpload, key: OriginKey, digest: Checksum
+    ) -> tuple[Receipt | None, Receipt | None]:
+        """Commit unless an object with ``key`` exists: ``(new receipt, None)`` or
+        ``(None, the existing object's receipt)``, this upload's bytes then discarded."""
+        assert self._origins is not None
+        receipt, created = await self._origins.once(
+            key, lambda: self._run(self.commit_receipt, upload, digest)
+        )
+        if created:
+            return receipt, None
+        log.info(
+            "{object_id} is a copy of {existing}, accepted before: answered with its receipt",
+            object_id=upload.info.upload_id,
+            existing=receipt.object_id,
+            project=key.project,
+            downloader=key.downloader,
+        )
+        await self._run(self.discard_copy, upload)
+        return None, receipt
+
+    def discard_copy(self, upload: LockedUpload) -> None:
+        """Delete a stored copy of an accepted object: its data, sidecar and origin record (no
+        receipt of it exists, and none will)."""
+        oid = upload.info.upload_id
+        self._uploads.remove(oid)
+        self._receipts.forget_origin(oid)
 
     # The steps block; each runs on a worker thread.
 
@@ -210,33 +262,50 @@ class Acceptance:
             fsync_dir(self._receipts.directory)
         return existing
 
-    def verify_checksum(self, upload: LockedUpload) -> float:
-        """Step 3: BLAKE3 of the stored bytes; returns the seconds it took.
+    def verify_checksum(self, upload: LockedUpload) -> tuple[float, Checksum]:
+        """Step 3: BLAKE3 of the stored bytes (and, for an upload without a declared BLAKE3,
+        the other digests it declared); returns the seconds it took and the BLAKE3.
 
         On a mismatch the upload is rejected for good (durably) and :class:`ChecksumMismatch`
         raised.
         """
         info = upload.info
         start = self._clock.seconds()
-        # A big upload was mostly hashed as it was written (read back from the file), and this
-        # reads the rest; a smaller one is read whole.  Either way through the locked file.
-        trailing = upload.digest if upload.digest is not None else TrailingHash()
-        digest, count = trailing.finish(upload.fd, self._stopping)
+        declared = info.declared_digests if info.checksum is None else {}
+        if declared:
+            # Digests the trailing hash does not keep: one read of the whole file for all.
+            digest, found, count = stored_digests(upload.fd, declared, self._stopping)
+        else:
+            # A big upload was mostly hashed as it was written (read back from the file), and
+            # this reads the rest; a smaller one is read whole.  Either way through the locked
+            # file.
+            trailing = upload.digest if upload.digest is not None else TrailingHash()
+            (digest, count), found = trailing.finish(upload.fd, self._stopping), {}
         if count != info.size:
             # The offset said complete, so bytes vanished underneath us: storage trouble.
             raise OSError(errno.EIO, f"stored {count} bytes, expected {info.size}")
-        if digest != info.checksum:
-            reason = f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
+        wrong = [
+            f"{name} mismatch: declared {value}, stored bytes hash to {found[name]}"
+            for name, value in sorted(declared.items())
+            if found[name] != value
+        ]
+        if info.checksum is not None and digest != info.checksum:
+            wrong.append(
+                f"checksum mismatch: declared {info.checksum}, stored bytes hash to {digest}"
+            )
+        if wrong:
+            reason = "; ".join(wrong)
             self._reject(upload, reason)
             raise ChecksumMismatch(reason)
-        return self._clock.seconds() - start
+        return self._clock.seconds() - start, digest
 
     def _reject(self, upload: LockedUpload, reason: str) -> None:
         self._uploads.reject(upload, reason)
         self._receipts.forget_origin(upload.info.upload_id)
 
-    def commit_receipt(self, upload: LockedUpload) -> Receipt:
-        """Step 4: publish the receipt, then fsync ``receipts/``: the commit point.
+    def commit_receipt(self, upload: LockedUpload, digest: Checksum) -> Receipt:
+        """Step 4: publish the receipt (for the stored bytes' BLAKE3 ``digest``), then fsync
+        ``receipts/``: the commit point.
 
         If that fsync fails, a receipt this call published is unpublished again before the error
         propagates, so no reader finds a receipt whose name may not survive a power cut.
@@ -245,7 +314,7 @@ class Acceptance:
         receipt = Receipt(
             object_id=info.upload_id,
             issuer=self._issuer,
-            checksum=info.checksum,
+            checksum=digest,
             size_bytes=info.size,
             accepted_at=max(1, int(self._clock.seconds())),
         )

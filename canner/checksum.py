@@ -186,6 +186,20 @@ class TrailingHash:
         return Checksum(hasher.hexdigest()), self.hashed + rest
 
 
+def stored_digests(
+    fd: int, names: Iterable[str], stop: threading.Event | None = None
+) -> tuple[Checksum, dict[str, str], int]:
+    """BLAKE3 and the hashlib digests ``names`` (hex) of the file open at ``fd``, in one read
+    from its first byte (blocking): ``(blake3, {name: hex}, bytes read)``."""
+    hasher = blake3.blake3(max_threads=1)
+    others = {name: hashlib.new(name, usedforsecurity=False) for name in names}
+    consumers: list[Callable[[memoryview], object]] = [hasher.update]
+    consumers += [h.update for h in others.values()]
+    total = _read_from(fd, 0, consumers, _READ_SIZE, stop)
+    hexes = {name: h.hexdigest() for name, h in others.items()}
+    return Checksum(hasher.hexdigest()), hexes, total
+
+
 def blake3_file(
     path: Path, expected_size: int, stop: threading.Event | None = None
 ) -> tuple[Checksum, int]:

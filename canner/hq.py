@@ -1,9 +1,11 @@
 """HQ's API on the receiver: delivery-status queries (anonymous) and releases (bearer token).
 
-``GET /api/v1/objects/{id}`` and ``POST /api/v1/objects:query`` answer from
-:class:`~canner.objects.ObjectReader` in a thread.  ``POST /api/v1/releases`` authenticates the
-client against the ``[hq] tokens`` file, then :class:`Releases` records ``released_at`` in the
-side files and the index before answering.  Errors are JSON: ``{"error": code, "message": text}``.
+``GET /api/v1/objects/{id}``, ``POST /api/v1/objects:query`` and ``GET
+/api/v1/objects:by-origin`` (by project, file name and optional downloader, through the index)
+answer from :class:`~canner.objects.ObjectReader` in a thread.  ``POST /api/v1/releases``
+authenticates the client against the ``[hq] tokens`` file, then :class:`Releases` records
+``released_at`` in the side files and the index before answering.  Errors are JSON:
+``{"error": code, "message": text}``.
 ``docs/hq-api.yaml`` (OpenAPI 3.1) describes every answer.
 """
 
@@ -193,6 +195,17 @@ class HQRoutes:
         ]
         return _json(request, {"results": results})
 
+    @app.route("/api/v1/objects:by-origin", methods=["GET"])
+    async def by_origin(self, request: IRequest) -> bytes:
+        """Where is item X: the objects of ``project`` named ``filename`` (of ``downloader``
+        when given), as ``GET /api/v1/objects/{id}`` describes each."""
+        project, filename = _argument(request, "project"), _argument(request, "filename")
+        if project is None or filename is None:
+            raise APIError(400, "bad_request", "project and filename are required")
+        downloader = _argument(request, "downloader")
+        docs, more = await self._run(self._reader.by_origin, project, filename, downloader)
+        return _json(request, {"results": docs, "truncated": more})
+
     @app.route("/api/v1/releases", methods=["POST"])
     async def release(self, request: IRequest) -> bytes:
         client = await self._authenticate(request)
@@ -238,6 +251,19 @@ class HQRoutes:
             raise unauthorized
         self._failures.pop(address, None)
         return name
+
+
+def _argument(request: IRequest, name: str) -> str | None:
+    """The one value of query argument ``name`` (UTF-8; None when absent or empty)."""
+    values = request.args.get(name.encode("ascii"), [])
+    if len(values) > 1:
+        raise APIError(400, "bad_request", f"{name} given more than once")
+    if not values or not values[0]:
+        return None
+    try:
+        return str(values[0].decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "bad_request", f"{name} is not UTF-8") from None
 
 
 def _id_list(body: bytes, key: str, limit: int) -> list[str]:

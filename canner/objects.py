@@ -1,4 +1,5 @@
-"""The delivery-status view of an object, for HQ: ``GET /api/v1/objects/{id}`` and the batch.
+"""The delivery-status view of an object, for HQ: ``GET /api/v1/objects/{id}``, the batch, and
+the objects of an origin (project, file name, downloader: "where is item X?").
 
 Three independent facts, each its own part of the answer and never merged: ``delivery`` (state,
 attempts, where it went, when it was delivered and verified), ``payload`` (present, or when it
@@ -21,7 +22,7 @@ from typing import Any
 
 from attrs import define, field
 
-from canner.delivery.index import BUSY_TIMEOUT_MS
+from canner.delivery.index import BUSY_TIMEOUT_MS, ORIGIN_MATCHES_MAX, ids_by_origin
 from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
@@ -45,6 +46,7 @@ _COLUMNS = (
     "purged_at",
     "released_at",
     "batch_id",
+    "downloader",
 )
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM object_delivery WHERE object_id = ?"
 
@@ -81,6 +83,7 @@ def describe(
         **receipt,
         "project": row["project"],
         "filename": row["filename"],
+        "downloader": row["downloader"],
         "delivery": {
             "state": row["state"],
             "verified": verified,
@@ -155,6 +158,27 @@ class ObjectReader:
             raise IndexUnavailable(str(e)) from None
         return results
 
+    def by_origin(
+        self, project: str, filename: str, downloader: str | None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Status documents of the indexed objects of ``project`` named ``filename`` (of
+        ``downloader`` only, when given), oldest accepted first: at most
+        :data:`~canner.delivery.index.ORIGIN_MATCHES_MAX`, and whether more exist.
+
+        An index search (``objects_origin``), never a scan.  Objects whose records were archived
+        to a ledger have no row any more and are not found.  Raises :class:`IndexUnavailable`.
+        """
+        try:
+            found = ids_by_origin(
+                self._cursor(), project, filename, downloader, downloader is None,
+                ORIGIN_MATCHES_MAX + 1,
+            )  # fmt: skip
+        except sqlite3.Error as e:
+            self._local.conn = None
+            raise IndexUnavailable(str(e)) from None
+        docs = [d for d in self.lookup_many(found[:ORIGIN_MATCHES_MAX]) if d is not None]
+        return docs, len(found) > ORIGIN_MATCHES_MAX
+
     def origin(self, object_id: str) -> Origin | None:
         """Project, filename and downloader of an indexed object (the tus HEAD of a purged
         upload needs them); None when the index lacks the object or cannot be read."""
@@ -181,6 +205,7 @@ class ObjectReader:
             "object_id": object_id,
             "project": origin.project if origin else None,
             "filename": origin.filename if origin else None,
+            "downloader": origin.downloader if origin else None,
             "state": "pending",
             "attempts": 0,
             "remote_identifier": None,

@@ -1,7 +1,8 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
 A small root resource hands each request to the app of its route: ``/files...`` to
-:class:`TusRoutes`, HQ's API to ``canner.hq`` and everything else to
+:class:`TusRoutes`, ``/seesaw/...`` (Archive Team's curl uploads) to ``canner.seesaw``, HQ's API
+to ``canner.hq`` and everything else to
 :class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
 status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
 builds the streaming :class:`~canner.tus.channel.ReceiverSite` around it, and reports every
@@ -113,11 +114,18 @@ class _Root(Resource):
     """Sends each request to the app of its route's surface (``canner.routing``): tus, HQ's API
     or :class:`ReceiverRoutes`."""
 
-    def __init__(self, tus: IResource, rest: IResource, hq: IResource | None = None) -> None:
+    def __init__(
+        self,
+        tus: IResource,
+        rest: IResource,
+        hq: IResource | None = None,
+        seesaw: IResource | None = None,
+    ) -> None:
         super().__init__()
         self._tus = tus
         self._rest = rest
         self._hq = hq
+        self._seesaw = seesaw
 
     def getChildWithDefault(self, path: bytes, request: IRequest) -> IResource:
         surface = getattr(request, "route", OTHER).surface
@@ -127,6 +135,8 @@ class _Root(Resource):
         request.postpath.insert(0, request.prepath.pop())
         if surface is Surface.HQ and self._hq is not None:
             return self._hq
+        if surface is Surface.SEESAW and self._seesaw is not None:
+            return self._seesaw
         return self._rest
 
 
@@ -198,13 +208,17 @@ def receiver_site(
     header_timeout: float | None = None,
     hq: IResource | None = None,
     reactor: IReactorTime | None = None,
+    seesaw: tuple[BodyRouter, IResource] | None = None,
 ) -> ReceiverSite:
-    """The receiver's site; ``reactor`` (the global one when None) times its connections."""
+    """The receiver's site; ``reactor`` (the global one when None) times its connections.
+    ``seesaw`` is the ``PUT /seesaw/`` door: its body router (which hands the other routes to
+    ``intake``) and its resource."""
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
-    root = _Root(tus, routes.app.resource(), hq)
+    router: BodyRouter = intake if seesaw is None else seesaw[0]
+    root = _Root(tus, routes.app.resource(), hq, None if seesaw is None else seesaw[1])
     site = MeteredSite(
         root,
-        intake,
+        router,
         metrics,
         access_log,
         connection_limits=connection_limits,

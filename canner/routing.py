@@ -19,6 +19,7 @@ class Surface(enum.Enum):
     """Which app serves a request."""
 
     TUS = "tus"  # /files...: canner.tus.routes
+    SEESAW = "seesaw"  # /seesaw/...: canner.seesaw (Archive Team's curl uploads)
     HQ = "hq"  # /api/v1/objects..., /api/v1/releases: canner.hq
     RECEIVER = "receiver"  # everything else: receipts, health, status page, metrics
 
@@ -28,6 +29,7 @@ class Kind(enum.Enum):
 
     CREATE = "create"  # POST /files/ (or /files): a new upload, maybe with its first bytes
     APPEND = "append"  # PATCH /files/{id}: bytes for an upload
+    PUT = "put"  # PUT /seesaw/{project}/{downloader}/{filename}: a whole file
     UPLOAD = "upload"  # another method on /files/{id} (HEAD, OPTIONS)
     COLLECTION = "collection"  # another method on /files/ (OPTIONS)
     RECEIPT = "receipt"  # /api/v1/receipts/{id}
@@ -42,7 +44,8 @@ class Kind(enum.Enum):
 @frozen
 class Route:
     """A request's route: its kind, the app that serves it and the id its path names (the
-    percent-decoded last segment for uploads and receipts, unvalidated; "" otherwise)."""
+    percent-decoded last segment for uploads and receipts, unvalidated; for ``/seesaw/`` the
+    rest of the path after it, still percent-encoded; "" otherwise)."""
 
     kind: Kind
     surface: Surface
@@ -51,7 +54,7 @@ class Route:
     @property
     def streams_body(self) -> bool:
         """True when the body is an upload's bytes, streamed to disk as it arrives."""
-        return self.kind is Kind.CREATE or self.kind is Kind.APPEND
+        return self.kind in (Kind.CREATE, Kind.APPEND, Kind.PUT)
 
 
 _FIXED = {
@@ -77,6 +80,9 @@ def route(method: bytes, path: bytes) -> Route:
             kind = Kind.APPEND if method == b"PATCH" else Kind.UPLOAD
             return Route(kind, Surface.TUS, _segment(rest[0]))
         return Route(Kind.OTHER, Surface.TUS)
+    if len(segments) >= 2 and segments[1] == b"seesaw":
+        target = path[len(b"/seesaw/") :].decode("latin-1")
+        return Route(Kind.PUT if method == b"PUT" else Kind.OTHER, Surface.SEESAW, target)
     if len(segments) >= 4 and segments[1:3] == [b"api", b"v1"]:
         if segments[3] == b"releases" or segments[3].startswith(b"objects"):
             return Route(Kind.HQ, Surface.HQ)

@@ -24,7 +24,7 @@ from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config, RsyncConfig
+from canner.config import Config
 from canner.connections import ConnectionLimits, connection_limits
 from canner.daemon import (
     DaemonRoot,
@@ -59,7 +59,8 @@ from canner.packaging.store import PackageStore
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
-from canner.rsync.intake import RsyncIntake, prepare_rsync
+from canner.rsync.intake import RsyncIntake
+from canner.seesaw import SeesawDoor, SeesawRoutes
 from canner.sinks.base import Sink
 from canner.startup import (
     DELIVER_WRITES,
@@ -105,6 +106,8 @@ class ReceiverParts:
     site: ReceiverSite
     floor: FloorWatch
     journal: Journal
+    # One idempotency memory for every door (a PUT, an rsync'd file) of this receiver.
+    origins: AcceptedOrigins
 
 
 def receiver_parts(
@@ -124,6 +127,7 @@ def receiver_parts(
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners."""
+    origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
         uploads=uploads,
         receipts=receipts,
@@ -133,6 +137,7 @@ def receiver_parts(
         issuer=config.issuer,
         enqueue=enqueue,
         observer=metrics,
+        origins=origins,
     )
     floor = FloorWatch(config.min_free_bytes)
     status = StatusSource.for_config(config, run=run, clock=clock, problems=problems)
@@ -176,39 +181,9 @@ def receiver_parts(
         header_timeout=config.connections.header_timeout,
         hq=hq.app.resource(),
         reactor=clock,
+        seesaw=(SeesawDoor(config=config, intake=intake, run=run, clock=clock), SeesawRoutes()),
     )
-    return ReceiverParts(acceptance, intake, hq, site, floor, journal)
-
-
-def rsync_intake(
-    config: Config,
-    rsync: RsyncConfig,
-    parts: ReceiverParts,
-    origins: AcceptedOrigins,
-    uploads: UploadStore,
-    receipts: ReceiptStore,
-    io: BlockingRunner,
-    hashing: BlockingRunner,
-    reactor: Any,
-    metrics: Metrics,
-) -> RsyncIntake:
-    """The rsync door (``[rsync]``): adopts what the rsync daemon finished into the store."""
-    return RsyncIntake(
-        incoming=rsync.incoming,
-        projects=tuple(config.projects),
-        area=prepare_rsync(config, rsync),
-        uploads=uploads,
-        receipts=receipts,
-        acceptance=parts.acceptance,
-        run=io,
-        hash=hashing,
-        clock=reactor,
-        ids=config.object_ids,
-        interval=rsync.scan_interval,
-        origins=origins,
-        reactor=reactor,
-        observer=metrics,
-    )
+    return ReceiverParts(acceptance, intake, hq, site, floor, journal, origins)
 
 
 def receiver_service(
@@ -272,9 +247,11 @@ def receiver_service(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
     if config.rsync is not None:
-        origins = AcceptedOrigins(receipts=receipts, run=io, index=index)
-        rsync_intake(config, config.rsync, parts, origins, uploads, receipts, io, hashing,
-                     reactor, metrics).setServiceParent(top)  # fmt: skip
+        RsyncIntake.for_config(
+            config, config.rsync, acceptance=parts.acceptance, origins=parts.origins,
+            uploads=uploads, receipts=receipts, io=io, hashing=hashing, reactor=reactor,
+            observer=metrics,
+        ).setServiceParent(top)  # fmt: skip
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)

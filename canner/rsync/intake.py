@@ -93,6 +93,40 @@ class RsyncIntake(Service):
     _stopping: bool = field(default=False, init=False)
     _idle: list[Deferred[None]] = field(factory=list, init=False)
 
+    @classmethod
+    def for_config(
+        cls,
+        config: Config,
+        rsync: RsyncConfig,
+        *,
+        acceptance: Acceptance,
+        origins: AcceptedOrigins,
+        uploads: UploadStore,
+        receipts: ReceiptStore,
+        io: BlockingRunner,
+        hashing: BlockingRunner,
+        reactor: Any,
+        observer: AdoptionObserver,
+    ) -> RsyncIntake:
+        """The receiver's rsync door (``[rsync]``), over the receiver's one acceptance and its
+        idempotency memory (start-up, blocking: it makes the adoption area)."""
+        return cls(
+            incoming=rsync.incoming,
+            projects=tuple(config.projects),
+            area=prepare_rsync(config, rsync),
+            uploads=uploads,
+            receipts=receipts,
+            acceptance=acceptance,
+            run=io,
+            hash=hashing,
+            clock=reactor,
+            ids=config.object_ids,
+            interval=rsync.scan_interval,
+            origins=origins,
+            reactor=reactor,
+            observer=observer,
+        )
+
     def startService(self) -> None:
         super().startService()
         if self._reactor is not None:

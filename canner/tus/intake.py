@@ -137,13 +137,24 @@ class UploadIntake:
             admission = partial(self._admit_append, request.requestHeaders, route.target, length)
         else:
             return None
+        return self.open_stream(request, admission, self._finish)
+
+    def open_stream(
+        self,
+        request: ReceiverRequest,
+        admission: Callable[[], Deferred[LockedUpload | Outcome]],
+        finish: Callable[[LockedUpload, bool], Deferred[Outcome]],
+    ) -> BodyStream:
+        """The stream of an upload body that ``admission`` admits (a :class:`TusError` it raises
+        or fails with is the answer), written like every upload's and handed to ``finish``
+        (:meth:`_finish`, :meth:`finish_whole`) once over."""
         transport = request.transport
         assert transport is not None
         stream = BodyStream(
             self._run,
             transport,  # type: ignore[arg-type]
             self._append,
-            self._finish,
+            finish,
             request,
             self._clock.seconds,
         )
@@ -162,6 +173,50 @@ class UploadIntake:
 
         admitting.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
+
+    # -- whole files in one request (other doors: canner.seesaw) -------------------------------
+
+    def create_whole(self, info: UploadInfo) -> LockedUpload:
+        """Admit and create an upload whose bytes all come in one request, and lock it
+        (blocking): refused like a tus creation while the node drains or is under its free
+        space floor.  The caller streams it through :meth:`open_stream` with
+        :meth:`finish_whole`."""
+        created = self._create(info, "", with_body=True)
+        assert isinstance(created, LockedUpload)
+        return created
+
+    def whole_created(self, upload: LockedUpload) -> LockedUpload:
+        """Count a :meth:`create_whole` (reactor thread), as a tus creation counts."""
+        return self._created(upload, upload.info.project)  # type: ignore[return-value]
+
+    def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+        """After a whole-file body: acceptance when every byte came, as for tus; otherwise the
+        upload cannot be resumed, so its bytes go at once and nothing of it stays.  An
+        acceptance that fails for a reason other than a checksum mismatch (storage trouble, the
+        receiver stopping) leaves nothing either: the worker sends the file again (a mismatch
+        keeps its sidecar, rejected, for the sweep)."""
+        info = upload.info
+        if upload.offset == info.size:
+            return self._finish(upload, lost).addErrback(self._discard_unaccepted, info)
+        offset = upload.offset
+        log.info(
+            "{object_id} ended at {offset} of {size} bytes: discarded",
+            object_id=info.upload_id,
+            offset=offset,
+            size=info.size,
+            project=info.project,
+        )
+
+        def discard() -> None:
+            try:
+                self._uploads.remove(info.upload_id)
+            finally:
+                upload.close()
+
+        def cut_short(_: object) -> Outcome:
+            raise TusError(400, f"the body ended after {offset} of {info.size} bytes")
+
+        return self._run(discard).addCallbacks(cut_short, _failure_status)
 
     def _hold(self, upload_id: str, stream: BodyStream) -> None:
         """Remember which request writes ``upload_id`` until it lets go of the lock."""
@@ -431,6 +486,25 @@ class UploadIntake:
             lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
             _failure_status,
         )
+
+    def _discard_unaccepted(self, failure: Failure, info: UploadInfo) -> Deferred[Outcome]:
+        error = failure.value
+        if isinstance(error, TusError) and error.status == 422:
+            return fail(failure)
+
+        def discard() -> None:
+            # Acceptance has let go of the lock; no receipt exists and none will.
+            if self._receipts.read(info.upload_id) is None:
+                self._uploads.remove(info.upload_id)
+                self._receipts.forget_origin(info.upload_id)
+
+        def kept(error: Failure) -> None:
+            # The receiver is stopping, or the disk failing: the sweep removes it later.
+            log.warn("{object_id} stays for the sweep: {error}", object_id=info.upload_id,
+                     error=str(error.value))  # fmt: skip
+
+        done: Deferred[None] = self._run(discard).addErrback(kept)
+        return done.addCallback(lambda _: fail(failure))
 
     # -- HEAD -----------------------------------------------------------------------------------
 

@@ -46,6 +46,9 @@ TRAILING_HASH_MIN = 256 << 20
 # dropped connection), at most this many (a hasher's state is about 2 KiB).
 KEPT_DIGESTS_MAX = 1000
 
+# Sidecar metadata keys of digests a door declared besides BLAKE3 (hex), by hashlib name.
+DECLARED_DIGESTS = {"md5": "content-md5", "sha256": "content-sha256"}
+
 # What a file was when a digest of it was put aside: device, inode, size, mtime.
 FileState = tuple[int, int, int, int]
 
@@ -99,8 +102,28 @@ class UploadInfo:
         return self.metadata["project"]
 
     @property
-    def checksum(self) -> Checksum:
-        return parse_checksum(self.metadata["checksum"])
+    def checksum(self) -> Checksum | None:
+        """The BLAKE3 the worker declared (tus); None when the door declares none (a PUT):
+        acceptance then receipts the BLAKE3 of the stored bytes."""
+        text = self.metadata.get("checksum")
+        return None if text is None else parse_checksum(text)
+
+    @property
+    def whole_file(self) -> bool:
+        """True for an upload whose door declares no BLAKE3 (``PUT /seesaw/...``): its bytes
+        all come in one request, so it is never resumed, and a complete one left without a
+        receipt is never accepted later."""
+        return self.checksum is None
+
+    @property
+    def declared_digests(self) -> dict[str, str]:
+        """Other digests the worker declared, checked over the stored bytes at acceptance:
+        ``{"md5" | "sha256": lowercase hex}`` (see :data:`DECLARED_DIGESTS`)."""
+        return {
+            name: self.metadata[key]
+            for name, key in DECLARED_DIGESTS.items()
+            if key in self.metadata
+        }
 
     @property
     def filename(self) -> str | None:
@@ -151,7 +174,8 @@ def parse_info(upload_id: str, data: bytes) -> UploadInfo:
         )
         if not ok:
             raise ValueError("unexpected shape")
-        parse_checksum(metadata["checksum"])
+        if "checksum" in metadata:
+            parse_checksum(metadata["checksum"])
         rejected, untrusted = raw.get("Rejected"), raw.get("Untrusted")
         if not all(v is None or isinstance(v, str) for v in (rejected, untrusted)):
             raise ValueError("Rejected and Untrusted are strings")

@@ -2,7 +2,9 @@
 
 An incomplete upload (or one rejected for its checksum) whose files have not changed for
 ``partial_upload_retention`` is removed (data and sidecar), under its lock, so an upload being
-written is never touched.  A complete upload without a receipt stays: it can still be accepted.
+written is never touched.  A complete tus upload without a receipt stays: it can still be
+accepted; a complete whole-file upload (``PUT /seesaw/...``) cannot, and goes like an incomplete
+one.
 An upload without a receipt whose sidecar is unreadable is removed at once: a sidecar is only
 ever replaced whole (by rename), so that is a creation a power cut caught before it was durable
 (or a damaged disk), never a write in progress, and the intake already answers 404 for it, so
@@ -74,10 +76,13 @@ def sweep_stale(
             if (
                 info is not None
                 and info.rejected is None
+                and not info.whole_file
                 and uploads.offset(upload_id) >= info.size
             ):
                 # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
                 # PATCH from the worker still turns it into a receipt, so it is never swept.
+                # A whole-file upload (PUT /seesaw/...) has no such worker: it sends the file
+                # again, so its stale copy goes like any other.
                 continue
         if not _remove_unlocked(uploads, receipts, upload_id):
             continue
@@ -117,6 +122,8 @@ def _remove_unlocked(uploads: UploadStore, receipts: ReceiptStore, upload_id: st
         if receipts.receipt_path(upload_id).exists():
             return False
         uploads.remove(upload_id)
+        # The origin record an acceptance that never committed may have left.
+        receipts.forget_origin(upload_id)
         return True
     finally:
         if locked is not None:

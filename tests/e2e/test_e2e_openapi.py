@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from deliver_support import Env, envs
+from deliver_support import Env, envs, wait_for
 from e2e_support import OFFSET_TYPE, TUS_VERSION, blake3_hex, upload_metadata
 from hq_support import (
     TOKEN,
@@ -24,8 +24,9 @@ env_factory = pytest.fixture(name="env_factory")(envs)
 
 
 def test_every_endpoint_answers_as_documented(env_factory: Callable[..., Env]) -> None:
-    """tus, receipts, objects (indexed, unknown, archived), the batch query, releases (200,
-    400, 401), health, readiness, the status page and metrics all match the document."""
+    """tus, the seesaw PUT target, receipts, objects (indexed, unknown, archived), the batch
+    and by-origin queries, releases (200, 400, 401), health, readiness, the status page and
+    metrics all match the document."""
     env = env_factory(extra=ledger_tables, retention="1s", metadata_lag=0.2)
     rcv = env.receiver
     tus = {"Tus-Resumable": TUS_VERSION}
@@ -72,6 +73,21 @@ def test_every_endpoint_answers_as_documented(env_factory: Callable[..., Env]) -
         400,
         headers={**tus, "Upload-Length": "1", "Upload-Metadata": "project eA=="},
     )
+    # Archive Team's PUT target: accepted, a copy of it, a bad name; then where it is.
+    seesaw, put_path = b"seesaw payload\n" * 64, "/seesaw/example/alice/o.warc"
+    octets = {"Content-Type": "application/octet-stream"}
+    put = check("PUT", put_path, 201, data=seesaw, headers=octets)
+    assert put is not None
+    check("PUT", put_path, 200, data=seesaw, headers=octets)
+    check("PUT", "/seesaw/example/alice/a%01b", 400, data=seesaw, headers=octets)
+    check("PUT", "/seesaw/nope/alice/o.warc", 404, data=seesaw, headers=octets)
+    by_origin = "/api/v1/objects:by-origin?project=example&filename=o.warc"
+    found = wait_for(
+        lambda: (check("GET", by_origin, 200) or {}).get("results"), 10, "the PUT's index row"
+    )
+    assert {d["object_id"] for d in found} == {oid, put["object_id"]}
+    check("GET", by_origin + "&downloader=alice", 200)
+    check("GET", "/api/v1/objects:by-origin?project=example", 400)
     check("GET", f"/api/v1/receipts/{oid}", 200)
     check("GET", f"/api/v1/receipts/{'0' * 32}", 404)
     check("GET", f"/api/v1/objects/{oid}", 200)

@@ -1,0 +1,215 @@
+"""``PUT /seesaw/{project}/{downloader}/{filename}``: a target Archive Team's workers use as is.
+
+A tracker hands out ``https://<node>/seesaw/<project>/<downloader>/`` (with ``:downloader``
+replaced by the worker's nickname, as it does for any target); seesaw runs
+``curl --fail ... --location --upload-file FILE TARGET``, and curl appends the file's name.
+Nothing else is asked of the worker: no checksum, no tus.
+
+The head decides admission before any byte of the body is read, as for tus (the channel sends
+``100 Continue`` only once admitted, and answers a refusal at once and closes): a bad name is a
+400 with the reason, an unknown project 404, a missing ``Content-Length`` 411, a body over
+``max_upload_bytes`` 413, a draining node 503 and a node under its free space floor 429 (both
+with ``Retry-After``); the connection caps apply as to every request.  The body is streamed
+into ``uploads/`` like a tus upload's and accepted by the same acceptance: written, fsynced,
+BLAKE3 over the stored bytes, a receipt.  ``201`` comes only once the receipt is durable, with
+the receipt as its JSON body and in ``Artifact-Receipt``.  A declared ``Content-MD5`` or
+``Content-Digest: sha-256=...`` is checked over the stored bytes (422 on a mismatch, no
+receipt).  A file with the same project, downloader, name, size and BLAKE3 as an object already
+accepted is answered ``200`` with that object's receipt and leaves nothing new
+(:mod:`canner.origins`).  A body cut short leaves nothing behind.
+
+:func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (it is the
+site's body router, and hands every other route to the tus intake); :class:`SeesawRoutes`
+renders the outcome.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Container
+from functools import partial
+from urllib.parse import unquote_to_bytes
+
+from attrs import define, frozen
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from canner.blocking import BlockingRunner
+from canner.config import Config
+from canner.routing import OTHER, Kind, Route, Surface
+from canner.tus.channel import BodySink, ReceiverRequest
+from canner.tus.intake import Outcome, UploadIntake
+from canner.tus.protocol import TusError, single_header
+from canner.tus.routes import TusRoutes, render_error
+from canner.tus.store import DECLARED_DIGESTS, LockedUpload, UploadInfo
+from canner.tus.stream import BodyStream
+
+# A name is one path segment of at most this many bytes (UTF-8), as on every common filesystem.
+NAME_MAX_BYTES = 255
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@frozen
+class PutTarget:
+    """What the path of a PUT names."""
+
+    project: str
+    downloader: str
+    filename: str
+
+
+def _name(raw: bytes, what: str) -> str:
+    """One percent-decoded path segment as a safe name; 400 with the reason otherwise."""
+    decoded = unquote_to_bytes(raw)
+    try:
+        name = decoded.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TusError(400, f"the {what} is not UTF-8") from None
+    if not name:
+        raise TusError(400, f"the {what} is empty")
+    if "/" in name or "\\" in name:
+        raise TusError(400, f"the {what} contains a path separator")
+    if name in (".", ".."):
+        raise TusError(400, f"the {what} may not be {name!r}")
+    if _CONTROL.search(name):
+        raise TusError(400, f"the {what} contains a control character")
+    if len(decoded) > NAME_MAX_BYTES:
+        raise TusError(400, f"the {what} is longer than {NAME_MAX_BYTES} bytes")
+    return name
+
+
+def parse_target(rest: str, projects: Container[str]) -> PutTarget:
+    """The target named by the path after ``/seesaw/`` (``Route.target``, percent-encoded):
+    ``{project}/{downloader}/{filename}``.  400 with the reason for a bad name, 404 for a path
+    of another shape or a project this node does not serve."""
+    segments = rest.encode("latin-1").split(b"/")
+    if len(segments) != 3:
+        raise TusError(404, "PUT files to /seesaw/{project}/{downloader}/{filename}")
+    project = unquote_to_bytes(segments[0]).decode("utf-8", "replace")
+    if project not in projects:
+        raise TusError(404, f"no such project: {project!r}")
+    return PutTarget(project, _name(segments[1], "downloader"), _name(segments[2], "file name"))
+
+
+def _base64_digest(text: str, size: int, what: str) -> str:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != size:
+        raise TusError(400, f"{what} is not the base64 of a {size}-byte digest")
+    return raw.hex()
+
+
+def declared_digests(headers: Headers) -> dict[str, str]:
+    """The digests a request declares, as sidecar metadata (``canner.tus.store``
+    ``DECLARED_DIGESTS``): ``Content-MD5`` (RFC 1864) and the ``sha-256`` member of
+    ``Content-Digest`` (RFC 9530); other algorithms are ignored.  400 when malformed."""
+    found: dict[str, str] = {}
+    md5 = single_header(headers, "Content-MD5")
+    if md5 is not None:
+        found[DECLARED_DIGESTS["md5"]] = _base64_digest(md5.strip(), 16, "Content-MD5")
+    digest = single_header(headers, "Content-Digest")
+    for member in (digest or "").split(","):
+        key, _, value = member.partition("=")
+        if key.strip() != "sha-256":
+            continue
+        value = value.strip()
+        if len(value) < 2 or value[0] != ":" or value[-1] != ":":
+            raise TusError(400, "Content-Digest: sha-256 must be sha-256=:<base64>:")
+        found[DECLARED_DIGESTS["sha256"]] = _base64_digest(
+            value[1:-1], 32, "Content-Digest sha-256"
+        )
+    return found
+
+
+@define(eq=False, kw_only=True)
+class SeesawDoor:
+    """Admission of ``PUT /seesaw/...`` bodies; the site's body router (other routes go to the
+    tus intake)."""
+
+    _config: Config
+    _intake: UploadIntake
+    _run: BlockingRunner
+    _clock: IReactorTime
+
+    def open_body(
+        self, request: ReceiverRequest, route: Route, length: int | None
+    ) -> BodySink | None:
+        if route.kind is not Kind.PUT:
+            return self._intake.open_body(request, route, length)
+        admission = partial(self._admit, request.requestHeaders, route.target, length)
+        return self._intake.open_stream(request, admission, self._intake.finish_whole)
+
+    def _admit(
+        self, headers: Headers, rest: str, length: int | None
+    ) -> Deferred[LockedUpload | Outcome]:
+        """Everything the head tells, at once (pure); then the node's state in a thread."""
+        target = parse_target(rest, self._config.projects)
+        if length is None:
+            raise TusError(411, "Content-Length is required")
+        if length == 0:
+            raise TusError(400, "the file is empty: empty artifacts cannot be receipted")
+        if length > self._config.max_upload_bytes:
+            raise TusError(
+                413, f"the file exceeds the maximum of {self._config.max_upload_bytes} bytes"
+            )
+        metadata = {
+            "project": target.project,
+            "downloader": target.downloader,
+            "filename": target.filename,
+            **declared_digests(headers),
+        }
+        info = UploadInfo(
+            upload_id=self._config.object_ids.new(),
+            size=length,
+            metadata=metadata,
+            created_at=int(self._clock.seconds()),
+        )
+        created = self._run(self._intake.create_whole, info)
+        return created.addCallback(self._intake.whole_created)
+
+
+class SeesawRoutes(Resource):
+    """Answers ``PUT /seesaw/...`` once its body is accepted (or refused); 405 for any other
+    method there."""
+
+    isLeaf = True
+
+    def render(self, request: Request) -> int | bytes:
+        route: Route = getattr(request, "route", OTHER)
+        if route.surface is not Surface.SEESAW or route.kind is not Kind.PUT:
+            request.setHeader("Allow", "PUT")
+            return render_error(request, TusError(405, "only PUT: upload a file here"))
+        stream = getattr(request, "body_sink", None)
+        if not isinstance(stream, BodyStream):
+            return render_error(request, TusError(404, "no such upload"))
+        answered = maybeDeferred(stream.result).addCallback(_receipted, request)
+        # A connection that drops first cancels the wait (never the upload's stream).
+        request.notifyFinish().addErrback(lambda _: answered.cancel())
+        answered.addCallbacks(
+            TusRoutes._write,
+            TusRoutes._refusal,
+            callbackArgs=(request,),
+            errbackArgs=(request,),
+        )
+        return NOT_DONE_YET
+
+
+def _receipted(outcome: Outcome, request: IRequest) -> bytes:
+    """201 with the receipt (its JSON, and in ``Artifact-Receipt``); 200 when the file was a
+    copy of an object accepted before, with that object's receipt."""
+    receipt = outcome.receipt
+    if receipt is None:  # never: a whole file is accepted or refused
+        raise TusError(500, "internal error")
+    request.setResponseCode(201 if receipt.object_id == outcome.upload_id else 200)
+    request.setHeader("Content-Type", "application/json")
+    request.setHeader("Artifact-Receipt", receipt.header_value())
+    request.setHeader("Cache-Control", "no-store")
+    return receipt.to_json()
