@@ -295,6 +295,16 @@ class CannerServer(Server):
         self._wait_ready()
 
 
+class CannerPutServer(CannerServer):
+    """The same canner-receiver, loaded through its seesaw PUT target instead of tus."""
+
+    name = "canner PUT"
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}/seesaw/{PROJECT}/bench/"
+
+
 class TusServer(Server):
     name = "@tus/server"
 
@@ -668,7 +678,8 @@ def run_load(
         "patchSize": args.patch_size,
         "chunk": args.chunk,
         "project": PROJECT,
-        "expectReceipt": server.name == "canner",
+        "expectReceipt": server.name.startswith("canner"),
+        "put": server.name == "canner PUT",
         "timeoutMs": int(budget * 1000),
         "probeChecksum": "blake3:" + "0" * 64,
         "headProbe": (
@@ -735,6 +746,8 @@ def run_one(
     server: Server
     if server_name == "canner":
         server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
+    elif server_name == "canner PUT":
+        server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on")
     else:
         server = TusServer(work)
     profiler: Profiler | None = None
@@ -865,8 +878,17 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
             f"{fails!s:>4}"
         )
     print()
-    print("ratio canner / @tus/server (throughput; >1 means canner is faster):")
     labels = list(dict.fromkeys(label for label, _ in groups))
+    print("ratio canner PUT / canner tus (throughput; >1 means the PUT target is faster):")
+    for label in labels:
+        c, t = medians.get((label, "canner PUT")), medians.get((label, "canner"))
+        if c is not None and t is not None:
+            print(
+                f"  {label:<24} throughput x{_ratio(c.rate, t.rate)}"
+                f"   cost x{_ratio(c.cost, t.cost)}"
+                f"   p50 latency x{_ratio(c.latency(50), t.latency(50))}"
+            )
+    print("ratio canner / @tus/server (throughput; >1 means canner is faster):")
     for label in labels:
         c, t = medians.get((label, "canner")), medians.get((label, "@tus/server"))
         if c is not None and t is not None:
@@ -992,7 +1014,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--scenarios", default="big,mid,small,head", help="comma list of: big,mid,small,head"
     )
-    p.add_argument("--servers", default="canner,tus", help="comma list of: canner,tus")
+    p.add_argument(
+        "--servers",
+        default="canner,tus",
+        help="comma list of: canner (tus), put (canner's seesaw PUT target), tus (@tus/server)",
+    )
     p.add_argument("--big-count", type=int, default=None, help="default 4 (quick 2)")
     p.add_argument("--big-size", type=parse_size, default=None, help="default 1GiB (quick 128MiB)")
     p.add_argument("--mid-count", type=int, default=None, help="default 32 (quick 8)")
@@ -1068,9 +1094,9 @@ def work_dir(root: Path) -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     servers = args.servers.split(",")
-    if set(servers) - {"canner", "tus"}:
-        raise SystemExit("bench: --servers takes canner and/or tus")
-    if not TWISTD.exists() and "canner" in servers:
+    if set(servers) - {"canner", "put", "tus"}:
+        raise SystemExit("bench: --servers takes canner, put and/or tus")
+    if not TWISTD.exists() and {"canner", "put"} & set(servers):
         raise SystemExit(f"bench: {TWISTD} missing; run ./dev bench (it installs the venv)")
     scenarios = build_scenarios(args)
     ensure_node_modules()
@@ -1089,7 +1115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep, name in itertools.product(range(args.repeat), servers):
                 if scenario.head_probe and name != "canner":
                     continue
-                label = "canner" if name == "canner" else "@tus/server"
+                label = {"canner": "canner", "put": "canner PUT"}.get(name, "@tus/server")
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep

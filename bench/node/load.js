@@ -20,6 +20,8 @@
 //   project         Upload-Metadata project
 //   expectReceipt   true: the final PATCH must carry a valid Artifact-Receipt (canner)
 //   timeoutMs       hard limit for the whole run; unfinished uploads count as failures
+//   put             true: each upload is one PUT of the whole body to base + file name (canner's
+//                   seesaw target), answered 201 with the receipt; no tus creation, no PATCH
 //   headProbe       optional {intervalMs, baseline}: needs exactly one upload; HEADs another
 //                   (never completed) upload every intervalMs, open loop, while the final PATCH
 //                   body is in flight ("body") and from the moment it is sent until its response
@@ -128,9 +130,34 @@ async function create(size, checksum, filename) {
   return new URL(r.headers.location, base);
 }
 
+// One whole upload as a single PUT (what seesaw's curl sends); the receipt names the stored bytes'
+// BLAKE3, which must be the spec's.
+async function put(index, spec, rec) {
+  const url = new URL(`bench-${index}.bin`, base);
+  const headers = { "Content-Length": String(spec.size), "Content-Type": "application/octet-stream" };
+  const r = await exchange(uploadAgent, "PUT", url, headers, (req) => streamBody(req, spec.offset, spec.size));
+  if (r.status !== 201) throw new Error(`PUT answered ${r.status}: ${r.body.trim()}`);
+  rec.finalSentAt = r.sentAt;
+  rec.end = r.doneAt;
+  const header = r.headers["artifact-receipt"];
+  const objectId = header ? JSON.parse(Buffer.from(header, "base64url").toString("utf8")).object_id : "";
+  const problem = checkReceipt(header, objectId, spec);
+  if (problem) throw new Error(problem);
+}
+
 // One whole upload; returns a result record, never throws.
 async function upload(index, spec, hooks = {}) {
   const rec = { index, size: spec.size, ok: false, start: performance.now() };
+  if (config.put) {
+    try {
+      await put(index, spec, rec);
+      rec.ok = true;
+    } catch (e) {
+      rec.error = String(e.message || e);
+      rec.end = performance.now();
+    }
+    return rec;
+  }
   try {
     const url = await create(spec.size, spec.checksum, `bench-${index}.bin`);
     const objectId = url.pathname.split("/").pop();
