@@ -304,6 +304,15 @@ class CannerPutServer(CannerServer):
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}/seesaw/{PROJECT}/bench/"
 
+    def _ready(self) -> bool:
+        # The PUT target answers no OPTIONS: the tus endpoint of the same process does.
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/files/", method="OPTIONS")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return bool(resp.status < 300)
+        except OSError:
+            return False
+
 
 class TusServer(Server):
     name = "@tus/server"
