@@ -1,5 +1,5 @@
 """End to end: the real ``curl`` binary, run with seesaw's exact upload arguments
-(``../shared/reference/archiveteam-targets.md``), against real ``twistd canner-receiver`` and
+(``docs/reference/archiveteam-targets.md``), against real ``twistd canner-receiver`` and
 ``canner-deliver`` processes delivering into a directory.
 
 * upload -> 201 with the receipt -> the file delivered byte for byte;
