@@ -122,8 +122,8 @@ pass "built $(basename "$DEB") ($(du -h "$DEB" | cut -f1))"
 (cd "$REPO" && env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin debian/rules clean >/dev/null 2>&1) || true
 check ".deb does not ship a twisted dropin.cache" \
   bash -c "! dpkg-deb -c '$DEB' | grep -q dropin.cache"
-check ".deb conffiles is exactly /etc/canner/canner.toml" \
-  bash -c "[ \"\$(dpkg-deb -I '$DEB' conffiles)\" = /etc/canner/canner.toml ]"
+check ".deb conffiles are exactly canner.toml and the rsyncd templates" \
+  bash -c "[ \"\$(dpkg-deb -I '$DEB' conffiles | sort | tr '\n' ' ')\" = '/etc/canner/canner.toml /etc/canner/rsyncd/module.conf /etc/canner/rsyncd/rsyncd.conf ' ]"
 check ".deb depends on python3.11 (the venv's interpreter)" \
   bash -c "dpkg-deb -f '$DEB' Depends | grep -q 'python3\.11'"
 phase_end
