@@ -22,21 +22,6 @@ from collections.abc import Iterable
 
 from canner.observe import Outbound
 
-# What every owner's view joins in, under these names (a package says ``delivery_state`` and
-# ``remote_verified_at`` for the two that would clash with its own build columns).
-FIELDS = (
-    "state",
-    "attempts",
-    "next_attempt_at",
-    "last_error",
-    "needs_operator",
-    "redeliveries",
-    "force_upload",
-    "remote_identifier",
-    "delivered_at",
-    "verified_at",
-    "next_check_at",
-)
 OPERATOR_REDELIVERY = "re-delivery requested by an operator"
 
 

@@ -24,6 +24,8 @@ from deliver_support import (
     wait_for,
 )
 
+from canner.ledger import store as ledger_store
+
 TOKEN = "hq-token-0123456789abcdef"
 OTHER_TOKEN = "hq-token-of-the-second-client"
 NODE = "testnode"
@@ -146,15 +148,11 @@ def next_ledger_attempts(env: Env) -> list[float]:
     """Each ledger's next_attempt_at (``canner ledger`` does not show it)."""
     conn = sqlite3.connect(env.db, timeout=10, isolation_level=None)
     try:
-        rows = conn.execute(
-            "SELECT CASE WHEN l.state = 'written' THEN CASE WHEN d.state = 'delivered'"
-            " THEN d.next_check_at ELSE d.next_attempt_at END ELSE l.next_attempt_at END"
-            " FROM ledgers l LEFT JOIN outbound d ON d.kind = 'ledger'"
-            " AND d.ref = CAST(l.ledger_id AS TEXT) ORDER BY l.ledger_id"
-        ).fetchall()
+        # The index's own reading: a ledger being sent waits on its outbound row.
+        rows = ledger_store.ledgers(conn.cursor())
     finally:
         conn.close()
-    return [float(r[0]) for r in rows]
+    return [float(r.next_attempt_at) for r in rows]
 
 
 def age_ledger_uploads(env: Env, seconds: float) -> None:
