@@ -50,11 +50,12 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 import blake3  # noqa: E402
 from deliver_support import ACCESS, SECRET, Deliver, FakeIA, deliveries  # noqa: E402
 
-from canner import fs  # noqa: E402
+from canner import fs, outbound  # noqa: E402
 from canner.checksum import parse_checksum  # noqa: E402
 from canner.delivery import index as sql  # noqa: E402
 from canner.delivery.index import AcceptedObject  # noqa: E402
 from canner.ids import ObjectIds  # noqa: E402
+from canner.observe import Outbound  # noqa: E402
 from canner.receipts import Origin, Receipt, ReceiptStore  # noqa: E402
 from canner.tus.store import UploadInfo, UploadStore  # noqa: E402
 
@@ -189,8 +190,8 @@ def attempt_stats(log_text: str, size: int) -> str:
         text = e.get("message") or ""
         if "time" in e:
             e["unix_time"] = datetime.fromisoformat(e["time"]).timestamp()
-        if e.get("logger") == "canner.delivery.scheduler" and text.startswith("delivering "):
-            claims.setdefault(e["object_id"], e["unix_time"])
+        if e.get("logger") == "canner.delivery.outbound_service" and text.startswith("delivering "):
+            claims.setdefault(e["subject"], e["unix_time"])
         elif e.get("logger") == "canner.sinks.internet_archive" and text.startswith("uploaded "):
             uploads[e["object_id"]] = e
     if not uploads:
@@ -325,7 +326,7 @@ def run_curl(root: Path, data_dir: Path, ids: list[str], size: int, parallel: in
         shutil.rmtree(root / "fake", ignore_errors=True)
 
 
-# -- the scheduler tick with 100,000 rows --------------------------------------------------------
+# -- the outbound service tick with 100,000 rows ----------------------------------------------
 
 
 def build_index(path: Path, rows: int, state: str, due: bool) -> None:
@@ -345,10 +346,10 @@ def build_index(path: Path, rows: int, state: str, due: bool) -> None:
     cur.execute("BEGIN")
     sql.insert_objects(cur, objects, now - 10 if due else now + 86400)
     if state == "delivered":
+        cur.execute("UPDATE objects SET purge_after = ?", (now + 86400,))
         cur.execute(
-            "UPDATE objects SET state = 'delivered', delivered_at = ?, purge_after = ?,"
-            " next_check_at = ?",
-            (now, now + 86400, now + 86400),
+            "UPDATE outbound SET state = 'delivered', delivered_at = ?, next_check_at = ?",
+            (now, now + 86400),
         )
     cur.execute("COMMIT")
     cur.execute("ANALYZE")
@@ -364,10 +365,10 @@ def time_ticks(path: Path, ticks: int, free_slots: int) -> list[float]:
         now = time.time()
         start = time.perf_counter()
         cur.execute("BEGIN")
-        sql.claim_due(cur, now, free_slots, [PROJECT])
+        outbound.claim_due_any(cur, now, free_slots, {Outbound.OBJECT: [PROJECT]})
         cur.execute("COMMIT")
         cur.execute("BEGIN")
-        sql.follow_ups_due(cur, now, 32, [PROJECT])
+        outbound.follow_ups_due_any(cur, now, 32, {Outbound.OBJECT: [PROJECT]})
         cur.execute("COMMIT")
         times.append((time.perf_counter() - start) * 1000)
     conn.close()
@@ -376,8 +377,8 @@ def time_ticks(path: Path, ticks: int, free_slots: int) -> list[float]:
 
 def tick_bench(root: Path, rows: int) -> None:
     log(
-        f"\n== scheduler tick, {rows:,} rows"
-        " (claim_due(limit=2) + follow_ups_due(limit=32), one commit each) =="
+        f"\n== outbound service tick, {rows:,} rows"
+        " (claim_due_any(limit=2) + follow_ups_due_any(limit=32), one commit each) =="
     )
     path = root / "tick" / "delivery.sqlite"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """The parts canner-deliver is built from, each out of the config and :class:`DeliverBase`.
 
 ``canner.service.deliver_service`` takes the lock, opens the index and connects these: the
-object queue, the megawarc package pipeline, the ledger, the hourly receipt rescan and the
+outbound service with its owners (objects, packages, ledgers), the megawarc package pipeline,
+the ledger's own steps, the hourly receipt rescan and the
 metrics listener.  Each builder maps config onto keyword-only constructors and adds nothing to
 the service tree but the thread pool it makes (which must outlive the children); the root
 decides where each part goes in the tree.
@@ -20,24 +21,27 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import Config, ConfigError, ProjectConfig
+from canner.config import READBACK_ALL, Config, ConfigError, ProjectConfig
 from canner.daemon import DaemonRoot, Listening, PeriodicService
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.liveness import InFlight
+from canner.delivery.object_owner import ObjectOwner, planner
+from canner.delivery.outbound_service import OutboundService, Owner, lanes_of
 from canner.delivery.rescan import ReceiptRescan
-from canner.delivery.scheduler import DeliveryService, planner
 from canner.journal import Journal, JournalLog
 from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ledger.ledger_owner import LedgerOwner
 from canner.ledger.service import LedgerService, validate_ledger
 from canner.metrics import Metrics, MetricsPage, SurveyCache
 from canner.packaging.dictionaries import DictionaryStore
 from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
+from canner.packaging.package_owner import PackageOwner
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.sinks.base import Sink
 from canner.sinks.credentials import CredentialsError, load_credentials
-from canner.sinks.internet_archive import IASink
+from canner.sinks.internet_archive import IADeliverySink, IASink
 from canner.sinks.projects import project_sinks
 from canner.sinks.transport import make_http_client
 from canner.tus.store import UploadStore
@@ -67,15 +71,20 @@ class DeliverBase:
 
 
 def configured_sinks(
-    config: Config, reactor: Any, run: BlockingRunner, hashing: BlockingRunner
-) -> tuple[dict[str, Sink], dict[str, float]]:
-    """The sink of each delivered project and how long its artifacts stay once verified
-    (blocking: reads credentials); a project without a delivery table is logged."""
-    sinks = project_sinks(config, reactor, run, hashing)
+    config: Config,
+    reactor: Any,
+    run: BlockingRunner,
+    hashing: BlockingRunner,
+    sinks: Mapping[str, Sink] | None = None,
+) -> tuple[Mapping[str, Sink], dict[str, float]]:
+    """The sink of each delivered project (``sinks`` when given: tests) and how long its
+    artifacts stay once verified (blocking: reads credentials); a project without a delivery
+    table is logged."""
+    if sinks is None:
+        sinks = project_sinks(config, reactor, run, hashing)
     retention = {
-        pid: project.delivery.local_artifact_retention
+        pid: project.delivery.local_artifact_retention if project.delivery else 0.0
         for pid, project in config.projects.items()
-        if project.delivery is not None
     }
     for pid, project in config.projects.items():
         if project.delivery is None:
@@ -87,7 +96,15 @@ def configured_sinks(
     return sinks, retention
 
 
-def ledger_service(base: DeliverBase, journal: JournalLog) -> LedgerService | None:
+@frozen
+class LedgerParts:
+    """The ledger's two halves: its own steps (assign, write, delete) and its files' owner."""
+
+    service: LedgerService
+    owner: LedgerOwner
+
+
+def ledger_parts(base: DeliverBase, journal: JournalLog) -> LedgerParts | None:
     """The ledger of ``[ledger]`` (None without one); reads its credentials (blocking).  Its
     unlink pool joins the pools that outlive the children."""
     config, reactor, ledger = base.config, base.reactor, base.config.ledger
@@ -107,28 +124,36 @@ def ledger_service(base: DeliverBase, journal: JournalLog) -> LedgerService | No
         run=base.io,
     )
     unlink = ThreadPoolRunner(reactor, "canner-ledger", LEDGER_THREADS)
+    ledgers = LedgerDir(config.data_dir / "ledger")
     service = LedgerService(
         config=ledger,
         ids=config.object_ids,
         index=base.index,
         db=config.data_dir / "delivery.sqlite",
-        ledgers=LedgerDir(config.data_dir / "ledger"),
+        ledgers=ledgers,
         receipts=base.receipts,
         journal=journal,
         uploads=config.data_dir / "uploads",
-        sink=sink,
         run=base.io,
         clock=reactor,
         unlink=unlink,
         observer=base.metrics,
-        in_flight=base.in_flight,
+    )
+    # Ledgers are small: every one is read back whole before its records' state may go.
+    owner = LedgerOwner(
+        config=ledger,
+        index=base.index,
+        ledgers=ledgers,
+        sink=IADeliverySink(READBACK_ALL, sink),
+        run=base.io,
+        guard=service.guard,
     )
     base.top.outlive(unlink)
-    return service
+    return LedgerParts(service, owner)
 
 
 def receipt_rescan(
-    base: DeliverBase, archived: ArchivedIds, ledger: LedgerService | None
+    base: DeliverBase, archived: ArchivedIds, ledger: LedgerParts | None
 ) -> PeriodicService:
     """The receipt rescan, at start and hourly until the daemon stops; never while the ledger
     deletes records (it could re-insert them)."""
@@ -144,40 +169,59 @@ def receipt_rescan(
         keep_going=lambda: bool(base.top.running),
     ).run
     if ledger is not None:
-        rescan = partial(ledger.guard.run, rescan)
+        rescan = partial(ledger.service.guard.run, rescan)
     return PeriodicService(
         clock=base.reactor, interval=RESCAN_INTERVAL, job=rescan, label="receipt rescan"
     )
 
 
-def object_queue(
+def object_owner(
     base: DeliverBase,
     sinks: Mapping[str, Sink],
     retention: Mapping[str, float],
     journal: JournalLog,
-) -> DeliveryService:
-    """The queue that delivers objects one at a time, to ``sinks`` (every delivered project's
-    but the megawarc ones')."""
-    config = base.config
-    return DeliveryService(
+) -> ObjectOwner:
+    """The objects delivered one at a time, to ``sinks`` (every delivered project's but the
+    megawarc ones')."""
+    deliveries = {pid: p.delivery for pid, p in base.config.projects.items() if p.delivery}
+    return ObjectOwner(
         index=base.index,
         uploads=base.uploads,
         receipts=base.receipts,
         journal=journal,
         sinks=sinks,
+        planner=planner(deliveries),
         retention=retention,
         run=base.io,
         hash=base.hashing,
         clock=base.reactor,
-        concurrency=config.delivery_concurrency,
-        planner=planner(
-            {pid: p.delivery for pid, p in config.projects.items() if p.delivery is not None}
-        ),
-        verify_timeouts={
-            pid: p.delivery.verify_timeout
-            for pid, p in config.projects.items()
-            if p.delivery is not None
-        },
+        verify_timeouts={pid: d.verify_timeout for pid, d in deliveries.items()},
+    )
+
+
+def outbound_service(
+    base: DeliverBase,
+    sinks: Mapping[str, Sink],
+    retention: Mapping[str, float],
+    packages: PackageStore,
+    ledger: LedgerParts | None,
+    journal: JournalLog,
+) -> OutboundService:
+    """The one service that sends, verifies and hands back every owner's files (objects,
+    megawarc packages, ledgers), in ``delivery_concurrency`` slots shared by every kind."""
+    packed = packed_projects(base.config, sinks)
+    object_sinks = {pid: s for pid, s in sinks.items() if pid not in packed}
+    owners: list[Owner] = [
+        object_owner(base, object_sinks, retention, journal),
+        package_owner(base, packed, sinks, packages),
+    ]
+    if ledger is not None:
+        owners.append(ledger.owner)
+    return OutboundService(
+        index=base.index,
+        owners=lanes_of(owners),
+        clock=base.reactor,
+        concurrency=base.config.delivery_concurrency,
         in_flight=base.in_flight,
         observer=base.metrics,
     )
@@ -186,7 +230,6 @@ def object_queue(
 def package_pipeline(
     base: DeliverBase,
     packed: Mapping[str, ProjectConfig],
-    sinks: Mapping[str, Sink],
     packages: PackageStore,
     archived: ArchivedIds,
 ) -> PackagingService:
@@ -201,21 +244,33 @@ def package_pipeline(
         receipts=base.receipts,
         store=packages,
         projects=packed,
-        sinks={pid: sinks[pid] for pid in packed},
         run=base.io,
         pack=packing,
         clock=base.reactor,
         build_concurrency=config.packaging_concurrency,
         min_free_bytes=config.min_free_bytes,
-        delivery_concurrency=config.delivery_concurrency,
-        in_flight=base.in_flight,
         archived=archived.contains,
-        observer=base.metrics,
         dictionaries=dictionaries(base, packed),
     )
     if packed:
         base.top.outlive(packing)
     return packaging
+
+
+def package_owner(
+    base: DeliverBase,
+    packed: Mapping[str, ProjectConfig],
+    sinks: Mapping[str, Sink],
+    packages: PackageStore,
+) -> PackageOwner:
+    """The packages of the ``packed`` projects, each sent to its project's sink."""
+    return PackageOwner(
+        index=base.index,
+        store=packages,
+        projects=packed,
+        sinks={pid: sinks[pid] for pid in packed},
+        run=base.io,
+    )
 
 
 def dictionaries(base: DeliverBase, packed: Mapping[str, ProjectConfig]) -> Dictionaries:
@@ -234,7 +289,7 @@ def dictionaries(base: DeliverBase, packed: Mapping[str, ProjectConfig]) -> Dict
 
 
 def packed_projects(config: Config, sinks: Mapping[str, Sink]) -> dict[str, ProjectConfig]:
-    """The megawarc projects with a sink: delivered a package at a time, where the object queue
+    """The megawarc projects with a sink: delivered a package at a time, where objects go one
     serves the rest."""
     return {
         pid: p

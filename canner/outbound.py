@@ -18,7 +18,9 @@ follow-ups with :func:`settle`.  ``ref`` is the owner's key as text.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+from attrs import frozen
 
 from canner.observe import Outbound
 
@@ -27,6 +29,31 @@ OPERATOR_REDELIVERY = "re-delivery requested by an operator"
 
 def _marks(values: list[str]) -> str:
     return ", ".join("?" for _ in values)
+
+
+@frozen
+class OutboundRow:
+    """One outbound row's delivery facts (what every owner's follow-up reads)."""
+
+    project: str
+    state: str
+    attempts: int
+    remote_identifier: str | None
+    delivered_at: float | None
+    verified_at: float | None
+    redeliveries: int
+    needs_operator: int
+    force_upload: int
+
+
+def row_of(cur: sqlite3.Cursor, kind: Outbound, ref: str) -> OutboundRow | None:
+    cur.execute(
+        "SELECT project, state, attempts, remote_identifier, delivered_at, verified_at,"
+        " redeliveries, needs_operator, force_upload FROM outbound WHERE kind = ? AND ref = ?",
+        (kind.value, ref),
+    )
+    found = cur.fetchone()
+    return None if found is None else OutboundRow(*found)
 
 
 def add(cur: sqlite3.Cursor, kind: Outbound, refs: Iterable[tuple[str, str]], now: float) -> None:
@@ -292,3 +319,72 @@ def flagged(cur: sqlite3.Cursor, kind: Outbound, project: str | None = None) -> 
         (kind.value, project, project),
     )
     return [row[0] for row in cur.fetchall()]
+
+
+# -- every kind at once (the outbound service) ---------------------------------------------------
+
+Lanes = Mapping[Outbound, Iterable[str]]
+
+
+def claim_due_any(
+    cur: sqlite3.Cursor, now: float, limit: int, lanes: Lanes
+) -> list[tuple[Outbound, str, int]]:
+    """Move up to ``limit`` due rows of any kind (each for its ``lanes`` projects) to
+    ``delivering``, oldest due first, each counting an attempt: ``(kind, ref, attempt)``.
+
+    Each kind's oldest come through its own index, then the oldest of those are claimed (one
+    query over every kind would sort every due row of a large backlog)."""
+    due = []
+    for kind, projects in lanes.items():
+        names = sorted(projects)
+        if limit <= 0 or not names:
+            continue
+        cur.execute(
+            "SELECT next_attempt_at, ref FROM outbound WHERE kind = ?"
+            " AND state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
+            f" AND project IN ({_marks(names)}) ORDER BY next_attempt_at LIMIT ?",
+            (kind.value, now, *names, limit),
+        )
+        due += [(at, kind.value, ref) for at, ref in cur.fetchall()]
+    claimed = []
+    for _, kind_value, ref in sorted(due)[: max(limit, 0)]:
+        kind = Outbound(kind_value)
+        if claim(cur, kind, ref, now):
+            cur.execute(
+                "SELECT attempts FROM outbound WHERE kind = ? AND ref = ?", (kind_value, ref)
+            )
+            claimed.append((kind, ref, int(cur.fetchone()[0])))
+    return claimed
+
+
+def release_orphans_any(
+    cur: sqlite3.Cursor, running: Iterable[tuple[Outbound, str]], now: float
+) -> int:
+    """``delivering`` rows of any kind with no attempt ``running`` become ``retry_wait``."""
+    keys = list(running)
+    return sum(
+        release_orphans(cur, kind, [ref for k, ref in keys if k is kind], now) for kind in Outbound
+    )
+
+
+def follow_ups_due_any(
+    cur: sqlite3.Cursor,
+    now: float,
+    limit: int,
+    lanes: Lanes,
+    busy: Iterable[tuple[Outbound, str]] = (),
+) -> list[tuple[Outbound, str]]:
+    """Delivered rows of any kind whose verification or owner's delete is due, oldest due
+    first, leaving out the ``busy`` ones (see :func:`follow_ups_due`)."""
+    keys, due = list(busy), []
+    for kind, projects in lanes.items():
+        skip = [ref for k, ref in keys if k is kind]
+        refs = follow_ups_due(cur, kind, now, limit, projects, skip)
+        if refs:
+            cur.execute(
+                "SELECT next_check_at, ref FROM outbound"
+                f" WHERE kind = ? AND ref IN ({_marks(refs)})",
+                (kind.value, *refs),
+            )
+            due += [(at, kind.value, ref) for at, ref in cur.fetchall()]
+    return [(Outbound(kind), ref) for _, kind, ref in sorted(due)[: max(limit, 0)]]

@@ -38,8 +38,8 @@ from canner.deliver_parts import (
     DeliverBase,
     configured_sinks,
     deliver_metrics,
-    ledger_service,
-    object_queue,
+    ledger_parts,
+    outbound_service,
     package_pipeline,
     packed_projects,
     receipt_rescan,
@@ -297,13 +297,7 @@ def deliver_service(
     # Made here, started with the process: sinks read payloads through them.
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
-    if sinks is None:
-        sinks, retention = configured_sinks(config, reactor, io, hashing)
-    else:
-        retention = {
-            pid: (p.delivery.local_artifact_retention if p.delivery else 0.0)
-            for pid, p in config.projects.items()
-        }
+    sinks, retention = configured_sinks(config, reactor, io, hashing, sinks)
     uploads, receipts = prepare_data_dir(config, DELIVER_WRITES)
     # Megawarc projects are delivered a package at a time; the object queue serves the rest.
     packed = packed_projects(config, sinks)
@@ -325,17 +319,16 @@ def deliver_service(
         in_flight=in_flight,
         metrics=metrics,
     )
-    ledger = ledger_service(base, delivery_log)
+    ledger = ledger_parts(base, delivery_log)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     receipt_rescan(base, archived, ledger).setServiceParent(top)
-    object_sinks = {pid: s for pid, s in sinks.items() if pid not in packed}
-    scheduler = object_queue(base, object_sinks, retention, delivery_log)
+    scheduler = outbound_service(base, sinks, retention, packages, ledger, delivery_log)
     scheduler.setServiceParent(top)
-    packaging = package_pipeline(base, packed, sinks, packages, archived)
+    packaging = package_pipeline(base, packed, packages, archived)
     if packed:
         packaging.setServiceParent(top)
     if ledger is not None:
-        ledger.setServiceParent(top)
+        ledger.service.setServiceParent(top)
     # Stops after every child, before the thread pools: "stopped cleanly" is written only once
     # deliver's work has ended, while the index is still open.
     top.outlive(HeartbeatService(index, in_flight, reactor))
@@ -345,7 +338,7 @@ def deliver_service(
     manhole = daemon_manhole(
         config, DELIVER, top, io, reactor,
         index=index, scheduler=scheduler, packaging=packaging, packages=packages,
-        packaging_sql=packaging_sql, ledger=ledger, sinks=sinks, uploads=uploads,
+        packaging_sql=packaging_sql, ledger=ledger and ledger.service, sinks=sinks, uploads=uploads,
         receipts=receipts, metrics=metrics,
     )  # fmt: skip
     if manhole is not None:

@@ -218,7 +218,7 @@ def open_pool(path: Path) -> ConnectionPool:
 
 
 class Index(Protocol):
-    """What the scheduler needs of the index: cursor functions run in a transaction."""
+    """What the services need of the index: cursor functions run in a transaction."""
 
     def run(self, f: Any, *args: Any) -> Deferred[Any]: ...
 

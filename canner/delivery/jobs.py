@@ -1,7 +1,7 @@
 """What every outbound pipeline runs on: a tick that starts after a start-up step, and keyed
 background jobs, each bounded in time and cancelled when the service stops.
 
-The delivery scheduler and the packaging pipeline both claim due rows on a tick and work on each
+The outbound service and the packaging pipeline both claim due rows on a tick and work on each
 in the background (an attempt, a build, a verification); :class:`Ticker` and :class:`Jobs` are
 that shared machinery, so start, stop and failure handling cannot drift apart between them.
 """

@@ -1,18 +1,15 @@
-"""The ledger in canner-deliver: assign released records to ledgers, then write, upload, verify
-and delete, one guarded step at a time.
+"""The ledger in canner-deliver: assign released records to ledgers, write them, and delete
+the local state of the verified ones, one guarded step at a time.
 
 Each ledger moves ``writing -> written -> uploaded -> deleting -> done`` in ``delivery.sqlite``
 (a guarded update per step), so after a SIGKILL the next tick resumes where it stopped: a
-``writing`` ledger is rewritten from its assigned records (the same bytes), a ``written`` one is
-uploaded (the sink first looks for an identical remote file), an ``uploaded`` one is verified
-through the metadata API (size and MD5) and then read back whole (the MD5 of the bytes IA
-serves), and a ``deleting`` one deletes again (missing is done).  The manifest
-(``ledger/<name>.json``) is written once the remote copy verified, before anything is deleted:
-it is what makes the ledger the owner of its records' local state, also for a rebuilt index
-(:meth:`LedgerService.adopt`).  A remote copy that differs (in the listing or in the bytes
-served) is flagged (``needs_operator``) and uploaded again; nothing local is deleted meanwhile.
-A ledger still not listed :data:`VERIFY_TIMEOUT` after its upload (IA lost it after its 200)
-goes back to ``written`` and is uploaded again.
+``writing`` ledger is rewritten from its assigned records (the same bytes), and a ``deleting``
+one deletes again (missing is done).  Between the two, a written ledger is an outbound row: the
+outbound service uploads it, verifies it (metadata, then the whole file read back) and hands it
+to :class:`~canner.ledger.ledger_owner.LedgerOwner`, which writes the manifest
+(``ledger/<name>.json``) before anything is deleted: it is what makes the ledger the owner of
+its records' local state, also for a rebuilt index (:meth:`LedgerService.adopt`).  A copy that
+differs, or that IA lost after its 200, follows the one failure policy of every outbound file.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attrs import Factory, define, evolve, field
+from attrs import define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, DeferredLock, FirstError, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -31,8 +28,6 @@ from canner.blocking import BlockingRunner
 from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.jobs import Ticker
-from canner.delivery.liveness import Attempt, InFlight
-from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_RETRY, retry_delay
 from canner.ids import ObjectIds
 from canner.journal import JournalLog
 from canner.ledger import store
@@ -52,12 +47,10 @@ from canner.ledger.steps import (
     remove_receipts,
     write_ledger,
 )
-from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, counting_sent
+from canner.observe import UNOBSERVED, Outbound, OutboundObserver
 from canner.receipts import ReceiptStore
-from canner.sinks.internet_archive import IASink
-from canner.sinks.metadata import metadata_headers, metadata_key_problem
-from canner.sinks.plan import ItemPlan, identifier_problem
-from canner.sinks.wire import RemoteFile, Unknown, failure_class
+from canner.sinks.metadata import metadata_key_problem
+from canner.sinks.plan import identifier_problem
 
 log = Logger()
 
@@ -65,11 +58,6 @@ LEDGER = Outbound.LEDGER
 
 TICK = 1.0
 ASSIGN_INTERVAL = 60.0
-VERIFY_MIN, VERIFY_MAX = 2.0, 600.0
-# How long an uploaded ledger may stay unlisted before it is uploaded again: objects' default
-# verify_timeout (IA's archive tasks can lag for hours).  No redelivery limit: a ledger is small,
-# and it is sent again at most once per timeout.
-VERIFY_TIMEOUT = DEFAULT_VERIFY_TIMEOUT
 WRITE_RETRY = 600.0
 DELETE_RETRY = 60.0
 DELETE_THREADS = 32
@@ -99,32 +87,6 @@ def validate_ledger(config: LedgerConfig) -> None:
                 raise ConfigError(f"ledger.metadata.{key}", str(e)) from None
 
 
-def ledger_plan(config: LedgerConfig, row: store.LedgerRow) -> ItemPlan:
-    """Where a written ledger goes: ``identifier`` (per period), its file name, and headers."""
-    assert row.bytes is not None and row.md5 is not None
-    identifier = expand(config.identifier, config.node, row.period)
-    metadata = {
-        key: [expand(v, config.node, row.period) for v in values]
-        for key, values in config.metadata.items()
-    }
-    headers = [
-        ("content-md5", row.md5),
-        ("x-archive-auto-make-bucket", "1"),
-        ("x-archive-size-hint", str(row.bytes)),
-        *metadata_headers(metadata),
-    ]
-    return ItemPlan(
-        project="",
-        object_id=row.name,
-        identifier=identifier,
-        remote_name=row.name + SUFFIX,
-        size=row.bytes,
-        content_md5=row.md5,
-        size_hint=row.bytes,
-        headers=tuple(headers),
-    )
-
-
 @define(eq=False, kw_only=True)
 class LedgerService(Service):
     """Runs the ledger of one data directory (in canner-deliver, which owns the data dir);
@@ -138,7 +100,6 @@ class LedgerService(Service):
     _receipts: ReceiptStore
     _journal: JournalLog
     _uploads: Path
-    _sink: IASink
     _run: BlockingRunner
     _clock: IReactorTime
     # Unlinks wait on the disk, not the CPU: a pool of their own keeps many in flight.
@@ -146,10 +107,6 @@ class LedgerService(Service):
     # Shared with the receipt rescan: a rescan must never re-insert records being deleted.
     guard: DeferredLock = field(factory=DeferredLock)
     observer: OutboundObserver = UNOBSERVED
-    # canner-deliver's attempts in flight: a ledger's upload shows there under its name.
-    in_flight: InFlight = field(
-        default=Factory(lambda self: InFlight(self._clock), takes_self=True)
-    )
     _adopted: bool = False
     _assigned_at: float = float("-inf")
     _ticker: Ticker = field(init=False)
@@ -177,8 +134,6 @@ class LedgerService(Service):
 
     async def tick(self) -> None:
         if not self._adopted:
-            # An upload a crash cut short is due again; then the ledgers verified on disk.
-            await self._index.run(store.reset_uploads, self._clock.seconds())
             await self.adopt()
             self._adopted = True
         now = self._clock.seconds()
@@ -235,12 +190,8 @@ class LedgerService(Service):
         now = self._clock.seconds()
         if row.state == "writing":
             await self._write(row, now)
-        elif row.state == "written":
-            if not await self._upload(row, now):
-                return None
-        elif row.state in ("uploaded", "verified"):
-            if not await self._verify(row, now):
-                return None
+        elif row.state != "deleting":
+            return None  # written: sent and verified by the outbound service
         elif row.state == "deleting":
             try:
                 await self._delete(row, now)
@@ -294,143 +245,6 @@ class LedgerService(Service):
             count=written.records,
             size=written.size,
         )
-
-    async def _upload(self, row: store.LedgerRow, now: float) -> bool:
-        if not await self._index.run(store.begin_upload, row.ledger_id, now):
-            return False
-        plan = ledger_plan(self._config, row)
-        # ``attempts`` counts the failed ones (uploads and verifications) so far.
-        self.observer.attempt_started(LEDGER, "", row.attempts + 1)
-        with self.in_flight.running(
-            Attempt(row.name, "", plan.remote_name, plan.size, row.attempts + 1)
-        ):
-            sent = self.in_flight.uploading(row.name)
-            # A ledger found wrong at IA is uploaded even if IA's listing matches: a read-back
-            # found other bytes behind a matching listing.
-            result = await self._sink.deliver(
-                plan,
-                self._ledgers.ledger_path(row.name),
-                counting_sent(sent, self.observer, LEDGER, Destination.IA),
-                overwrite=bool(row.force_upload),
-            )
-        if not result.delivered:
-            self.observer.delivery_failed(
-                LEDGER,
-                "",
-                failure_class(result.status, result.outcome.reason),
-                result.outcome.needs_operator,
-            )
-            delay = retry_delay(row.attempts, 0.5, needs_operator=result.outcome.needs_operator)
-            # IA's Retry-After is a lower bound, within the backoff's cap (as for objects).
-            delay = max(delay, min(result.outcome.retry_after or 0.0, MAX_RETRY))
-            await self._index.run(
-                store.record_upload_failure,
-                row.ledger_id,
-                f"upload: {result.outcome.reason}",
-                now + delay,
-                result.outcome.needs_operator,
-                self._clock.seconds(),
-            )
-            log.warn(
-                "uploading ledger {ledger} failed, retry in {delay:.0f}s: {error}",
-                ledger=row.name,
-                delay=delay,
-                error=result.outcome.reason,
-            )
-            return False
-        await self._index.run(
-            store.record_uploaded, row.ledger_id, plan.identifier, self._clock.seconds()
-        )
-        self.observer.delivered(LEDGER, "")
-        log.info(
-            "uploaded ledger {ledger} to {identifier}", ledger=row.name, identifier=plan.identifier
-        )
-        return True
-
-    async def _verify(self, row: store.LedgerRow, now: float) -> bool:
-        assert row.identifier and row.remote_name and row.bytes is not None and row.md5
-        found = await self._sink.lookup(row.identifier, row.remote_name)
-        if isinstance(found, RemoteFile) and found.matches(row.bytes, row.md5):
-            # The listing is what IA believes it stores; the bytes it serves decide.
-            served = await self._sink.read_back_all(
-                row.identifier, row.remote_name, row.bytes, row.md5
-            )
-            if served.mismatch:
-                await self._upload_again(row, now, served.detail)
-                return False
-            if not served.ok:
-                await self._retry_verify(row, now, served.detail, served.needs_operator)
-                return False
-            manifest = Manifest(
-                name=row.name,
-                period=row.period,
-                records=row.records,
-                size=row.bytes,
-                md5=row.md5,
-                blake3=row.blake3 or "",
-                identifier=row.identifier,
-                remote_name=row.remote_name,
-                url=self._sink_url(row),
-                verified_at=now,
-            )
-            # The manifest first: from here on the ledger owns its records' local state.
-            await self._run(self._ledgers.write_manifest, manifest)
-            await self._index.run(store.record_verified, row.ledger_id, now)
-            self.observer.verified(LEDGER)
-            log.info(
-                "verified ledger {ledger} at {identifier}",
-                ledger=row.name,
-                identifier=row.identifier,
-            )
-            return True
-        if isinstance(found, RemoteFile):
-            await self._upload_again(
-                row, now, f"remote copy differs: {found.size} bytes, md5 {found.md5}"
-            )
-            return False
-        if found is None and now - (row.uploaded_at or now) >= VERIFY_TIMEOUT:
-            # IA answered 200 and then lost the file (its archive task failed): send it again.
-            # The upload's own lookup comes first, so a copy that shows up meanwhile is kept.
-            error = (
-                f"not listed by the metadata API {VERIFY_TIMEOUT:g}s after its upload;"
-                " uploading again"
-            )
-            log.warn("ledger {ledger}: {error}", ledger=row.name, error=error)
-            self.observer.redelivered(LEDGER, "")
-            await self._index.run(store.send_again, row.ledger_id, error, now, now, False)
-            return False
-        if isinstance(found, Unknown):
-            await self._retry_verify(row, now, found.reason, found.needs_operator)
-        else:
-            await self._retry_verify(row, now, "not listed by the metadata API yet", False)
-        return False
-
-    async def _upload_again(self, row: store.LedgerRow, now: float, detail: str) -> None:
-        """IA holds other bytes than the ledger: flag it and send it again (nothing deleted)."""
-        error = f"{detail}; uploading again"
-        log.error("ledger {ledger}: {error}", ledger=row.name, error=error)
-        # The first mismatch uploads again at once (the copy may have been damaged on the
-        # way); a mismatch that persists backs off like a failed delivery.
-        again = now if not row.needs_operator else now + retry_delay(row.attempts, 0.5)
-        await self._index.run(store.send_again, row.ledger_id, error, now, again, True)
-
-    async def _retry_verify(
-        self, row: store.LedgerRow, now: float, reason: str, needs_operator: bool
-    ) -> None:
-        """Not verified yet (not listed, or a lookup or read-back failed): look again later,
-        sooner the more recent the upload."""
-        waited = now - (row.uploaded_at or now)
-        delay = min(max(waited / 2.0, VERIFY_MIN), VERIFY_MAX)
-        if waited < VERIFY_TIMEOUT:
-            # Look once more exactly when the timeout passes, so it acts on time.
-            delay = min(delay, VERIFY_TIMEOUT - waited)
-        await self._index.run(
-            store.verify_later, row.ledger_id, f"verify: {reason}", now + delay, needs_operator, now
-        )
-
-    def _sink_url(self, row: store.LedgerRow) -> str:
-        base = self._config.metadata_url.rstrip("/")
-        return f"{base}/download/{row.identifier}/{row.remote_name}"
 
     async def _delete(self, row: store.LedgerRow, now: float) -> None:
         archived = ArchivedIds(self._ledgers)

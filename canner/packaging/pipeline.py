@@ -1,5 +1,6 @@
-"""The packaging pipeline of canner-deliver: batch, build, verify, purge sources, deliver,
-verify at IA, purge the package.  One tick a second.
+"""The packaging pipeline of canner-deliver: batch, build, verify, purge sources.  One tick a
+second; a package that is ready to go is an outbound row, which the outbound service sends,
+verifies at IA and hands back to :class:`~canner.packaging.package_owner.PackageOwner`.
 
 Each step is a guarded transition in ``delivery.sqlite`` (:mod:`canner.packaging.batches`)
 and each file deleted has an owner that reached its deleting state first: a member's upload
@@ -16,10 +17,9 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Coroutine, Mapping
-from pathlib import Path
 from typing import Any
 
-from attrs import Factory, define, evolve, field
+from attrs import define, evolve, field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -28,17 +28,13 @@ from twisted.logger import Logger
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
-from canner.delivery import follow_up
 from canner.delivery.index import Index
 from canner.delivery.jobs import Jobs, Ticker
-from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.queue import (
-    DEFAULT_VERIFY_TIMEOUT,
-    MAX_RETRY,
     PURGE_RETRY,
     retry_delay,
 )
-from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
+from canner.observe import Outbound
 from canner.packaging import batches as sql
 from canner.packaging.batches import Member, PackageRow
 from canner.packaging.dictionary_api import Dictionaries, DictionaryUnavailable
@@ -49,15 +45,13 @@ from canner.packaging.megawarc import (
     MemberMismatch,
     VerifyFailed,
     build_package,
-    is_index,
     verify_package,
     wanted_dictionaries,
 )
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
-from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, Sink
-from canner.sinks.plan import ItemPlan, PlanError, format_date, plan_package_file
+from canner.sinks.plan import format_date
 from canner.tus.store import UploadStore
 
 log = Logger()
@@ -111,9 +105,8 @@ class PackagingService(Service):
     _uploads: UploadStore
     _receipts: ReceiptStore
     _store: PackageStore
-    # Megawarc projects only (each with a delivery table), and their sinks.
+    # Megawarc projects only (each with a delivery table and a sink).
     _projects: Mapping[str, ProjectConfig]
-    _sinks: Mapping[str, Sink]
     _run: BlockingRunner
     _pack: BlockingRunner
     _clock: IReactorTime
@@ -122,31 +115,21 @@ class PackagingService(Service):
     # Whether a verified ledger owns an object's record (``ArchivedIds.contains``): a package
     # restored from disk never brings such a member back.
     _archived: Callable[[str], bool]
-    _delivery_concurrency: int = 1
-    # The deliver process's attempts in flight (heartbeat, status page, metrics): a package
-    # file being uploaded shows there under its package id and file name.
-    _in_flight: InFlight = field(
-        default=Factory(lambda self: InFlight(self._clock), takes_self=True)
-    )
     _random: Callable[[], float] = random.random
     _interval: float = TICK_INTERVAL
     # The zstd dictionaries members name instead of holding (None: such members wait).
     _dictionaries: Dictionaries | None = None
-    observer: OutboundObserver = UNOBSERVED
     _resume_after: dict[int, float] = field(factory=dict)
     # What the last tick's batching did, and the package ids of builds running (for operators).
     last_batching: dict[str, int] = field(factory=dict)
-    # Background work by batch id: builds, deliveries, verifications and purges.
+    # Builds (with their verification and source purge) by batch id.
     _building: Jobs[int] = field(init=False)
-    _delivering: Jobs[int] = field(init=False)
-    _checking: Jobs[int] = field(init=False)
     _ticker: Ticker = field(init=False)
     _stopping: threading.Event = field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._ticker = Ticker(self._clock, self._interval, self.tick, "packaging pipeline")
-        self._building, self._delivering = self._ticker.lane(), self._ticker.lane()
-        self._checking = self._ticker.lane()
+        self._building = self._ticker.lane()
         self._stopping = self._ticker.stopping
 
     def startService(self) -> None:
@@ -191,7 +174,7 @@ class PackagingService(Service):
         return sorted(self._building.keys())
 
     def tick(self) -> Deferred[None]:
-        """Batch, then start due builds, deliveries and follow-ups up to their slots."""
+        """Batch, then start due builds up to their slots."""
         return Deferred.fromCoroutine(self._tick())
 
     async def _tick(self) -> None:
@@ -213,18 +196,6 @@ class PackagingService(Service):
             free = self._build_concurrency - len(self._building)
             for row in await self._index.run(sql.claim_builds, now, free):
                 self._start(self._building, row, self._build(row))
-        free = self._delivery_concurrency - len(self._delivering)
-        if free > 0 and self._sinks:
-            for row in await self._index.run(sql.claim_deliveries, now, free, list(self._sinks)):
-                self._start(self._delivering, row, self._deliver(row))
-        free = FOLLOW_UP_CONCURRENCY - len(self._checking)
-        if free > 0 and self._sinks:
-            due = await self._index.run(
-                sql.follow_ups_due, now, free, list(self._sinks), self._checking.keys()
-            )
-            for row in due:
-                if row.batch_id not in self._checking:
-                    self._start(self._checking, row, self._follow_up(row))
 
     def _start(self, jobs: Jobs[int], row: PackageRow, work: Coroutine[Any, Any, None]) -> None:
         jobs.launch(row.batch_id, work, JOB_LIMIT, lambda failure: self._job_failed(failure, row))
@@ -237,17 +208,8 @@ class PackagingService(Service):
         self._resume_after[row.batch_id] = now + RESUME_DELAY
         error = f"interrupted: {failure.getErrorMessage()}"
         again = now if self._stopping.is_set() else now + RESUME_DELAY
-        # Each update is guarded: only the one matching what the job was doing applies.
+        # Guarded: it applies only to a build still running.
         d = self._index.run(sql.record_build_failure, row.batch_id, error, again, now)
-        d.addCallback(
-            lambda _: self._index.run(
-                sql.record_delivery_failure, row.batch_id, error, again, False, now
-            )
-        )
-        if not self._stopping.is_set():
-            d.addCallback(
-                lambda _: self._index.run(sql.record_check, row.batch_id, again, error, False, now)
-            )
         d.addErrback(lambda f: log.failure("recording packaging work", f))
         return d
 
@@ -443,183 +405,3 @@ class PackagingService(Service):
             package=row.package_id,
             project=row.project,
         )
-
-    # -- delivery ---------------------------------------------------------------------------
-
-    async def _plans(self, row: PackageRow) -> list[tuple[ItemPlan, Path]]:
-        assert row.package_id is not None and row.batch_date is not None
-        delivery = self._projects[row.project].delivery
-        assert delivery is not None
-        files = await self._index.run(sql.package_files, row.batch_id)
-        # The indexes go last (one per megawarc, a zstd dictionary's too): an item whose
-        # indexes are listed has every container.
-        files.sort(key=lambda f: (is_index(f.suffix), f.suffix))
-        item_bytes = sum(f.size_bytes for f in files)
-        plans = []
-        for f in files:
-            assert f.content_md5 is not None, "verified packages have their files' MD5s"
-            plan = plan_package_file(
-                delivery,
-                row.project,
-                row.package_id,
-                row.batch_date,
-                f.suffix,
-                f.size_bytes,
-                f.content_md5,
-                item_bytes,
-            )
-            directory = self._store.directory(row.package_id)
-            plans.append((plan, directory / (row.package_id + f.suffix)))
-        return plans
-
-    async def _deliver(self, row: PackageRow) -> None:
-        sink = self._sinks[row.project]
-        self.observer.attempt_started(PACKAGE, row.project, row.attempts)
-        names: dict[str, str] = {}
-        identifier = ""
-        try:
-            for plan, path in await self._plans(row):
-                delivered = await self._deliver_file(sink, row, plan, path)
-                identifier = delivered.identifier
-                names[path.name[len(row.package_id or "") :]] = delivered.remote_name
-        except (DeliveryFailed, PlanError) as e:
-            now = self._clock.seconds()
-            needs_operator = isinstance(e, PlanError) or e.needs_operator
-            delay = retry_delay(row.attempts, self._random(), needs_operator=needs_operator)
-            if isinstance(e, DeliveryFailed) and e.retry_after:
-                delay = max(delay, min(e.retry_after, MAX_RETRY))
-            await self._index.run(
-                sql.record_delivery_failure, row.batch_id, str(e), now + delay, needs_operator, now
-            )
-            (log.error if needs_operator else log.warn)(
-                "delivery of package {package} failed (attempt {attempt}), retry in"
-                " {delay:.0f}s: {error}",
-                package=row.package_id,
-                project=row.project,
-                attempt=row.attempts,
-                delay=delay,
-                error=str(e),
-                needs_operator=needs_operator,
-            )
-            reason = "other" if isinstance(e, PlanError) else e.kind
-            self.observer.delivery_failed(PACKAGE, row.project, reason, needs_operator)
-            return
-        retention = self._projects[row.project].delivery
-        assert retention is not None
-        now = self._clock.seconds()
-        await self._index.run(
-            sql.record_delivered,
-            row.batch_id,
-            identifier,
-            names,
-            now,
-            retention.local_artifact_retention,
-        )
-        log.info(
-            "delivered package {package} as {identifier}",
-            package=row.package_id,
-            project=row.project,
-            identifier=identifier,
-            files=len(names),
-        )
-        self.observer.delivered(PACKAGE, row.project)
-
-    async def _deliver_file(
-        self, sink: Sink, row: PackageRow, plan: ItemPlan, path: Path
-    ) -> Delivered:
-        key = plan.object_id  # the package id: one file of a package is in flight at a time
-        with self._in_flight.running(
-            Attempt(key, row.project, plan.remote_name, plan.size, row.attempts)
-        ):
-            sent = self._in_flight.uploading(key)
-            progress = counting_sent(sent, self.observer, PACKAGE, sink.destination)
-            return await sink.deliver(plan, path, progress, overwrite=bool(row.force_upload))
-
-    async def _follow_up(self, row: PackageRow) -> None:
-        now = self._clock.seconds()
-        assert row.package_id is not None
-        if row.remote_verified_at is None:
-            sink = self._sinks[row.project]
-            plans = await self._plans(row)
-            for plan, path in plans:
-                check = await sink.verify(plan, path)
-                if not check.verified:
-                    await self._unverified(row, plan, check, now)
-                    return
-            await self._run(
-                self._store.record_delivery, row.package_id, self._record(row, plans, now, None)
-            )
-            await self._index.run(sql.record_remote_verified, row.batch_id, now)
-            follow_up.report_verified(self.observer, delivered_copy(row))
-            return
-        if row.purge_after is None or row.purge_after > now or row.sources_purged_at is None:
-            await self._index.run(
-                sql.record_check, row.batch_id, max(now + PURGE_RETRY, row.purge_after or 0),
-                None, False, now,
-            )  # fmt: skip
-            return
-        plans = await self._plans(row)
-        try:
-            suffixes = [p.name[len(row.package_id) :] for _, p in plans]
-            await self._run(self._store.purge, row.package_id, suffixes)
-            record = self._record(row, plans, row.remote_verified_at, now)
-            await self._run(self._store.record_delivery, row.package_id, record)
-        except OSError as e:
-            await self._index.run(
-                sql.record_check, row.batch_id, now + PURGE_RETRY, f"purge: {e}", False, now
-            )
-            return
-        await self._index.run(sql.record_purged, row.batch_id, now)
-        follow_up.report_purged(self.observer, delivered_copy(row))
-
-    async def _unverified(
-        self, row: PackageRow, plan: ItemPlan, check: RemoteCheck, now: float
-    ) -> None:
-        """A file of a delivered package is not (yet) verified: look again later, deliver the
-        package again (``verify_timeout`` passed with the file unlisted), or flag it; the same
-        policy as objects (``canner.delivery.queue.unlisted``)."""
-        delivery = self._projects[row.project].delivery
-        await follow_up.record_unverified(
-            self._index,
-            self.observer,
-            delivered_copy(row),
-            check,
-            detail=f"{plan.remote_name}: {check.detail}",
-            verify_timeout=delivery.verify_timeout if delivery else DEFAULT_VERIFY_TIMEOUT,
-            now=now,
-            redeliver=lambda cur, reason, at: sql.redeliver(cur, row.batch_id, reason, at),
-        )
-
-    def _record(
-        self,
-        row: PackageRow,
-        plans: list[tuple[ItemPlan, Path]],
-        verified_at: float | None,
-        purged_at: float | None,
-    ) -> dict[str, Any]:
-        """The package's delivery record, kept beside its index for rebuilds."""
-        pid = row.package_id or ""
-        return {
-            "package": pid,
-            "project": row.project,
-            "identifier": row.remote_identifier,
-            "delivered_at": row.delivered_at,
-            "remote_verified_at": verified_at,
-            "purge_after": row.purge_after,
-            "sources_purged_at": row.sources_purged_at,
-            "purged_at": purged_at,
-            "remote_names": {p.name[len(pid) :]: plan.remote_name for plan, p in plans},
-            "md5": {p.name[len(pid) :]: plan.content_md5 for plan, p in plans},
-            "sizes": {p.name[len(pid) :]: plan.size for plan, p in plans},
-        }
-
-
-def delivered_copy(row: PackageRow) -> follow_up.DeliveredCopy:
-    """A delivered package as its follow-up sees it."""
-    return follow_up.DeliveredCopy.of(
-        row,
-        PACKAGE,
-        str(row.batch_id),
-        f"package {row.package_id}",
-        f"canner retry {row.package_id}",
-    )

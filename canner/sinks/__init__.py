@@ -1,6 +1,7 @@
 """Sinks: where an accepted object leaves canner.
 
-The scheduler sees only :mod:`canner.sinks.base` (the ``Sink`` protocol and the outcome types).
+The outbound service sees only :mod:`canner.sinks.base` (the ``Sink`` protocol and the outcome
+types).
 Each destination has one module (:mod:`canner.sinks.internet_archive`); the modules beside them
 hold what a sink is made of: destination planning (:mod:`~canner.sinks.plan`), IA metadata
 headers (:mod:`~canner.sinks.metadata`), reading IA's answers (:mod:`~canner.sinks.wire`),

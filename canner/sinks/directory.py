@@ -293,7 +293,7 @@ def _publish(place: Placement) -> bool:
 
 @define(eq=False)
 class DirectorySink:
-    """One project's directory destination (the scheduler's :class:`~canner.sinks.base.Sink`).
+    """One project's directory destination (a :class:`~canner.sinks.base.Sink`).
 
     ``run`` does the copying, ``hash`` the BLAKE3 re-reads; both keep I/O off the reactor thread.
     """
@@ -457,7 +457,7 @@ class DirectorySink:
         return watch.follow(job)
 
 
-# How often a running copy's progress is reported to the scheduler (attempts in flight).
+# How often a running copy's progress is reported to the outbound service (attempts in flight).
 PROGRESS_INTERVAL = 1.0
 
 

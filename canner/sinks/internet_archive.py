@@ -3,7 +3,7 @@
 :class:`IASink` talks HTTP through an injected treq ``HTTPClient`` and clock: it looks the remote
 file up, probes ``check_limit``, and PUTs the file streaming from disk (read in threads through the
 injected runner), cancellable, with a no-progress watchdog and bounded response reads.
-:class:`IADeliverySink` adapts it to the scheduler's :class:`~canner.sinks.base.Sink`: it plans the
+:class:`IADeliverySink` adapts it to the :class:`~canner.sinks.base.Sink` protocol: it plans the
 destination from stable row values only (so a retry always resolves to the same item and name),
 maps the attempt's outcome to ``Delivered`` or ``DeliveryFailed``, and verifies a delivered row
 against IA's metadata API.  The rules are ``docs/reference/internet-archive.md``'s.
@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
 from attrs import define, field, frozen
@@ -29,7 +29,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from canner.blocking import BlockingRunner
-from canner.config import READBACK_ALL, ConfigError, DeliveryConfig
+from canner.config import ConfigError, DeliveryConfig
 from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
@@ -729,11 +729,12 @@ class _Attempt:
 
 @frozen
 class IADeliverySink:
-    """One project's Internet Archive destination."""
+    """One Internet Archive destination (a project's, or the ledger's)."""
 
     destination: ClassVar[Destination] = Destination.IA
 
-    _delivery: DeliveryConfig
+    # How much of a verified copy is read back: bytes sampled, or READBACK_ALL.
+    _readback_bytes: int | Literal["all"]
     _sink: IASink
 
     def deliver(
@@ -797,8 +798,8 @@ class IADeliverySink:
     ) -> RemoteCheck:
         """The metadata matches; before a purge may follow, check the bytes IA serves against
         the local copy at ``path`` (a few ranges), or against its MD5 (``"all"``)."""
-        budget = self._delivery.readback_bytes
-        if budget == READBACK_ALL:
+        budget = self._readback_bytes
+        if isinstance(budget, str):  # READBACK_ALL
             result = await self._sink.read_back_all(identifier, remote_name, size, md5)
         elif budget <= 0:
             return RemoteCheck(True)
@@ -847,4 +848,4 @@ def internet_archive_sink(
         sink = IASink.for_delivery(delivery, http, reactor, run)
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
-    return IADeliverySink(delivery, sink)
+    return IADeliverySink(delivery.readback_bytes, sink)

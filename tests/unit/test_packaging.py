@@ -21,6 +21,7 @@ from canner.config import parse_config
 from canner.delivery import index as dsql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import InFlight
+from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_REDELIVERIES
 from canner.ids import ObjectIds
 from canner.inventory import survey_json, take_survey
@@ -38,6 +39,7 @@ from canner.packaging.megawarc import (
     read_index,
     verify_package,
 )
+from canner.packaging.package_owner import PackageOwner
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
@@ -174,16 +176,13 @@ class Harness:
             receipts=self.receipts,
             store=self.store,
             projects=self.projects,
-            sinks={"example": self.items},
             run=run_inline,
             pack=run_inline,
             clock=self.clock,
             build_concurrency=2,
             min_free_bytes=1,
-            in_flight=self.in_flight,
             random=lambda: 0.0,
             archived=lambda oid: oid in self.archived,
-            observer=self.metrics,
             dictionaries=Dictionaries(
                 store=self.dictionary_store,
                 api=self.dictionary_api,
@@ -191,6 +190,24 @@ class Harness:
                 now=self.clock.seconds,
                 observer=self.metrics,
             ),
+        )
+
+        # The packages' owner, and the one outbound service that sends them.
+        self.owner = PackageOwner(
+            index=self.index,
+            store=self.store,
+            projects=self.projects,
+            sinks={"example": self.items},
+            run=run_inline,
+        )
+        self.outbound = OutboundService(
+            index=self.index,
+            owners=lanes_of([self.owner]),
+            clock=self.clock,
+            concurrency=1,
+            in_flight=self.in_flight,
+            random=lambda: 0.0,
+            observer=self.metrics,
         )
 
     def accept(self, data: bytes, name: str = "a.warc.gz") -> str:
@@ -216,6 +233,7 @@ class Harness:
     def tick(self, times: int = 1) -> None:
         for _ in range(times):
             succeeded(self.service.tick())
+            succeeded(self.outbound.tick())
 
     def packages(self) -> list[sql.PackageRow]:
         return succeeded(self.index.run(sql.all_packages))
@@ -558,7 +576,8 @@ def test_a_package_ia_serves_wrong_is_flagged_and_a_retry_uploads_it_over_the_li
     (row,) = h.packages()
     key = next(k for k in h.items.puts)
     # IA stores every file, one of them with a byte flipped.
-    for plan, path in succeeded(Deferred.fromCoroutine(h.service._plans(row))):
+    for parcel in succeeded(Deferred.fromCoroutine(h.owner._parcels(row))):
+        plan, path = parcel.plan, parcel.path
         data = bytearray(path.read_bytes())
         if plan.remote_name == key:
             data[len(data) // 2] ^= 1

@@ -189,7 +189,7 @@ async def test_refused_or_failed_downloads_are_no_mismatch(
     assert not result.ok and not result.mismatch and result.needs_operator is operator
     if operator:
         assert "access-restricted" in result.detail
-        project = IADeliverySink(world.delivery(), world.sink())
+        project = IADeliverySink(world.delivery().readback_bytes, world.sink())
         world.fake.add_fault(kind, target="download")
         check = await project.verify(plan, path)
         assert not check.verified and check.needs_operator and not check.bad_copy
@@ -211,14 +211,14 @@ async def test_verify_reads_back_before_calling_a_copy_verified(world: World) ->
     """verify(): metadata and read-back agree -> verified; altered bytes -> flagged bad copy
     with offsets; readback_bytes = 0 -> the metadata alone, no download."""
     plan, path = await world.delivered(2000)
-    project = IADeliverySink(world.delivery(), world.sink())
+    project = IADeliverySink(world.delivery().readback_bytes, world.sink())
     assert await project.verify(plan, path) == RemoteCheck(True)
     world.fake.add_fault("altered", count=10)
     check = await project.verify(plan, path)
     assert not check.verified and check.needs_operator and check.bad_copy
     assert "offsets 0-1999" in check.detail and "payload is kept" in check.detail
     before = len(world.downloads())
-    metadata_only = IADeliverySink(world.delivery(readback_bytes=0), world.sink())
+    metadata_only = IADeliverySink(world.delivery(readback_bytes=0).readback_bytes, world.sink())
     assert await metadata_only.verify(plan, path) == RemoteCheck(True)
     assert len(world.downloads()) == before
 
@@ -228,7 +228,7 @@ async def test_a_forced_delivery_uploads_although_listed(world: World) -> None:
     """After a read-back mismatch (force_upload) the delivery PUTs again instead of trusting
     the matching metadata; without it, nothing is sent."""
     plan, path = await world.delivered(2000)
-    project = IADeliverySink(world.delivery(), world.sink())
+    project = IADeliverySink(world.delivery().readback_bytes, world.sink())
     await project.deliver(plan, path, lambda n: None)
     assert world.fake.object(plan.identifier, plan.remote_name)["puts"] == 1  # type: ignore[index]
     await project.deliver(plan, path, lambda n: None, overwrite=True)
@@ -293,9 +293,9 @@ async def test_one_flipped_byte_is_caught_by_all_and_missed_by_sampling(world: W
     copy (payload kept, not purged) naming both MD5s."""
     plan, path = await world.delivered(4_000_000)
     world.fake.add_fault("flip_byte", count=10)
-    sampled = IADeliverySink(world.delivery(), world.sink(random=middle_missed()))
+    sampled = IADeliverySink(world.delivery().readback_bytes, world.sink(random=middle_missed()))
     assert await sampled.verify(plan, path) == RemoteCheck(True)
-    whole = IADeliverySink(world.delivery(readback_bytes=READBACK_ALL), world.sink())
+    whole = IADeliverySink(world.delivery(readback_bytes=READBACK_ALL).readback_bytes, world.sink())
     check = await whole.verify(plan, path)
     assert not check.verified and check.needs_operator and check.bad_copy
     assert f"the local copy's is {plan.content_md5}" in check.detail

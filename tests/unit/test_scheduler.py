@@ -1,4 +1,4 @@
-"""The delivery queue and scheduler, with a fake clock, a fake sink and a real SQLite file."""
+"""The delivery queue and the outbound service delivering objects, with a fake clock, a fake sink and a real SQLite file."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from canner.delivery.queue import (
     retry_delay,
     unlisted,
 )
-from canner.delivery.scheduler import DeliveryService
+from canner.delivery.object_owner import ObjectOwner
+from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.journal import Journal, JournalLog, JournalLookup
 from canner.metrics import DELIVER, Metrics
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
@@ -104,7 +105,7 @@ class Harness:
         self.clock.advance(1_000_000)
         self.sink = FakeSink()
         self.metrics = Metrics(DELIVER, ["example"])
-        self.service = DeliveryService(
+        owner = ObjectOwner(
             index=self.index,
             uploads=self.uploads,
             receipts=self.receipts,
@@ -115,9 +116,14 @@ class Harness:
             run=run_inline,
             hash=run_inline,
             clock=self.clock,
+            verify_timeouts={"example": verify_timeout},
+        )
+        self.service = OutboundService(
+            index=self.index,
+            owners=lanes_of([owner]),
+            clock=self.clock,
             concurrency=concurrency,
             random=lambda: 0.0,
-            verify_timeouts={"example": verify_timeout},
             observer=self.metrics,
         )
 
