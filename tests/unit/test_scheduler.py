@@ -1,4 +1,5 @@
-"""The delivery queue and the outbound service delivering objects, with a fake clock, a fake sink and a real SQLite file."""
+"""The delivery queue and the outbound service delivering objects, with a fake clock, a fake
+sink and a real SQLite file."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from twisted.internet.task import Clock
 from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
+from canner.delivery.object_owner import ObjectOwner
+from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.delivery.queue import (
     ALLOWED,
     MAX_REDELIVERIES,
@@ -31,8 +34,6 @@ from canner.delivery.queue import (
     retry_delay,
     unlisted,
 )
-from canner.delivery.object_owner import ObjectOwner
-from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.journal import Journal, JournalLog, JournalLookup
 from canner.metrics import DELIVER, Metrics
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
