@@ -16,7 +16,7 @@ import ipaddress
 import json
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -192,7 +192,7 @@ class _Decoder:
             kind, (0, 2**64 - 1)
         )
         if isinstance(raw, bool) or not isinstance(raw, int) or not low <= raw <= high:
-            self.fail(path, f"must be an {kind} (the Go canner refuses to start)")
+            self.fail(path, f"must be an integer ({kind}; the Go canner refuses to start)")
             return _INVALID
         return raw
 
@@ -286,7 +286,9 @@ def translate_template(
     return "".join(out)
 
 
-def _placeholder(variable: str, megawarc: bool, unique_name: bool, note: Any) -> str:
+def _placeholder(
+    variable: str, megawarc: bool, unique_name: bool, note: Callable[[str, str], None]
+) -> str:
     token = "{{" + variable + "}}"
     if variable == "PROJECT":
         return "{project}"
@@ -381,9 +383,11 @@ class _Converter:
             seconds = parse_duration(written)
         except ValueError:
             seconds = -1.0
-        if seconds < 1.0 or text.startswith("+-"):
-            self.fail(node.at(key), f"{text!r} is no duration of at least 1s (the Go canner"
-                      " refuses it too)")  # fmt: skip
+        if seconds < 1.0:
+            self.fail(
+                node.at(key),
+                f"{text!r} is no duration of at least 1s (the Go canner refuses it too)",
+            )
             return None
         if written != text:
             self.warn(node.at(key), f"{text!r}: canner takes no sign: written {written!r}")
@@ -449,20 +453,27 @@ class _Converter:
         if issuer is not None:
             parts = urlsplit(issuer)
             if not parts.scheme or not parts.netloc:
-                self.fail(config.at("issuer"), f"{issuer!r} has no scheme and host (the Go"
-                          " canner refuses it too)")  # fmt: skip
+                self.fail(
+                    config.at("issuer"),
+                    f"{issuer!r} has no scheme and host (the Go canner refuses it too)",
+                )
         data_dir = self.path(config, "data_dir", "the data directory")
         max_upload = self.required(config, "max_upload_bytes", lambda v: v >= 1)
         min_free = self.required(config, "min_free_bytes", lambda v: v >= 1)
         if min_free is not None and min_free > _INT64_MAX:
-            self.fail(config.at("min_free_bytes"), f"{min_free} is above 2^63-1, canner's limit"
-                      " (and more free space than any disk has)")  # fmt: skip
+            self.fail(
+                config.at("min_free_bytes"),
+                f"{min_free} is above 2^63-1, canner's limit"
+                " (and more free space than any disk has)",
+            )
         retention = self.duration(config, "partial_upload_retention", "30m")
         concurrency = config.get_valid("delivery_concurrency")
         delivering = bool(concurrency)
         if concurrency is not None and concurrency < 0:
-            self.fail(config.at("delivery_concurrency"), "must be at least 0 (the Go canner"
-                      " refuses it too)")  # fmt: skip
+            self.fail(
+                config.at("delivery_concurrency"),
+                "must be at least 0 (the Go canner refuses it too)",
+            )
         elif not concurrency:
             said = "0" if "delivery_concurrency" in config else "absent, which is 0"
             self.warn(
@@ -481,9 +492,11 @@ class _Converter:
             top.append(f"delivery_concurrency = {concurrency}")
         projects = config.get_valid("projects")
         if not projects:
-            if projects is not _INVALID and config.get("projects") is not _INVALID:
-                self.fail(config.at("projects"), "at least one project is required (the Go"
-                          " canner refuses to start without one)")  # fmt: skip
+            if config.get("projects") is not _INVALID:
+                self.fail(
+                    config.at("projects"),
+                    "at least one project is required (the Go canner refuses to start without one)",
+                )
             return None
         lines: list[tuple[str, bool]] = []
         for project_id, project in projects.items():
@@ -494,8 +507,11 @@ class _Converter:
 
     def project(self, project_id: str, node: _Node | None, path: str) -> list[tuple[str, bool]]:
         if not PROJECT_ID.fullmatch(project_id):
-            self.fail(path, "a project id is 1-128 characters of [A-Za-z0-9._:-] (the Go canner"
-                      " refuses it too)")  # fmt: skip
+            self.fail(
+                path,
+                "a project id is 1-128 characters of [A-Za-z0-9._:-] (the Go canner"
+                " refuses it too)",
+            )
             return []
         if node is None or node is _INVALID:
             if node is None:
@@ -507,8 +523,9 @@ class _Converter:
         packaging = node.get_valid("packaging")
         if packaging is None:
             if "packaging" not in node:
-                self.fail(node.at("packaging"), "required (the Go canner refuses to start"
-                          " without it)")  # fmt: skip
+                self.fail(
+                    node.at("packaging"), "required (the Go canner refuses to start without it)"
+                )
         else:
             megawarc, table = self.packaging(packaging)
             if table:
@@ -518,8 +535,8 @@ class _Converter:
             if node.get("delivery") is not _INVALID:
                 self.warn(
                     node.at("delivery"),
-                    "absent (the Go canner requires it since seed 000): no delivery table,"
-                    " this project's artifacts stay local",
+                    "absent (optional in the Go canner's first version, required since): no"
+                    " delivery table, this project's artifacts stay local",
                 )
             return lines
         keys, metadata = self.delivery(delivery, megawarc)
@@ -533,8 +550,10 @@ class _Converter:
         if kind == "identity":
             for key in ("trigger_bytes", "target_package_bytes", "max_wait"):
                 if key in node:
-                    self.warn(node.at(key), "ignored by the Go canner for identity packaging;"
-                              " not carried over")  # fmt: skip
+                    self.warn(
+                        node.at(key),
+                        "ignored by the Go canner for identity packaging; not carried over",
+                    )
             return False, []
         if kind != "mergewarc":
             return False, []
@@ -546,8 +565,10 @@ class _Converter:
         target = self.required(node, "target_package_bytes", lambda v: v >= 1)
         trigger = self.required(node, "trigger_bytes")
         if trigger is not None and target is not None and trigger < target:
-            self.fail(node.at("trigger_bytes"), "must be at least target_package_bytes (the Go"
-                      " canner refuses it too)")  # fmt: skip
+            self.fail(
+                node.at("trigger_bytes"),
+                "must be at least target_package_bytes (the Go canner refuses it too)",
+            )
         elif trigger is not None:
             self.warn(
                 node.at("trigger_bytes"),
@@ -584,8 +605,9 @@ class _Converter:
             remote = "{{PACKAGE_FILENAME}}"
         unique = not megawarc and "{object_id}" not in written_id
         remote_path = node.at("remote_name") + ("" if "remote_name" in node else " (default)")
-        written = translate_template(remote, megawarc, remote_path, self.findings,
-                                     unique_name=unique)  # fmt: skip
+        written = translate_template(
+            remote, megawarc, remote_path, self.findings, unique_name=unique
+        )
         lines.append(f"remote_name = {_toml_value(written)}")
         lines.append(f"local_artifact_retention = {_toml_value(retention)}")
         metadata = node.get_valid("metadata")
@@ -606,18 +628,26 @@ class _Converter:
             problem = metadata_key_problem(key)
             if problem is not None:
                 lower = key.lower()
-                if metadata_key_problem(lower) is None and lower not in node:
+                if metadata_key_problem(lower) is None and lower not in node | entries:
                     name = lower
-                    self.warn(path, f"{problem}: go2internetarchive refused it at every upload;"
-                              f" written as {lower!r}")  # fmt: skip
+                    self.warn(
+                        path,
+                        f"{problem}: go2internetarchive refused it at every upload;"
+                        f" written as {lower!r}",
+                    )
                 else:
-                    self.warn(path, f"{problem}: go2internetarchive refused it at every upload;"
-                              " dropped")  # fmt: skip
+                    self.warn(
+                        path, f"{problem}: go2internetarchive refused it at every upload; dropped"
+                    )
                     continue
-            entries[name] = [
-                translate_template(v, megawarc, f"{path}[{i}]", self.findings)
-                for i, v in enumerate(values)
-            ]
+            written = []
+            for i, value in enumerate(values):
+                if not value.strip():
+                    self.warn(f"{path}[{i}]", "empty: canner sends no empty value; dropped")
+                    continue
+                written.append(translate_template(value, megawarc, f"{path}[{i}]", self.findings))
+            if written:
+                entries[name] = written
         return [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in entries.items()]
 
 

@@ -488,3 +488,26 @@ def test_the_command_writes_its_output_atomically_and_check_config_reads_it(root
     check = [sys.executable, "-m", "canner.cli", "--config", str(output), "check-config"]
     done = subprocess.run(check, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("listen_addr", "listen"),
+    [
+        ("0.0.0.0:80", "tcp:80"),
+        ("[::1]:8080", "tcp6:8080:interface=\\:\\:1"),
+        ("[::]:08080", "tcp6:8080:interface=\\:\\:"),
+        ("127.0.0.1:http", None),
+        ("8080", None),
+    ],
+)
+def test_listen_addresses_become_endpoints(
+    root: Path, listen_addr: str, listen: str | None
+) -> None:
+    """Go's host:port becomes a Twisted endpoint; a named port or no port is an error."""
+    run = Converted(root, go_config(root, listen_addr=listen_addr))
+    if listen is None:
+        assert run.code == 1
+        assert run.lines[0].startswith("canner: error: $.listen_addr: ")
+    else:
+        assert (run.code, run.lines) == (0, [])
+        assert run.config().listen == listen
