@@ -350,6 +350,8 @@ def _toml_value(value: Any) -> str:
 
 
 class _Converter:
+    """The decoded Go config as TOML lines, checking what the Go canner checked at load."""
+
     def __init__(self, workdir: Path, findings: list[Finding]) -> None:
         self.workdir = workdir
         self.findings = findings
@@ -441,7 +443,8 @@ class _Converter:
             self.warn(where, f"{addr!r}: canner binds the address {host!r} resolves to at start")
             return f"tcp:{port}:interface={host}"
         if ip.version == 6:
-            return f"tcp6:{port}:interface={host.replace(':', chr(92) + ':')}"
+            # Colons inside a Twisted endpoint string are escaped.
+            return f"tcp6:{port}:interface=" + host.replace(":", "\\:")
         return f"tcp:{port}:interface={host}"
 
     def convert(self, config: _Node) -> tuple[list[str], list[tuple[str, bool]], bool] | None:
@@ -475,12 +478,16 @@ class _Converter:
                 "must be at least 0 (the Go canner refuses it too)",
             )
         elif not concurrency:
-            said = "0" if "delivery_concurrency" in config else "absent, which is 0"
+            said = (
+                "0: the Go canner delivered nothing"
+                if "delivery_concurrency" in config
+                else "absent, which is 0: the Go canner delivered nothing (its design.md says"
+                " the default is 2, hazard H2)"
+            )
             self.warn(
                 config.at("delivery_concurrency"),
-                f"{said}: the Go canner delivered nothing (its design.md says the default is 2,"
-                " hazard H2); every delivery table is written commented out: uncomment them"
-                " and set delivery_concurrency to deliver",
+                f"{said}; every delivery table is written commented out: uncomment them and set"
+                " delivery_concurrency to deliver",
             )
         top.append(f"issuer = {_toml_value(issuer)}")
         top.append(f"data_dir = {_toml_value(data_dir)}")

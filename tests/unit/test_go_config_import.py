@@ -401,18 +401,28 @@ def test_relative_paths_become_absolute_and_listen_addresses_endpoints(root: Pat
 
 def test_metadata_keys_ia_refused_are_fixed_or_dropped(root: Path) -> None:
     """go2internetarchive refused these keys at every upload: "Title" is written lowercase,
-    "bad--key" is dropped, and so is a key with no values."""
-    metadata = {"Title": ["t"], "bad--key": ["x"], "subject": [], "collection": ["c"]}
+    "TITLE" (the same key then) and "bad--key" are dropped, and so are blank values."""
+    metadata = {
+        "Title": ["t"],
+        "TITLE": ["u"],
+        "bad--key": ["x"],
+        "subject": [],
+        "collection": ["c", " "],
+    }
     run = Converted(root, go_config(root, projects={"p": project(root, metadata=metadata)}))
     assert run.code == 0
     assert run.lines == [
         "canner: warning: $.projects.p.delivery.metadata.Title: a metadata key is lowercase"
         " [a-z][a-z0-9_.-]*: go2internetarchive refused it at every upload; written as 'title'",
+        "canner: warning: $.projects.p.delivery.metadata.TITLE: a metadata key is lowercase"
+        " [a-z][a-z0-9_.-]*: go2internetarchive refused it at every upload; dropped",
         'canner: warning: $.projects.p.delivery.metadata["bad--key"]: a metadata key'
         " containing '--' cannot be expressed as a header: go2internetarchive refused it at"
         " every upload; dropped",
         "canner: warning: $.projects.p.delivery.metadata.subject: no values: the Go canner sent"
         " nothing; dropped",
+        "canner: warning: $.projects.p.delivery.metadata.collection[1]: empty: canner sends no"
+        " empty value; dropped",
     ]
     delivery_config = run.config().projects["p"].delivery
     assert delivery_config is not None
