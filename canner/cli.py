@@ -23,6 +23,8 @@
     canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
                               uploads in progress and deliveries go on
     canner undrain            take new uploads again
+    canner import-go-config CONFIG.json [--output PATH]
+                              a Go canner config as canner TOML; every change on stderr
 
 IDs may be given by a unique prefix (the status page shows 8 characters).
 
@@ -58,7 +60,8 @@ from canner.delivery.index import ConnectionIndex, QueueRow, configure_connectio
 from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import ReceiptRescan
-from canner.fs import DataDirLock, Locked, lock_held
+from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
+from canner.go_canner.config_import import convert_config
 from canner.journal import Journal
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
@@ -984,6 +987,31 @@ def write_rsyncd_conf(
     return 0
 
 
+# -- import-go-config --------------------------------------------------------------------------
+
+
+def import_go_config(source: Path, output: Path | None, io: Io) -> int:
+    """Print (or write atomically to ``output``) the canner TOML of a Go canner config; each
+    finding is one stderr line.  Exit 1, writing nothing, when a finding is an error."""
+    try:
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"cannot read {source}: {e}") from None
+    conversion = convert_config(text, source, source.resolve().parent)
+    for finding in conversion.findings:
+        io.err.write(f"canner: {finding.line()}\n")
+    if conversion.toml is None:
+        io.err.write(f"canner: {source}: not converted (errors above)\n")
+        return 1
+    if output is None:
+        io.out.write(conversion.toml)
+    else:
+        directory = output.resolve().parent
+        replace_file(directory, output.name, conversion.toml.encode("utf-8"), sync=True)
+        fsync_dir(directory)
+    return 0
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -1054,6 +1082,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the daemon's runtime directory (its lock file)",
     )  # fmt: skip
     conf.add_argument("--output", type=Path, help="write here instead of standard output")
+    go = command("import-go-config", "print a Go canner config.json as canner TOML")
+    go.add_argument("json_config", metavar="CONFIG.json", type=Path)
+    go.add_argument("--output", type=Path, help="write here (atomically) instead of stdout")
     return parser
 
 
@@ -1090,6 +1121,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "rsyncd-conf": lambda: write_rsyncd_conf(
             args.config, args.templates, args.runtime_dir, args.output, io
         ),
+        "import-go-config": lambda: import_go_config(args.json_config, args.output, io),
         "ledger": lambda: (
             flush_ledger(args.config, args.timeout, io)
             if args.action == "flush"
