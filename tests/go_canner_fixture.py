@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +132,8 @@ class GoDir:
     root: Path
     objects: dict[str, GoObject] = field(default_factory=dict)  # by state
     leftovers: list[str] = field(default_factory=list)
+    # The end of the partial upload's last PATCH (its .attempt marker's mtime).
+    last_patch_at: float = 0.0
 
     def of(self, state: str) -> GoObject:
         return self.objects[state]
@@ -313,7 +316,9 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
     partial = o["partial"]
     upload(partial, partial.data[: len(partial.data) // 2])
     (root / "uploads" / f"{partial.oid}.attempt").write_bytes(b"")
-    os.utime(root / "uploads" / f"{partial.oid}.attempt", (NOW - 600, NOW - 600))
+    # Recent (a minute ago): canner's stale-upload sweep must not take it.
+    go.last_patch_at = float(int(time.time()) - 60)
+    os.utime(root / "uploads" / f"{partial.oid}.attempt", (go.last_patch_at, go.last_patch_at))
     upload(o["empty"], b"")
     # What stops and crashes leave: temps, a stale lock (a dead pid), a stop request.
     leftovers = {

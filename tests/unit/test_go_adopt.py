@@ -135,7 +135,7 @@ def check_adopted(setup: Setup, out: str) -> None:
         stored = len(obj.data) // 2 if state == "partial" else 0
         assert uploads.offset(obj.oid) == stored
     partial = uploads.data_path(oid(setup, "partial"))
-    assert partial.stat().st_mtime == NOW - 600  # idle since Go's last PATCH
+    assert partial.stat().st_mtime == setup.go.last_patch_at  # idle since Go's last PATCH
     # Leftovers gone, the Go index retired, the directory marked.
     go = setup.go.root
     for name in setup.go.leftovers:
