@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
+from cluster_support import SHIPPED_NGINX, HAProxy, Nginx
 from deliver_support import (
     REPO,
     Deliver,
@@ -21,6 +23,7 @@ from deliver_support import (
     venv_bin,
     wait_for,
 )
+from e2e_support import Receiver
 from go_style_client import GoStyleClient
 
 from tests.go_canner_fixture import STATES, GoDir, write_go_data_dir
@@ -102,3 +105,48 @@ def test_after_adoption_uploads_resume_and_only_undelivered_objects_are_delivere
     for oid in delivered_by_go:
         assert rows[oid]["state"] == "delivered"
         assert rows[oid]["remote_identifier"].startswith("saveweb-example-")
+
+
+def test_the_shipped_proxy_examples_route_go_ids_to_the_adopting_node(tmp_path: Path) -> None:
+    """conf/haproxy and conf/nginx in front of n1 and n2, n2 having adopted the Go directory
+    (its "go-canner" map line): a Go receipt and the Go upload in flight are reached through
+    both (n1 would answer 404)."""
+    n1 = Receiver.in_dir(tmp_path / "n1", node_prefix="n1")
+    n2 = Receiver.in_dir(tmp_path / "n2", node_prefix="n2")
+    go = write_go_data_dir(tmp_path / "go")
+    receipts = go.receipts
+    run = subprocess.run(
+        [venv_bin("canner"), "adopt-go", str(go.root), "--apply", "--config", str(n2.config_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    nodes = {"n1": n1.port, "n2": n2.port}
+    haproxy, nginx = HAProxy(tmp_path / "haproxy"), Nginx(tmp_path / "nginx")
+    try:
+        n1.start()
+        n2.start()
+        haproxy.configure(nodes)
+        with open(haproxy.map_path, "a", encoding="utf-8") as f:
+            f.write("go-canner canner_n2\n")
+        haproxy.start()
+        shipped = SHIPPED_NGINX.read_text()
+        assert "go-canner canner_n1;" in shipped
+        nginx.start(nodes, shipped.replace("go-canner canner_n1;", "go-canner canner_n2;"))
+        partial = go.of("partial")
+        for front in (haproxy.url, nginx.url):
+            for oid, data in receipts.items():
+                r = requests.get(f"{front}/api/v1/receipts/{oid}", timeout=10)
+                assert r.status_code == 200 and r.content == data, (front, oid)
+            r = requests.head(
+                f"{front}/files/{partial.oid}", headers={"Tus-Resumable": "1.0.0"}, timeout=10
+            )
+            assert r.status_code == 200, front
+            assert r.headers["Upload-Offset"] == str(len(partial.data) // 2)
+        # Without the route, a Go id lands on any node: n1 does not have it.
+        r = requests.get(f"{n1.base_url}/api/v1/receipts/{next(iter(receipts))}", timeout=10)
+        assert r.status_code == 404
+    finally:
+        nginx.stop()
+        haproxy.stop()
+        n1.close()
+        n2.close()
