@@ -200,6 +200,7 @@ STATES = {
     "delivering": "deliver",  # Go's attempt cut short (source still there)
     "merge_retry_a": "deliver",  # mergewarc sealed, retry_wait, sources purged: extracted
     "merge_retry_b": "deliver",
+    "blocked": "deliver",  # mergewarc blocked (an invalid member): rebuilt from its upload
     "partial": "in_flight",  # half uploaded, with an .attempt marker
     "empty": "in_flight",  # created, no byte yet
 }
@@ -254,7 +255,7 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
         manifest = f"{filename}.manifest.jsonl"
         offset = 0
         for ordinal, obj in enumerate(members):
-            accept(obj, pid, source_purged=state != "building" and not keep_sources)
+            accept(obj, pid, source_purged=state == "sealed" and not keep_sources)
             db.execute(
                 "INSERT INTO package_members VALUES (?, ?, ?, ?, ?, ?)",
                 (pid, ordinal, obj.oid, offset, len(obj.data), obj.checksum),
@@ -310,6 +311,16 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
     package([o["delivering"]], "identity", "sealed", "delivering", purged=False, keep_sources=True)
     package([o["merge_retry_a"], o["merge_retry_b"]], "mergewarc", "sealed", "retry_wait",
             purged=False)  # fmt: skip
+    blocked = package([o["blocked"]], "mergewarc", "blocked", None, purged=False)
+    db.execute(
+        "UPDATE artifacts SET packaging_error = 'not a WARC-Zstd file' WHERE object_id = ?",
+        (o["blocked"].oid,),
+    )
+    db.execute(
+        "UPDATE packages SET build_error = ? WHERE package_id = ?",
+        (f"{o['blocked'].oid}: not a WARC-Zstd file", blocked),
+    )
+    db.execute("INSERT INTO packaging_projects VALUES (?, 1, ?)", (project, accepted))
     db.commit()
     db.close()
     # Uploads in flight: a partial one with its .attempt marker, and one with no byte yet.

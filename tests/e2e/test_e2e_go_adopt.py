@@ -47,7 +47,7 @@ def adopted(
             cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
-        assert "uploads in flight 2, delivered 4, to deliver 6" in run.stdout
+        assert "uploads in flight 2, delivered 4, to deliver 7" in run.stdout
         receiver.start()
         deliver.start()
         yield go, receipts, fake, receiver
@@ -61,7 +61,7 @@ def test_after_adoption_uploads_resume_and_only_undelivered_objects_are_delivere
     adopted: tuple[GoDir, dict[str, bytes], FakeIA, DeliveryReceiver],
 ) -> None:
     go, before, fake, receiver = adopted
-    assert len(before) == 10
+    assert len(before) == 11
     # Receipts: the same bytes at the same path, Go ids and all.
     for oid, data in before.items():
         r = receiver.session.get(f"{receiver.base_url}/api/v1/receipts/{oid}", timeout=10)

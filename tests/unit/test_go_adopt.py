@@ -96,7 +96,11 @@ def test_dry_run_prints_a_step_per_object_and_changes_nothing(setup: Setup) -> N
     for state, action in STATES.items():
         line = next(line for line in out.splitlines() if line.startswith(oid(setup, state)))
         assert line.split()[1] == action, line
-    assert "from the Go package file" in out and "rebuilt" in out
+    packages = [line for line in out.splitlines() if line.startswith("package ")]
+    assert len(packages) == 5, out  # the Go packages not delivered, each used or rebuilt
+    used = [line for line in packages if "from the Go package file packages/" in line]
+    assert len(used) == 2 and all("sealed" in line for line in used)
+    assert sum(1 for line in packages if "rebuilt" in line) == 3
     assert "leftover receipts/.receipt-456: would be deleted" in out
     assert "nothing was changed" in out
     assert sorted(str(p) for p in setup.go.root.rglob("*")) == before
@@ -145,8 +149,8 @@ def check_adopted(setup: Setup, out: str) -> None:
     assert (go / "ADOPTED-BY-CANNER").exists()
     assert not any(p.name.endswith((".info", ".attempt")) for p in (go / "uploads").iterdir())
     assert (
-        "adopt-go: receipts 10, uploads in flight 2, delivered 4, to deliver 6 (3 from Go"
-        " package files, 2 rebuilt), problems 0" in out
+        "adopt-go: receipts 11, uploads in flight 2, delivered 4, to deliver 7 (3 from Go"
+        " package files, 3 rebuilt), problems 0" in out
     )
 
 
@@ -228,7 +232,9 @@ def test_refuses_while_the_canner_receiver_listens(setup: Setup) -> None:
         s.listen()
         port = s.getsockname()[1]
         setup.config.write_text(text.replace("listen = ", f'listen = "tcp:{port}"\n#'))
-        code, _out, err = setup("adopt-go", str(setup.go.root))
+        code, out, _err = setup("adopt-go", str(setup.go.root))
+        assert code == 0 and "warning: something (canner-receiver?) answers on" in out
+        code, _out, err = setup("adopt-go", str(setup.go.root), "--apply")
     assert code == 1 and "answers on" in err
 
 
@@ -250,7 +256,8 @@ def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:
 def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
     go = GoDataDir(setup.go.root)
     assert go.upload_ids() == sorted(
-        oid(setup, s) for s in ("accepted", "building", "delivering", "partial", "empty")
+        oid(setup, s)
+        for s in ("accepted", "building", "delivering", "blocked", "partial", "empty")
     )
     artifacts, packages = go.read_index()
-    assert len(artifacts) == 10 and len(packages) == 7
+    assert len(artifacts) == 11 and len(packages) == 8
