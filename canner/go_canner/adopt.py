@@ -141,6 +141,15 @@ class Target:
     def state(self) -> Path:
         return self.data_dir / STATE_DIR
 
+    def taken(self, object_id: str) -> bool:
+        """Whether canner has a receipt or an upload of this id (only before a plan exists:
+        afterwards what is there is the adoption's own work)."""
+        return (
+            self.receipts.receipt_path(object_id).exists()
+            or (self.uploads / f"{object_id}.info").exists()
+            or (self.uploads / object_id).exists()
+        )
+
     def prepare(self) -> None:
         for sub in ("uploads", "receipts", "journal", STATE_DIR):
             (self.data_dir / sub).mkdir(exist_ok=True)
@@ -470,7 +479,7 @@ def adopt(
         saved = target.state / "plan.json"
         if saved.exists():
             out.write(f"an adoption is under way ({saved}): run with --apply to finish it\n")
-        plan = make_plan(go, projects)
+        plan = make_plan(go, projects, target.taken)
         print_plan(plan, out)
         leftovers = go.leftovers()
         for path in leftovers:
@@ -484,7 +493,7 @@ def adopt(
         return 0
     _check_owner(go, data_dir)
     target.prepare()
-    plan = load_or_save_plan(target, go, lambda: make_plan(go, projects))
+    plan = load_or_save_plan(target, go, lambda: make_plan(go, projects, target.taken))
     outcome = apply_plan(plan, go, target, now())
     for problem in outcome.problems:
         out.write(f"problem {problem}\n")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 import attrs
@@ -78,12 +78,20 @@ class Plan:
 # -- planning ----------------------------------------------------------------------------------
 
 
-def make_plan(go: GoDataDir, projects: Iterable[str]) -> Plan:
-    """Decide every object's step from the Go directory as it is (reads only)."""
+def make_plan(
+    go: GoDataDir, projects: Iterable[str], taken: Callable[[str], bool] = lambda _oid: False
+) -> Plan:
+    """Decide every object's step from the Go directory as it is (reads only).  ``taken``
+    says whether canner already has an object or upload of that id (never overwritten)."""
     artifacts, packages = go.read_index()
     known = set(projects)
     ids = set(go.receipt_ids()) | set(artifacts) | set(go.upload_ids())
-    steps = [_plan_one(go, oid, artifacts.get(oid), packages, known) for oid in sorted(ids)]
+    steps = [
+        Step(oid, PROBLEM, "canner already has an object or upload with this id; left")
+        if taken(oid)
+        else _plan_one(go, oid, artifacts.get(oid), packages, known)
+        for oid in sorted(ids)
+    ]
     notes = []
     for pkg in sorted(packages.values(), key=lambda p: p.package_id):
         if pkg.delivered or not pkg.members:

@@ -256,8 +256,39 @@ def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:
 def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
     go = GoDataDir(setup.go.root)
     assert go.upload_ids() == sorted(
-        oid(setup, s)
-        for s in ("accepted", "building", "delivering", "blocked", "partial", "empty")
+        oid(setup, s) for s in ("accepted", "building", "delivering", "blocked", "partial", "empty")
     )
     artifacts, packages = go.read_index()
     assert len(artifacts) == 11 and len(packages) == 8
+
+
+def test_an_id_canner_already_has_is_left_alone(setup: Setup) -> None:
+    """A Go id that canner already holds (a node without a prefix issues bare ids too) is a
+    problem: neither file is overwritten."""
+    clash = setup.go.of("accepted")
+    mine = b'{"mine":true}'
+    (setup.data_dir / "receipts").mkdir()
+    (setup.data_dir / "receipts" / f"{clash.oid}.json").write_bytes(mine)
+    code, out, _err = setup("adopt-go", str(setup.go.root), "--apply")
+    assert code == 1 and f"problem {clash.oid}: canner already has" in out
+    assert (setup.data_dir / "receipts" / f"{clash.oid}.json").read_bytes() == mine
+    assert (setup.go.root / "receipts" / f"{clash.oid}.json").exists()
+
+
+def test_another_filesystem_is_copied_then_removed(tmp_path: Path) -> None:
+    """The Go directory on another filesystem (tmpfs here): files are copied, fsynced and
+    renamed into place, then removed from the Go side."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        setup = Setup(tmp_path)
+        moved = Path(other) / "go"
+        subprocess.run(["cp", "-a", str(setup.go.root), str(moved)], check=True)
+        setup.go.root = moved
+        code, out, err = setup("adopt-go", str(moved), "--apply")
+        assert code == 0, out + err
+        check_adopted(setup, out)
+        assert not list((setup.data_dir / "uploads").glob(".*"))
