@@ -250,8 +250,10 @@ def apply_plan(plan: Plan, go: GoDataDir, target: Target, now: float) -> Outcome
 def _apply_batch(
     batch: list[Step], go: GoDataDir, target: Target, conn: sqlite3.Connection, now: float
 ) -> None:
-    delivered = [s for s in batch if s.action == DELIVERED]
-    # 1. Facts first: a rebuilt index knows the delivered objects before their receipts move.
+    # 1. Facts first: a rebuilt index knows the delivered objects before their receipts move
+    # (an object indexed already had its facts written by the run a kill cut short).
+    indexed = _indexed(conn, [s.object_id for s in batch if s.action == DELIVERED])
+    delivered = [s for s in batch if s.action == DELIVERED and s.object_id not in indexed]
     records: list[dict[str, Any]] = []
     for s in delivered:
         assert s.project is not None
@@ -311,6 +313,14 @@ def _apply_batch(
         if n == 2:
             crash_point("adopt-go.receipts")
     fs.fsync_dir(target.receipts.directory)
+
+
+def _indexed(conn: sqlite3.Connection, object_ids: list[str]) -> set[str]:
+    if not object_ids:
+        return set()
+    marks = ", ".join("?" for _ in object_ids)
+    rows = conn.execute(f"SELECT object_id FROM objects WHERE object_id IN ({marks})", object_ids)
+    return {row[0] for row in rows}
 
 
 def _delivery(s: Step, now: float) -> DeliveryRecord:
