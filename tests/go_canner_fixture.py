@@ -203,6 +203,7 @@ STATES = {
     "blocked": "deliver",  # mergewarc blocked (an invalid member): rebuilt from its upload
     "partial": "in_flight",  # half uploaded, with an .attempt marker
     "empty": "in_flight",  # created, no byte yet
+    "complete": "in_flight",  # every byte in, killed before acceptance: no receipt
 }
 
 
@@ -331,6 +332,7 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
     go.last_patch_at = float(int(time.time()) - 60)
     os.utime(root / "uploads" / f"{partial.oid}.attempt", (go.last_patch_at, go.last_patch_at))
     upload(o["empty"], b"")
+    upload(o["complete"], o["complete"].data)
     # What stops and crashes leave: temps, a stale lock (a dead pid), a stop request.
     leftovers = {
         "uploads/.attempt-123": b"",

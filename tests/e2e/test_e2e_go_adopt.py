@@ -47,7 +47,7 @@ def adopted(
             cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
-        assert "uploads in flight 2, delivered 4, to deliver 7" in run.stdout
+        assert "uploads in flight 3, delivered 4, to deliver 7" in run.stdout
         receiver.start()
         deliver.start()
         yield go, receipts, fake, receiver
@@ -82,11 +82,26 @@ def test_after_adoption_uploads_resume_and_only_undelivered_objects_are_delivere
     # HEAD said where to go on: only the second half was sent.
     patches = [line for line in client.log if line.startswith("PATCH")]
     assert patches == ["PATCH 204"], client.log
+    # Every byte in, no receipt (Go was killed before acceptance): a HEAD starts canner's
+    # acceptance, and the receipt follows.
+    complete = go.of("complete")
+    head = receiver.session.head(
+        f"{receiver.base_url}/files/{complete.oid}", headers={"Tus-Resumable": "1.0.0"}
+    )
+    assert head.status_code == 200 and head.headers["Upload-Offset"] == str(len(complete.data))
+
+    def receipt_of_complete() -> bytes | None:
+        r = receiver.session.get(f"{receiver.base_url}/api/v1/receipts/{complete.oid}")
+        return r.content if r.status_code == 200 else None
+
+    late = wait_for(receipt_of_complete, 20, "the complete Go upload's receipt", 0.1)
+    assert late is not None and f'"checksum":"{complete.checksum}"'.encode() in late
     # A new upload through the same client gets a prefixed id.
     fresh = client.upload(b"after the switch" * 100)
     assert b'"object_id":"n1-' in fresh
 
-    to_send = {go.of(s).oid for s, a in STATES.items() if a == "deliver"} | {partial.oid}
+    to_send = {go.of(s).oid for s, a in STATES.items() if a == "deliver"}
+    to_send |= {partial.oid, complete.oid}
     delivered_by_go = {go.of(s).oid for s, a in STATES.items() if a == "delivered"}
 
     def all_sent() -> bool:

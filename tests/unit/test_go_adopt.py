@@ -130,13 +130,13 @@ def check_adopted(setup: Setup, out: str) -> None:
     assert len(rows) == sum(1 for a in STATES.values() if a != "in_flight")
     # Uploads in flight: same offset and metadata, canner's sidecar (no Storage).
     uploads = UploadStore(setup.data_dir / "uploads")
-    for state in ("partial", "empty"):
+    for state in ("partial", "empty", "complete"):
         obj = setup.go.of(state)
         info = uploads.read_info(obj.oid)
         assert info is not None and info.size == len(obj.data)
         assert dict(info.metadata) == obj.metadata()
         assert b"Storage" not in uploads.info_path(obj.oid).read_bytes()
-        stored = len(obj.data) // 2 if state == "partial" else 0
+        stored = {"partial": len(obj.data) // 2, "empty": 0, "complete": len(obj.data)}[state]
         assert uploads.offset(obj.oid) == stored
     partial = uploads.data_path(oid(setup, "partial"))
     assert partial.stat().st_mtime == setup.go.last_patch_at  # idle since Go's last PATCH
@@ -149,7 +149,7 @@ def check_adopted(setup: Setup, out: str) -> None:
     assert (go / "ADOPTED-BY-CANNER").exists()
     assert not any(p.name.endswith((".info", ".attempt")) for p in (go / "uploads").iterdir())
     assert (
-        "adopt-go: receipts 11, uploads in flight 2, delivered 4, to deliver 7 (3 from Go"
+        "adopt-go: receipts 11, uploads in flight 3, delivered 4, to deliver 7 (3 from Go"
         " package files, 3 rebuilt), problems 0" in out
     )
 
@@ -258,7 +258,8 @@ def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:
 def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
     go = GoDataDir(setup.go.root)
     assert go.upload_ids() == sorted(
-        oid(setup, s) for s in ("accepted", "building", "delivering", "blocked", "partial", "empty")
+        oid(setup, s)
+        for s in ("accepted", "building", "delivering", "blocked", "partial", "empty", "complete")
     )
     artifacts, packages = go.read_index()
     assert len(artifacts) == 11 and len(packages) == 8
