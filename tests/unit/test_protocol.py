@@ -219,6 +219,16 @@ def test_ids_only_match_the_full_pattern(candidate: str) -> None:
     assert not prefixed.is_valid("n2-" + candidate)
 
 
+def test_a_prefixed_node_accepts_bare_go_ids_but_never_issues_one() -> None:
+    """The Go canner's ids (tusd's 32 hex), adopted by ``canner adopt-go``, stay valid on a
+    node with a prefix; another node's prefix does not."""
+    ids = ObjectIds("n1")
+    assert ids.is_valid("0123456789abcdef" * 2)
+    assert not ids.is_valid("n2-" + "0123456789abcdef" * 2)
+    assert not ids.is_valid("-" + "0123456789abcdef" * 2)
+    assert all(i.startswith("n1-") for i in (ids.new() for _ in range(20)))
+
+
 def test_new_ids_are_valid_and_distinct() -> None:
     """Generated ids pass validation and do not repeat."""
     for ids in (ObjectIds(), ObjectIds("node7")):
