@@ -20,6 +20,9 @@
     canner rebuild-index      add every receipt missing from delivery.sqlite, and every package
                               in the packages directory (canner-deliver must be stopped: it
                               refuses while deliver.lock is held)
+    canner adopt-go DATA_DIR [--apply]
+                              take a Go canner's data directory over (both systems' daemons
+                              stopped): a dry run prints the plan per object
     canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
                               uploads in progress and deliveries go on
     canner undrain            take new uploads again
@@ -61,6 +64,7 @@ from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import ReceiptRescan
 from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
+from canner.go_canner.adopt import AdoptError, adopt
 from canner.go_canner.config_import import convert_config
 from canner.journal import Journal
 from canner.ledger import store as ledger_store
@@ -962,6 +966,20 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     return 1 if problems or damage else 0
 
 
+# -- adopt-go ----------------------------------------------------------------------------------
+
+
+def adopt_go(config_path: Path, go_dir: Path, apply: bool, io: Io) -> int:
+    """``canner adopt-go``: see :mod:`canner.go_canner.adopt`."""
+    config = load_config(config_path)
+    data_dir = _data_dir(config)
+    become_data_dir_owner(data_dir)
+    try:
+        return adopt(go_dir, data_dir, config.listen, config.projects, apply, io.out, io.now)
+    except AdoptError as e:
+        raise CommandError(str(e)) from None
+
+
 # -- rsyncd-conf -------------------------------------------------------------------------------
 
 
@@ -1064,6 +1082,9 @@ def _parser() -> argparse.ArgumentParser:
         "drain", "take no new uploads (uploads in progress and deliveries go on); durable"
     ).add_argument("--reason", default="", help="a note shown by /readyz and canner status")
     command("undrain", "take new uploads again")
+    adopting = command("adopt-go", "take a Go canner's data directory over (dry run by default)")
+    adopting.add_argument("go_dir", type=Path, metavar="DATA_DIR", help="the Go canner's data_dir")
+    adopting.add_argument("--apply", action="store_true", help="act (default: print the plan)")
     command(
         "release", "release receipts as HQ does (only delivered and verified objects)"
     ).add_argument("ids", nargs="+", help="object ids, receipt:<id>, or unique prefixes")
@@ -1117,6 +1138,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "rebuild-index": lambda: rebuild_index(args.config, io),
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),
+        "adopt-go": lambda: adopt_go(args.config, args.go_dir, args.apply, io),
         "release": lambda: release(args.config, args.ids, io),
         "rsyncd-conf": lambda: write_rsyncd_conf(
             args.config, args.templates, args.runtime_dir, args.output, io

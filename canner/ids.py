@@ -1,7 +1,9 @@
 """Object ids: 32 lowercase hex characters made by canner, optionally behind a node prefix.
 
 Pure.  Every route validates an id with :meth:`ObjectIds.is_valid` (a full match) before it touches
-the filesystem, so an id is always safe to use as a file name.
+the filesystem, so an id is always safe to use as a file name.  A node with a prefix also accepts
+bare 32-hex ids: those the Go canner issued (tusd's), taken over by ``canner adopt-go``, and those
+the node itself issued before it had a prefix.  It never issues one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class ObjectIds:
 
     @pattern.default
     def _compile(self) -> re.Pattern[str]:
-        head = re.escape(self.prefix + "-") if self.prefix else ""
+        head = "(?:" + re.escape(self.prefix + "-") + ")?" if self.prefix else ""
         return re.compile(head + r"[0-9a-f]{32}")
 
     def new(self) -> str:
@@ -38,5 +40,6 @@ class ObjectIds:
         return f"{self.prefix}-{hex_part}" if self.prefix else hex_part
 
     def is_valid(self, candidate: str) -> bool:
-        """True when ``candidate`` is exactly an id of this node."""
+        """True when ``candidate`` is exactly an id of this node, or a bare 32-hex id (adopted
+        from the Go canner, or issued before the node had a prefix)."""
         return self.pattern.fullmatch(candidate) is not None

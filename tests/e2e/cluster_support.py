@@ -314,10 +314,12 @@ class Nginx:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, nodes: dict[str, int]) -> None:
+    def start(self, nodes: dict[str, int], shipped: str | None = None) -> None:
+        """Start with the shipped example (or ``shipped``, an edited copy of it)."""
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         site = self.root / "canner.conf"
-        site.write_text(nginx_config(self.port, nodes, SHIPPED_NGINX.read_text()))
+        text = SHIPPED_NGINX.read_text() if shipped is None else shipped
+        site.write_text(nginx_config(self.port, nodes, text))
         main = self.root / "nginx.conf"
         main.write_text(
             "events {}\n"

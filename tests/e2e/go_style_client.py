@@ -80,6 +80,32 @@ class GoStyleClient:
         url = self._create(len(data), checksum, filename)
         object_id = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
         session = {"object_id": object_id, "checksum": checksum, "size_bytes": len(data)}
+        return self._resume(url, data, session)
+
+    def resume(self, session: dict[str, object], data: bytes) -> bytes:
+        """The SDK's ``Resume``: a worker's saved session (``upload_url``, ``object_id``,
+        ``checksum``, ``size_bytes``) checked as ``validateSession`` does, the content hashed
+        again, then the same loop as an upload; return the receipt JSON."""
+        url = urljoin(self.base_url, str(session["upload_url"]))
+        if _origin(url) != _origin(self.base_url):
+            raise UploadFailed("invalid upload session")
+        object_id = str(session["object_id"])
+        if unquote(urlsplit(url).path.rsplit("/", 1)[-1]) != object_id:
+            raise UploadFailed("invalid upload session")
+        checksum = str(session["checksum"])
+        if not checksum.startswith("blake3:") or len(checksum) != 7 + 64:
+            raise UploadFailed("invalid upload session checksum")
+        size = session["size_bytes"]
+        if not isinstance(size, int) or size < 1:
+            raise UploadFailed("invalid upload session")
+        if len(data) != size or "blake3:" + blake3.blake3(data).hexdigest() != checksum:
+            raise UploadFailed("artifact changed since upload creation")
+        # validateReceipt compares only these with the receipt.
+        checked = {"object_id": object_id, "checksum": checksum, "size_bytes": size}
+        return self._resume(url, data, checked)
+
+    def _resume(self, url: str, data: bytes, session: dict[str, object]) -> bytes:
+        object_id = str(session["object_id"])
         for _ in range(self.max_attempts):
             status, headers, _ = self._exchange("HEAD", url)
             if status == 0:

@@ -208,12 +208,25 @@ def test_public_url_names_a_path_prefix_for_every_client(rule: str) -> None:
 
 @given(st.text(max_size=40))
 def test_ids_only_match_the_full_pattern(candidate: str) -> None:
-    """Only 32 lowercase hex characters (behind the node prefix) are ids."""
+    """Only 32 lowercase hex characters (behind the node prefix, or bare: the Go canner's ids,
+    adopted by ``canner adopt-go``) are ids."""
     plain, prefixed = ObjectIds(), ObjectIds("n1")
     expected = len(candidate) == 32 and all(c in "0123456789abcdef" for c in candidate)
     assert plain.is_valid(candidate) == expected
     assert prefixed.is_valid("n1-" + candidate) == expected
-    assert not prefixed.is_valid(candidate) or candidate.startswith("n1-")
+    own = candidate.startswith("n1-") and plain.is_valid(candidate[3:])
+    assert prefixed.is_valid(candidate) == (expected or own)
+    assert not prefixed.is_valid("n2-" + candidate)
+
+
+def test_a_prefixed_node_accepts_bare_go_ids_but_never_issues_one() -> None:
+    """The Go canner's ids (tusd's 32 hex), adopted by ``canner adopt-go``, stay valid on a
+    node with a prefix; another node's prefix does not."""
+    ids = ObjectIds("n1")
+    assert ids.is_valid("0123456789abcdef" * 2)
+    assert not ids.is_valid("n2-" + "0123456789abcdef" * 2)
+    assert not ids.is_valid("-" + "0123456789abcdef" * 2)
+    assert all(i.startswith("n1-") for i in (ids.new() for _ in range(20)))
 
 
 def test_new_ids_are_valid_and_distinct() -> None:

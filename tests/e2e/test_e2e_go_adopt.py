@@ -1,0 +1,167 @@
+"""Switching from the Go canner (issue 28): ``canner adopt-go --apply`` on a Go data directory
+(tests/go_canner_fixture.py), then real canner-receiver and canner-deliver daemons and the fake
+IA.  A worker following the Go SDK's rules (docs/reference/go-canner.md §1.17, in
+go_style_client.py) resumes its half-sent upload at the same URL and gets its receipt; the Go
+receipts are served byte for byte at the same paths; what Go delivered is never sent again,
+what it had not delivered is."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from cluster_support import SHIPPED_NGINX, HAProxy, Nginx
+from deliver_support import (
+    REPO,
+    Deliver,
+    DeliveryReceiver,
+    FakeIA,
+    deliveries,
+    venv_bin,
+    wait_for,
+)
+from e2e_support import Receiver
+from go_style_client import GoStyleClient
+
+from tests.go_canner_fixture import STATES, GoDir, write_go_data_dir
+
+
+@pytest.fixture
+def adopted(
+    tmp_path: Path,
+) -> Iterator[tuple[GoDir, dict[str, bytes], FakeIA, DeliveryReceiver]]:
+    fake = FakeIA(tmp_path / "fake")
+    fake.start()
+    # A node prefix: the Go ids (bare 32 hex) must still be served.
+    receiver = DeliveryReceiver.configured(tmp_path / "canner", fake.url, node_prefix="n1")
+    deliver = Deliver(receiver.config_path, receiver.data_dir, tmp_path / "canner" / "deliver.log")
+    try:
+        go = write_go_data_dir(tmp_path / "go")
+        receipts = go.receipts
+        run = subprocess.run(
+            [venv_bin("canner"), "adopt-go", str(go.root), "--apply",
+             "--config", str(receiver.config_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "uploads in flight 3, delivered 4, to deliver 7" in run.stdout
+        receiver.start()
+        deliver.start()
+        yield go, receipts, fake, receiver
+    finally:
+        deliver.kill()
+        receiver.close()
+        fake.stop()
+
+
+def test_after_adoption_uploads_resume_and_only_undelivered_objects_are_delivered(
+    adopted: tuple[GoDir, dict[str, bytes], FakeIA, DeliveryReceiver],
+) -> None:
+    go, before, fake, receiver = adopted
+    assert len(before) == 11
+    # Receipts: the same bytes at the same path, Go ids and all.
+    for oid, data in before.items():
+        r = receiver.session.get(f"{receiver.base_url}/api/v1/receipts/{oid}", timeout=10)
+        assert r.status_code == 200 and r.content == data, oid
+    # The worker's saved session, as the Go SDK wrote it before the switch.
+    partial = go.of("partial")
+    session = {
+        "upload_url": f"{receiver.base_url}/files/{partial.oid}",
+        "object_id": partial.oid,
+        "project": "example",
+        "filename": partial.filename,
+        "checksum": partial.checksum,
+        "size_bytes": len(partial.data),
+    }
+    client = GoStyleClient(receiver.base_url)
+    receipt = client.resume(session, partial.data)
+    assert b'"object_id":"' + partial.oid.encode() in receipt
+    # HEAD said where to go on: only the second half was sent.
+    patches = [line for line in client.log if line.startswith("PATCH")]
+    assert patches == ["PATCH 204"], client.log
+    # Every byte in, no receipt (Go was killed before acceptance): a HEAD starts canner's
+    # acceptance, and the receipt follows.
+    complete = go.of("complete")
+    head = receiver.session.head(
+        f"{receiver.base_url}/files/{complete.oid}", headers={"Tus-Resumable": "1.0.0"}
+    )
+    assert head.status_code == 200 and head.headers["Upload-Offset"] == str(len(complete.data))
+
+    def receipt_of_complete() -> bytes | None:
+        r = receiver.session.get(f"{receiver.base_url}/api/v1/receipts/{complete.oid}")
+        return r.content if r.status_code == 200 else None
+
+    late = wait_for(receipt_of_complete, 20, "the complete Go upload's receipt", 0.1)
+    assert late is not None and f'"checksum":"{complete.checksum}"'.encode() in late
+    # A new upload through the same client gets a prefixed id.
+    fresh = client.upload(b"after the switch" * 100)
+    assert b'"object_id":"n1-' in fresh
+
+    to_send = {go.of(s).oid for s, a in STATES.items() if a == "deliver"}
+    to_send |= {partial.oid, complete.oid}
+    delivered_by_go = {go.of(s).oid for s, a in STATES.items() if a == "delivered"}
+
+    def all_sent() -> bool:
+        rows = deliveries(receiver.config_path)
+        return all(rows.get(oid, {}).get("state") == "delivered" for oid in to_send)
+
+    wait_for(all_sent, 60, "the adopted objects to be delivered", 0.3)
+    sent = {o["identifier"] for o in fake.objects()}
+    for oid in to_send:
+        assert any(oid in identifier for identifier in sent), oid
+    for oid in delivered_by_go:
+        assert not any(oid in identifier for identifier in sent), oid
+    assert not any(oid in p["uri"] for p in fake.puts() for oid in delivered_by_go)
+    assert sum(1 for p in fake.puts() if any(oid in p["uri"] for oid in to_send)) >= len(to_send)
+    rows = deliveries(receiver.config_path)
+    for oid in delivered_by_go:
+        assert rows[oid]["state"] == "delivered"
+        assert rows[oid]["remote_identifier"].startswith("saveweb-example-")
+
+
+def test_the_shipped_proxy_examples_route_go_ids_to_the_adopting_node(tmp_path: Path) -> None:
+    """conf/haproxy and conf/nginx in front of n1 and n2, n2 having adopted the Go directory
+    (its "go-canner" map line): a Go receipt and the Go upload in flight are reached through
+    both (n1 would answer 404)."""
+    n1 = Receiver.in_dir(tmp_path / "n1", node_prefix="n1")
+    n2 = Receiver.in_dir(tmp_path / "n2", node_prefix="n2")
+    go = write_go_data_dir(tmp_path / "go")
+    receipts = go.receipts
+    run = subprocess.run(
+        [venv_bin("canner"), "adopt-go", str(go.root), "--apply", "--config", str(n2.config_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    nodes = {"n1": n1.port, "n2": n2.port}
+    haproxy, nginx = HAProxy(tmp_path / "haproxy"), Nginx(tmp_path / "nginx")
+    try:
+        n1.start()
+        n2.start()
+        haproxy.configure(nodes)
+        with open(haproxy.map_path, "a", encoding="utf-8") as f:
+            f.write("go-canner canner_n2\n")
+        haproxy.start()
+        shipped = SHIPPED_NGINX.read_text()
+        assert "go-canner canner_n1;" in shipped
+        nginx.start(nodes, shipped.replace("go-canner canner_n1;", "go-canner canner_n2;"))
+        partial = go.of("partial")
+        for front in (haproxy.url, nginx.url):
+            for oid, data in receipts.items():
+                r = requests.get(f"{front}/api/v1/receipts/{oid}", timeout=10)
+                assert r.status_code == 200 and r.content == data, (front, oid)
+            r = requests.head(
+                f"{front}/files/{partial.oid}", headers={"Tus-Resumable": "1.0.0"}, timeout=10
+            )
+            assert r.status_code == 200, front
+            assert r.headers["Upload-Offset"] == str(len(partial.data) // 2)
+        # Without the route, a Go id lands on any node: n1 does not have it.
+        r = requests.get(f"{n1.base_url}/api/v1/receipts/{next(iter(receipts))}", timeout=10)
+        assert r.status_code == 404
+    finally:
+        nginx.stop()
+        haproxy.stop()
+        n1.close()
+        n2.close()
