@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from attrs import frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import LogPublisher, globalLogPublisher
+from twisted.logger import ILogObserver, LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
@@ -193,11 +193,12 @@ def receiver_service(
     metrics and (when configured) the rsync intake and the manhole."""
     # Watching from here on, so the status page shows what start-up logs (an unusable index).
     problems = RecentProblems(starting=True)
-    log_publisher.addObserver(problems.observe)
+    watching = cast(ILogObserver, problems.observe)
+    log_publisher.addObserver(watching)
     try:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
     except BaseException:
-        log_publisher.removeObserver(problems.observe)
+        log_publisher.removeObserver(watching)
         raise
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)

@@ -74,6 +74,7 @@ class RecentProblems:
     starting: bool = False
     _lines: deque[Problem] = field(init=False)
     _at_start: list[Problem] = field(init=False, factory=list)
+    _seen: set[tuple[object, ...]] = field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
         self._lines = deque(maxlen=self.size)
@@ -81,6 +82,7 @@ class RecentProblems:
     def started(self) -> None:
         """Start-up is over: what is logged from now on is a recent problem."""
         self.starting = False
+        self._seen.clear()
 
     def observe(self, event: Mapping[str, Any]) -> None:
         level = event.get("log_level")
@@ -98,7 +100,10 @@ class RecentProblems:
             text,
         )
         if self.starting:
-            if len(self._at_start) < self.size:
+            # twistd replays what was logged before its log began to every observer: once.
+            key = (when, event.get("log_format"), problem.namespace)
+            if key not in self._seen and len(self._at_start) < self.size:
+                self._seen.add(key)
                 self._at_start.append(problem)
             return
         # deque.append is atomic: events logged from worker threads need no lock.
@@ -347,7 +352,7 @@ small{color:#666}.meta{color:#666}.bad{color:#a00;font-weight:bold}.ok{color:#07
 .banner{padding:.6em 1em;border:2px solid #a00;background:#fee;font-size:1.1em}
 .bar{background:#e5e5e5;width:8em;height:.8em;display:inline-block}
 .bar span{background:#4a8;height:100%;display:block}
-.lvl-error,.lvl-critical{color:#a00}.lvl-warn{color:#a60}
+.lvl-error,.lvl-critical{color:#a00}.lvl-warn,.lvl-warning{color:#a60}
 td.msg{font-family:monospace;white-space:pre-wrap;max-width:60em}
 .charts{display:flex;flex-wrap:wrap;gap:1em}
 figure{margin:0;background:#fff;border:1px solid #ddd;padding:.4em}
@@ -579,7 +584,7 @@ def _header(view: StatusView) -> list[Tag]:
     if not liveness.ok:
         parts.append(
             tags.p(
-                liveness.text + ": nothing is being delivered to the Internet Archive.",
+                liveness.text + ": nothing is being delivered.",
                 class_="banner",
                 id="deliver-banner",
             )

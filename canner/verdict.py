@@ -100,7 +100,8 @@ def assess(
         ids = ", ".join(w.dict_id for w in survey.dictionary_waits)
         warning.append(f"members wait for zstd dictionaries that cannot be had: {ids}")
     if errors_at_start:
-        warning.append(f"the receiver logged {errors_at_start} errors while starting")
+        errors = "1 error" if errors_at_start == 1 else f"{errors_at_start} errors"
+        warning.append(f"the receiver logged {errors} while starting")
     reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
     code = CRITICAL if critical else WARNING if warning else OK
     return Verdict(code, tuple(reasons))
