@@ -219,6 +219,14 @@ def test_dev_config_upload_receipt_archive_purge(tmp_path: Path) -> None:
             check=True,
         )
         assert json.loads(status.stdout)["states"]["delivered"] == 1
+        # The status page shows where the file went, and links to no IA item.
+        path = f'<code class="path">{archive.resolve()}/example-{object_id}/a.warc</code>'
+        page = wait_for(
+            lambda: t if path in (t := requests.get(url + "/", timeout=5).text) else None,
+            10,
+            "the destination path on the status page",
+        )
+        assert "/details/" not in page and "archive.org" not in page
         # Both daemons' metrics, as the dev config exposes them.
         receiver = requests.get(f"{url}/metrics", timeout=5).text
         deliver = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
