@@ -60,7 +60,6 @@ from canner.blocking import result_now, run_inline
 from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
 from canner.delivery.index import ConnectionIndex, QueueRow, configure_connection, upgrade_schema
-from canner.delivery.liveness import judge
 from canner.delivery.queue import State
 from canner.delivery.rescan import ReceiptRescan
 from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
@@ -87,6 +86,7 @@ from canner.sinks.plan import (
 )
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
+from canner.verdict import NAMES, assess
 from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
@@ -350,36 +350,12 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-OK, WARNING, CRITICAL = 0, 1, 2
-
-
 def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[str]]:
-    """The exit status of ``canner status`` (0 ok, 1 warning, 2 critical) and its reasons."""
-    critical, warning = [], []
-    if survey.free_bytes is None:
-        critical.append(f"free space unknown: {survey.free_error}")
-    elif survey.free_bytes < config.min_free_bytes:
-        critical.append(
-            f"free space {survey.free_bytes} is under min_free_bytes {config.min_free_bytes}:"
-            " uploads are refused"
-        )
-    index = survey.index
-    if index is None:
-        critical.append(f"delivery index unreadable: {survey.index_error}")
-    else:
-        delivers = any(p.delivery is not None for p in config.projects.values())
-        liveness = judge(index.heartbeat, survey.taken_at, lock_held=survey.deliver_lock_held)
-        if delivers and not liveness.ok:
-            critical.append(liveness.text)
-        if index.needs_operator:
-            warning.append(f"{index.needs_operator} deliveries need an operator")
-        if index.purge_overdue:
-            warning.append(f"{index.purge_overdue} local purges are overdue")
-    if survey.dictionary_waits:
-        ids = ", ".join(w.dict_id for w in survey.dictionary_waits)
-        warning.append(f"members wait for zstd dictionaries that cannot be had: {ids}")
-    reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
-    return (CRITICAL if critical else WARNING if warning else OK), reasons
+    """The exit status of ``canner status`` (0 ok, 1 warning, 2 critical) and its reasons: the
+    verdict the status page shows and whose storage reasons ``/readyz`` gives."""
+    delivers = any(p.delivery is not None for p in config.projects.values())
+    found = assess(survey, min_free_bytes=config.min_free_bytes, delivers=delivers)
+    return found.code, list(found.reasons)
 
 
 def status(config_path: Path, as_json: bool, io: Io) -> int:
@@ -391,7 +367,7 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
     doc = inventory.survey_json(survey, config.min_free_bytes)
     code, reasons = judge_survey(survey, config)
-    doc["status"] = ["ok", "warning", "critical"][code]
+    doc["status"] = NAMES[code]
     doc["reasons"] = reasons
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)

@@ -131,6 +131,8 @@ class Survey:
     deliver_lock_held: bool | None = None
     # zstd dictionaries that members name and that could not be had yet: their batches wait
     dictionary_waits: tuple[DictionaryWait, ...] = ()
+    # data directories (uploads/, receipts/) this process cannot write
+    unusable: tuple[Path, ...] = ()
 
     @property
     def active_upload_bytes(self) -> int:
@@ -348,7 +350,15 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
         draining=draining,
         retirement=retire,
         dictionary_waits=read_waits(data_dir / "dictionaries"),
+        unusable=unusable_dirs(data_dir),
     )
+
+
+def unusable_dirs(data_dir: Path) -> tuple[Path, ...]:
+    """``uploads/`` and ``receipts/`` of ``data_dir`` when missing or not writable by this
+    process (blocking)."""
+    paths = (data_dir / "uploads", data_dir / "receipts")
+    return tuple(p for p in paths if not os.access(p, os.W_OK | os.X_OK))
 
 
 def _retirement(data_dir: Path, receipts: ReceiptStore, ids: ObjectIds, active: int) -> Retirement:

@@ -263,6 +263,19 @@ class Metrics:
                 family.labels(outbound.value)
         for reason in (*CREATION_REFUSALS.values(), CHECKSUM_MISMATCH):
             self.uploads_rejected.labels(reason)
+        # Failure counters too, at 0 for every known reason: increase(...[15m]) > 0 then fires
+        # on the first failure, where a series born at 1 has no earlier sample to rise from.
+        for outbound in Outbound:
+            projects = ("",) if outbound is Outbound.LEDGER else self.projects
+            for project in projects:
+                for needs_operator in ("true", "false"):
+                    for reason in sorted(FAILURE_CLASSES):
+                        self.delivery_failures.labels(
+                            project, needs_operator, reason, outbound.value
+                        )
+        for project in self.projects:
+            for reason in (*sorted(DICTIONARY_FAILURES), "other"):
+                self.dictionary_failures.labels(project, reason)
         build = Gauge(
             "canner_build_info",
             "Always 1; the labels say which canner this process runs",

@@ -11,7 +11,6 @@ disk blocks: call it through the blocking runner.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -21,7 +20,8 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.drain import read_drain
-from canner.inventory import INDEX_NAME, read_index
+from canner.inventory import INDEX_NAME, read_index, unusable_dirs
+from canner.verdict import draining_reason, upload_refusals
 
 log = Logger()
 
@@ -85,27 +85,28 @@ def _index_readable(cur: sqlite3.Cursor) -> None:
 
 
 def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> Readiness:
-    """Whether uploads would be accepted now, and every reason they would not (blocking)."""
+    """Whether uploads would be accepted now, and every reason they would not (blocking),
+    worded as ``canner status`` and the status page word them (:mod:`canner.verdict`)."""
     reasons = []
     draining = read_drain(data_dir)
     if draining is not None:
-        reasons.append(f"{draining.describe()} (new uploads go to other nodes)")
+        reasons.append(draining_reason(draining))
     free: int | None = None
+    free_error = index_error = None
     try:
         free = fs.free_bytes(data_dir)
     except OSError as e:
-        reasons.append(f"free space cannot be determined: {e.strerror or e}")
+        free_error = e.strerror or str(e)
     watch.observe(free)
-    if free is not None and free < min_free_bytes:
-        reasons.append(
-            f"free space under the floor: {free} bytes free, min_free_bytes is {min_free_bytes}"
-        )
-    for sub in ("uploads", "receipts"):
-        path = data_dir / sub
-        if not os.access(path, os.W_OK | os.X_OK):
-            reasons.append(f"data directory unusable: {path} is missing or not writable")
     try:
         read_index(data_dir / INDEX_NAME, _index_readable)
     except (OSError, sqlite3.Error) as e:
-        reasons.append(f"delivery index unusable: {e}")
+        index_error = str(e)
+    reasons += upload_refusals(
+        free_bytes=free,
+        free_error=free_error,
+        min_free_bytes=min_free_bytes,
+        unusable=unusable_dirs(data_dir),
+        index_error=index_error,
+    )
     return Readiness(not reasons, tuple(reasons), free)

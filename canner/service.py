@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from attrs import frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import LogPublisher, globalLogPublisher
+from twisted.logger import ILogObserver, LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
@@ -191,7 +191,15 @@ def receiver_service(
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the rsync intake and the manhole."""
-    uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
+    # Watching from here on, so the status page shows what start-up logs (an unusable index).
+    problems = RecentProblems(starting=True)
+    watching = cast(ILogObserver, problems.observe)
+    log_publisher.addObserver(watching)
+    try:
+        uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
+    except BaseException:
+        log_publisher.removeObserver(watching)
+        raise
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
@@ -199,8 +207,9 @@ def receiver_service(
     top = DaemonRoot(pool.close if pool is not None else lambda: None)
     top.outlive(io)
     top.outlive(hashing)
-    problems = RecentProblems()
+    # Adding the observer again is a no-op; stopping removes it.
     LogObservers(log_publisher, [problems.observe]).setServiceParent(top)
+    reactor.callWhenRunning(problems.started)
     metrics, survey_cache = process_metrics(config, RECEIVER, io, reactor)
     parts = receiver_parts(
         config,

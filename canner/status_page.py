@@ -1,10 +1,13 @@
 """The receiver's status page (``GET /``): one self-contained HTML page for whoever is on call.
 
-Its header says which canner runs, for how long, and whether canner-deliver is alive (from its
-heartbeat in ``delivery.sqlite``); then free space, the deliveries in flight with their progress,
-24-hour trends drawn as inline SVG, uploads still coming in, accepted and pending bytes per
-project, delivery states, the latest failures (with their next retry) and deliveries (linked to
-their IA items), and this process's recent warnings and errors.  :class:`StatusSource` takes a
+Its header says which canner runs, for how long, whether canner-deliver is alive (from its
+heartbeat in ``delivery.sqlite``), and the verdict of ``canner status`` with its reasons
+(:mod:`canner.verdict`: the same words ``/readyz`` uses).  Then what needs doing: deliveries
+waiting for an operator, the latest failures (with their next retry) and what this receiver
+logged while starting; then free space, the deliveries in flight with their progress, 24-hour
+trends drawn as inline SVG, uploads still coming in, accepted and pending bytes per project,
+delivery states, the latest deliveries (an IA item link, or the file's path for a directory
+sink), and this process's recent warnings and errors.  :class:`StatusSource` takes a
 fresh survey in a thread for each request; :func:`render_status` is pure and renders with
 ``twisted.web.template``.  The page refreshes itself (``<meta http-equiv="refresh">``) and loads
 nothing else: no scripts, no external styles, no images.
@@ -33,10 +36,12 @@ from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
-from canner.inventory import Survey, take_survey
+from canner.inventory import IndexSummary, Survey, take_survey
 from canner.rsync.incoming import count_waiting
+from canner.sinks.directory import expand_path
 from canner.trends import ALL, WINDOW, levels, per_minute
 from canner.trends import projects as trend_projects
+from canner.verdict import Verdict, assess, upload_refusals
 from canner.version import version
 
 REFRESH_SECONDS = 10
@@ -60,13 +65,24 @@ class Problem:
 
 @define(eq=False)
 class RecentProblems:
-    """An ``ILogObserver`` that keeps the latest warnings and errors in memory."""
+    """An ``ILogObserver`` that keeps the latest warnings and errors in memory.
+
+    Made ``starting``, it keeps the first ``size`` logged before :meth:`started` apart (they
+    never rotate out): the errors of a start-up, which the page shows near its top."""
 
     size: int = RECENT_PROBLEMS
+    starting: bool = False
     _lines: deque[Problem] = field(init=False)
+    _at_start: list[Problem] = field(init=False, factory=list)
+    _seen: set[tuple[object, ...]] = field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
         self._lines = deque(maxlen=self.size)
+
+    def started(self) -> None:
+        """Start-up is over: what is logged from now on is a recent problem."""
+        self.starting = False
+        self._seen.clear()
 
     def observe(self, event: Mapping[str, Any]) -> None:
         level = event.get("log_level")
@@ -77,19 +93,55 @@ class RecentProblems:
         if failure is not None and hasattr(failure, "getErrorMessage"):
             text = f"{text}: {failure.type.__name__}: {failure.getErrorMessage()}"
         when = event.get("log_time")
-        # deque.append is atomic: events logged from worker threads need no lock.
-        self._lines.append(
-            Problem(
-                when if isinstance(when, float) else 0.0,
-                str(getattr(level, "name", level)),
-                str(event.get("log_namespace", "")),
-                text,
-            )
+        problem = Problem(
+            when if isinstance(when, float) else 0.0,
+            str(getattr(level, "name", level)),
+            str(event.get("log_namespace", "")),
+            text,
         )
+        if self.starting:
+            # twistd replays what was logged before its log began to every observer: once.
+            key = (when, event.get("log_format"), problem.namespace)
+            if key not in self._seen and len(self._at_start) < self.size:
+                self._seen.add(key)
+                self._at_start.append(problem)
+            return
+        # deque.append is atomic: events logged from worker threads need no lock.
+        self._lines.append(problem)
 
     def latest(self) -> tuple[Problem, ...]:
-        """Newest first."""
+        """Newest first (start-up's problems apart)."""
         return tuple(reversed(self._lines))
+
+    def at_start(self) -> tuple[Problem, ...]:
+        """What was logged before :meth:`started`, oldest first."""
+        return tuple(self._at_start)
+
+
+@frozen
+class DeliveryTarget:
+    """Where a project's deliveries go, as the page shows them: an Internet Archive site (the
+    base of its item pages) or a directory (the sink's root)."""
+
+    item_url: str | None = None
+    directory: str | None = None
+
+
+def delivery_targets(config: Config) -> dict[str, DeliveryTarget]:
+    """The :class:`DeliveryTarget` of each delivering project of ``config``."""
+    targets = {}
+    for pid, project in config.projects.items():
+        delivery = project.delivery
+        if delivery is None:
+            continue
+        if delivery.sink == "directory" and delivery.path is not None:
+            try:
+                targets[pid] = DeliveryTarget(directory=str(expand_path(delivery.path, pid)))
+            except ValueError:
+                continue  # refused at config load; nothing to show
+        elif delivery.sink == "internet_archive":
+            targets[pid] = DeliveryTarget(item_url=delivery.metadata_url)
+    return targets
 
 
 @frozen
@@ -103,10 +155,25 @@ class StatusView:
     refresh_s: int = REFRESH_SECONDS
     version: str = "-"
     started_at: float = 0.0  # when this receiver started
-    # project -> base URL of its IA item pages (the delivery's metadata_url)
-    item_urls: Mapping[str, str] = field(factory=dict)
+    # project -> where its deliveries go
+    targets: Mapping[str, DeliveryTarget] = field(factory=dict)
     # Files rsync finished that wait for adoption (None: no rsync intake).
     rsync_waiting: int | None = None
+    # whether some project delivers (then a stopped canner-deliver is critical)
+    delivers: bool = False
+    # warnings and errors this receiver logged while starting, oldest first
+    at_start: tuple[Problem, ...] = ()
+
+    @property
+    def verdict(self) -> Verdict:
+        """The verdict of ``canner status`` on this survey, and this receiver's start-up errors."""
+        errors = sum(1 for p in self.at_start if p.level in ("error", "critical"))
+        return assess(
+            self.survey,
+            min_free_bytes=self.min_free_bytes,
+            delivers=self.delivers,
+            errors_at_start=errors,
+        )
 
     @property
     def deliver(self) -> Liveness:
@@ -132,7 +199,8 @@ class StatusSource:
     _latest: Survey | None = None
     _waiting: list[Deferred[Survey]] | None = None
     _version: str = "-"
-    _item_urls: Mapping[str, str] = field(factory=dict)
+    _targets: Mapping[str, DeliveryTarget] = field(factory=dict)
+    _delivers: bool = False
     _started_at: float | None = None
     # Counts the rsync files waiting for adoption (blocking), with each survey.
     _rsync_backlog: Callable[[], int] | None = None
@@ -142,8 +210,8 @@ class StatusSource:
     def for_config(
         cls, config: Config, *, run: BlockingRunner, clock: IReactorTime, problems: RecentProblems
     ) -> StatusSource:
-        """The receiver's status page source, started now: surveys with history, the item page
-        base of each delivered project (its ``metadata_url``), and this version of canner."""
+        """The receiver's status page source, started now: surveys with history, where each
+        project delivers to, and this version of canner."""
         return cls(
             run=run,
             take=partial(take_survey, config.data_dir, config.object_ids, history=True),
@@ -152,11 +220,8 @@ class StatusSource:
             issuer=config.issuer,
             min_free_bytes=config.min_free_bytes,
             version=version(),
-            item_urls={
-                pid: p.delivery.metadata_url
-                for pid, p in config.projects.items()
-                if p.delivery is not None
-            },
+            targets=delivery_targets(config),
+            delivers=any(p.delivery is not None for p in config.projects.values()),
             started_at=clock.seconds(),
             rsync_backlog=(
                 partial(count_waiting, config.rsync.incoming, tuple(config.projects),
@@ -178,8 +243,10 @@ class StatusSource:
                 self._problems.latest(),
                 version=self._version,
                 started_at=self._started_at or survey.taken_at,
-                item_urls=self._item_urls,
+                targets=self._targets,
                 rsync_waiting=self._rsync_waiting,
+                delivers=self._delivers,
+                at_start=self._problems.at_start(),
             )
 
         return self._survey().addCallback(build)
@@ -285,13 +352,17 @@ small{color:#666}.meta{color:#666}.bad{color:#a00;font-weight:bold}.ok{color:#07
 .banner{padding:.6em 1em;border:2px solid #a00;background:#fee;font-size:1.1em}
 .bar{background:#e5e5e5;width:8em;height:.8em;display:inline-block}
 .bar span{background:#4a8;height:100%;display:block}
-.lvl-error,.lvl-critical{color:#a00}.lvl-warn{color:#a60}
+.lvl-error,.lvl-critical{color:#a00}.lvl-warn,.lvl-warning{color:#a60}
 td.msg{font-family:monospace;white-space:pre-wrap;max-width:60em}
 .charts{display:flex;flex-wrap:wrap;gap:1em}
 figure{margin:0;background:#fff;border:1px solid #ddd;padding:.4em}
 figcaption{font-size:.9em;color:#444}
 svg text{font:11px system-ui,sans-serif;fill:#666}
 .key{display:inline-block;width:.8em;height:.8em;margin:0 .2em 0 .6em}
+.verdict{padding:.4em 1em;margin:.6em 0;border:2px solid #070;background:#efe}
+.verdict h2{margin:.1em 0 .3em}.verdict ul{margin:.2em 0;padding-left:1.2em}
+.verdict.warning{border-color:#a60;background:#fff5e0}
+.verdict.critical{border-color:#a00;background:#fee}
 """
 
 
@@ -495,7 +566,7 @@ def _header(view: StatusView) -> list[Tag]:
         tags.a("readiness", href="/readyz"),
         class_="meta",
     )
-    parts = [tags.h1("canner"), meta]
+    parts = [tags.h1("canner"), meta, _verdict(view)]
     if survey.draining is not None:
         retire = survey.retirement
         parts.append(
@@ -513,7 +584,7 @@ def _header(view: StatusView) -> list[Tag]:
     if not liveness.ok:
         parts.append(
             tags.p(
-                liveness.text + ": nothing is being delivered to the Internet Archive.",
+                liveness.text + ": nothing is being delivered.",
                 class_="banner",
                 id="deliver-banner",
             )
@@ -521,13 +592,39 @@ def _header(view: StatusView) -> list[Tag]:
     return parts
 
 
+_LABELS = {"ok": "OK", "warning": "Warning", "critical": "Critical"}
+
+
+def _verdict(view: StatusView) -> Tag:
+    """The verdict and its reasons, worded as ``canner status`` and ``/readyz`` word them."""
+    verdict = view.verdict
+    section = tags.section(
+        tags.h2(_LABELS[verdict.status], id="verdict-status"),
+        id="verdict",
+        class_=f"verdict {verdict.status}",
+        **{"data-status": verdict.status},
+    )
+    if not verdict.reasons:
+        return section(tags.p("Nothing needs attention.", id="no-reasons"))
+    reasons = tags.ul(id="reasons")
+    for reason in verdict.reasons:
+        level = reason.split(":", 1)[0]
+        reasons(tags.li(shorten_ids(reason), class_=f"lvl-{level}", **{"data-level": level}))
+    return section(reasons)
+
+
 def _storage(view: StatusView) -> Tag:
     survey = view.survey
     free = survey.free_bytes
-    if free is None:
-        verdict = tags.span(f"unknown: {survey.free_error or ''}", class_="bad")
-    elif free < view.min_free_bytes:
-        verdict = tags.span("below the floor: new uploads are refused (429)", class_="bad")
+    refusals = upload_refusals(
+        free_bytes=free,
+        free_error=survey.free_error,
+        min_free_bytes=view.min_free_bytes,
+        unusable=survey.unusable,
+        index_error=None,
+    )
+    if refusals:
+        verdict = tags.span("; ".join(refusals), class_="bad")
     else:
         verdict = tags.span("ok", class_="ok")
     return tags.section(
@@ -722,41 +819,13 @@ def _deliveries(view: StatusView) -> Tag | str:
                 )
             )
         section(tags.h2("Members waiting for a zstd dictionary"), waits)
-    if index.recent_failures:
-        failures = tags.table(
-            _head("object", "project", "attempts", "needs operator", "next retry", "last error"),
-            id="delivery-failures",
-        )
-        for r in index.recent_failures:
-            wait = r.next_attempt_at - now
-            failures(
-                _row(
-                    tags.td(tags.code(shorten_ids(r.object_id))),
-                    tags.td(r.project),
-                    tags.td(str(r.attempts), class_="num"),
-                    tags.td("yes" if r.needs_operator else "no"),
-                    tags.td(
-                        f"in {human_duration(wait)}" if wait > 0 else "due now",
-                        tags.br(),
-                        tags.small(_utc(r.next_attempt_at)),
-                    ),
-                    tags.td(shorten_ids(r.last_error or ""), class_="msg"),
-                )
-            )
-        section(tags.h2("Latest delivery failures"), failures)
-    else:
-        section(tags.h2("Latest delivery failures"), tags.p("None.", id="no-failures"))
     if index.recent_deliveries:
         recent = tags.table(
-            _head("object", "project", "delivered", "verified", "IA item"),
+            _head("object", "project", "delivered", "verified", "destination"),
             id="recent-deliveries",
         )
         for r in index.recent_deliveries:
-            base = view.item_urls.get(r.project)
-            item: Tag | str = r.remote_identifier or "-"
-            if base and r.remote_identifier:
-                url = f"{base.rstrip('/')}/details/{r.remote_identifier}"
-                item = tags.a(r.remote_identifier, href=url)
+            item = _destination(view.targets.get(r.project), r.remote_identifier, r.remote_name)
             recent(
                 _row(
                     tags.td(tags.code(shorten_ids(r.object_id))),
@@ -770,20 +839,117 @@ def _deliveries(view: StatusView) -> Tag | str:
     return section
 
 
-def _problems(problems: tuple[Problem, ...]) -> Tag:
-    section = tags.section(tags.h2("Recent errors"))
-    if not problems:
-        return section(tags.p("No warnings or errors since start.", id="no-problems"))
-    table = tags.table(_head("time", "level", "message"), id="problems")
-    for p in problems:
-        table(
-            _row(
-                tags.td(_utc(p.time)),
-                tags.td(p.level),
-                tags.td(shorten_ids(p.text), class_="msg"),
-                class_=f"lvl-{p.level}",
+def _destination(
+    target: DeliveryTarget | None, identifier: str | None, remote_name: str | None
+) -> Tag | str:
+    """Where a delivery went: the IA item linked for an IA project, the file's path for a
+    directory sink, else the identifier as recorded."""
+    if not identifier:
+        return "-"
+    if target is not None and target.item_url is not None:
+        url = f"{target.item_url.rstrip('/')}/details/{identifier}"
+        return tags.a(identifier, href=url, class_="ia-item")
+    if target is not None and target.directory is not None:
+        path = f"{target.directory.rstrip('/')}/{identifier}/{remote_name or ''}"
+        return tags.code(path, class_="path")
+    return identifier
+
+
+def _attention(view: StatusView) -> list[Tag]:
+    """What needs doing, above the charts: deliveries waiting for an operator, the latest
+    failed deliveries and the errors this receiver logged while starting."""
+    survey = view.survey
+    index = survey.index
+    parts = []
+    if index is not None and index.needs_operator:
+        flagged = [r for r in index.recent_failures if r.needs_operator]
+        table = tags.table(_head("object", "project", "attempts", "last error"))
+        for r in flagged:
+            table(
+                _row(
+                    tags.td(tags.code(shorten_ids(r.object_id))),
+                    tags.td(r.project),
+                    tags.td(str(r.attempts), class_="num"),
+                    tags.td(shorten_ids(r.last_error or ""), class_="msg"),
+                    **{"data-object": r.object_id[:8]},
+                )
+            )
+        parts.append(
+            tags.section(
+                tags.h2("Needing an operator"),
+                tags.p(
+                    _count_span("needs_operator", index.needs_operator),
+                    " deliveries wait for an operator: fix the cause, then run ",
+                    tags.code("canner retry --needs-operator"),
+                    " (",
+                    tags.code("canner deliveries --needs-operator"),
+                    " lists them all).",
+                ),
+                table,
+                id="needs-operator",
             )
         )
+    if index is not None:
+        parts.append(_failures(index, survey.taken_at))
+    if view.at_start:
+        table = tags.table(_head("time", "level", "message"), id="startup-problems")
+        for p in view.at_start:
+            table(_problem_row(p))
+        parts.append(tags.section(tags.h2("Logged while starting"), table, id="at-start"))
+    return parts
+
+
+def _count_span(name: str, value: int) -> Tag:
+    return tags.b(f"{value:,}", **{"data-field": name})
+
+
+def _failures(index: IndexSummary, now: float) -> Tag:
+    section = tags.section(tags.h2("Latest delivery failures"), id="failures")
+    if not index.recent_failures:
+        return section(tags.p("None.", id="no-failures"))
+    failures = tags.table(
+        _head("object", "project", "attempts", "needs operator", "next retry", "last error"),
+        id="delivery-failures",
+    )
+    for r in index.recent_failures:
+        wait = r.next_attempt_at - now
+        failures(
+            _row(
+                tags.td(tags.code(shorten_ids(r.object_id))),
+                tags.td(r.project),
+                tags.td(str(r.attempts), class_="num"),
+                tags.td("yes" if r.needs_operator else "no"),
+                tags.td(
+                    f"in {human_duration(wait)}" if wait > 0 else "due now",
+                    tags.br(),
+                    tags.small(_utc(r.next_attempt_at)),
+                ),
+                tags.td(shorten_ids(r.last_error or ""), class_="msg"),
+            )
+        )
+    return section(failures)
+
+
+def _problem_row(p: Problem) -> Tag:
+    return _row(
+        tags.td(_utc(p.time)),
+        tags.td(p.level),
+        tags.td(shorten_ids(p.text), class_="msg"),
+        class_=f"lvl-{p.level}",
+    )
+
+
+def _problems(problems: tuple[Problem, ...], at_start: int) -> Tag:
+    section = tags.section(tags.h2("Recent errors"))
+    if not problems:
+        text = "No warnings or errors since start."
+        if at_start:
+            text = f"No warnings or errors since start-up ({at_start} logged while starting:"
+            text += " above)."
+        return section(tags.p(text, id="no-problems"))
+    table = tags.table(_head("time", "level", "message"), id="problems")
+    for p in problems:
+        table(_problem_row(p))
     return section(table)
 
 
@@ -800,13 +966,14 @@ def render_status(view: StatusView) -> bytes:
         ),
         tags.body(
             *_header(view),
+            *_attention(view),
             _storage(view),
             _in_flight(view),
             _trends(view),
             _uploads(view.survey, view.rsync_waiting),
             _projects(view.survey),
             _deliveries(view),
-            _problems(view.problems),
+            _problems(view.problems, len(view.at_start)),
         ),
         lang="en",
     )

@@ -154,20 +154,23 @@ def partials(root: Path) -> list[Path]:
 
 
 def test_dev_config_upload_receipt_archive_purge(tmp_path: Path) -> None:
-    """conf/canner.dev.toml as ./dev run uses it (only the port and the retention changed, so the
-    test neither collides with a developer's receiver nor waits a minute): a tuspy upload gets a
-    receipt, the file appears byte-identical under run/archive, and the local payload is purged."""
+    """conf/canner.dev.toml as ./dev run uses it (only the ports and the retention changed, so
+    the test neither collides with a developer's daemons nor waits a minute): a tuspy upload gets
+    a receipt, the file appears byte-identical under run/archive, the local payload is purged,
+    and both daemons serve their metrics."""
     conf = tmp_path / "conf"
     conf.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     text = (REPO / "conf" / "canner.dev.toml").read_text(encoding="utf-8")
+    metrics_port = free_port()
     text, n_listen = re.subn(r"tcp:8080:", f"tcp:{port}:", text)
+    text, n_metrics = re.subn(r"tcp:9464:", f"tcp:{metrics_port}:", text)
     text, n_issuer = re.subn(r'issuer = "http://127\.0\.0\.1:8080"', f'issuer = "{url}"', text)
     text, n_retention = re.subn(
         r'local_artifact_retention = "[^"]*"', 'local_artifact_retention = "2s"', text
     )
-    assert (n_listen, n_issuer, n_retention) == (1, 1, 1)
+    assert (n_listen, n_metrics, n_issuer, n_retention) == (1, 1, 1, 1)
     config = conf / "canner.dev.toml"
     config.write_text(text, encoding="utf-8")
     run = tmp_path / "run"
@@ -216,6 +219,19 @@ def test_dev_config_upload_receipt_archive_purge(tmp_path: Path) -> None:
             check=True,
         )
         assert json.loads(status.stdout)["states"]["delivered"] == 1
+        # The status page shows where the file went, and links to no IA item.
+        path = f'<code class="path">{archive.resolve()}/example-{object_id}/a.warc</code>'
+        page = wait_for(
+            lambda: t if path in (t := requests.get(url + "/", timeout=5).text) else None,
+            10,
+            "the destination path on the status page",
+        )
+        assert "/details/" not in page and "archive.org" not in page
+        # Both daemons' metrics, as the dev config exposes them.
+        receiver = requests.get(f"{url}/metrics", timeout=5).text
+        deliver = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert 'canner_build_info{role="receiver"' in receiver
+        assert 'canner_deliveries_completed_total{kind="object",project="example"} 1.0' in deliver
     finally:
         for proc in procs:
             end_process(proc, signal.SIGTERM)

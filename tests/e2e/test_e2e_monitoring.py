@@ -1,20 +1,26 @@
-"""What Prometheus and Grafana get: the shipped alert rules pass ``promtool check rules``, and
-every metric named by the rules and the dashboard exists in a live scrape of both daemons.
+"""What Prometheus and Grafana get: the shipped alert rules pass ``promtool check rules``,
+every metric named by the rules and the dashboard exists in a live scrape of both daemons, and a
+real Prometheus scraping both daemons fires the shipped rule on the first 403 from the IA.
 
-Needs the Debian package ``prometheus`` (``promtool``); ``./dev test`` installs it.
+Needs the Debian package ``prometheus`` (``promtool`` and the ``prometheus`` server);
+``./dev test`` installs it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 from deliver_support import make_env, wait_for
-from e2e_support import REPO, free_port
+from e2e_support import REPO, end_process, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -134,3 +140,101 @@ def test_every_metric_in_dashboard_and_alerts_exists_in_a_live_scrape(tmp_path: 
     assert not missing, f"named by rules or dashboard but not exported: {missing}"
     assert not [n for n in exported if n.endswith("_created")]
     assert 'canner_build_info{role="receiver"' in text and 'role="deliver"' in text
+
+
+# -- the shipped rules in a real Prometheus ------------------------------------------------------
+
+PROMETHEUS_CONFIG = """
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files: [{rules}]
+scrape_configs:
+  - job_name: canner
+    static_configs:
+      - targets: [{receiver}, {deliver}]
+"""
+
+
+def prometheus_server() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.fail("prometheus is missing: apt-get install prometheus (./dev test installs it)")
+    return path
+
+
+def prom_get(base: str, what: str, **params: str) -> Any:
+    r = requests.get(f"{base}/api/v1/{what}", params=params, timeout=5)
+    r.raise_for_status()
+    return r.json()["data"]
+
+
+def firing(base: str) -> set[str]:
+    alerts = prom_get(base, "alerts")["alerts"]
+    return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+
+
+def test_one_forbidden_upload_fires_the_shipped_alert_in_prometheus(tmp_path: Path) -> None:
+    """A real Prometheus (1 s scrape and evaluation interval, the shipped rule file unchanged)
+    scrapes a receiver and canner-deliver: the 403 counter is there at 0 before anything fails,
+    nothing about 403s fires, and one 403 from the IA fires CannerDeliveriesForbidden."""
+    server = prometheus_server()
+    metrics_port, prom_port = free_port(), free_port()
+    env = make_env(
+        tmp_path,
+        extra=lambda fake, root: (
+            f'[metrics]\ndeliver_listen = "tcp:{metrics_port}:interface=127.0.0.1"\n'
+            'refresh = "1s"\n'
+        ),
+    )
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        PROMETHEUS_CONFIG.format(
+            rules=json.dumps(str(RULES)),
+            receiver=json.dumps(env.receiver.base_url.split("//", 1)[1]),
+            deliver=json.dumps(f"127.0.0.1:{metrics_port}"),
+        ),
+        encoding="utf-8",
+    )
+    base = f"http://127.0.0.1:{prom_port}"
+    log = tmp_path / "prometheus.log"
+    with open(log, "wb") as out:
+        prom = subprocess.Popen(
+            [
+                server,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def scraped_at_zero() -> bool:
+            try:
+                found = prom_get(
+                    base, "query", query='sum(canner_delivery_failures_total{reason="forbidden"})'
+                )["result"]
+                up = prom_get(base, "query", query="sum(up)")["result"]
+            except requests.RequestException:
+                return False
+            return bool(found and up) and found[0]["value"][1] == "0" and up[0]["value"][1] == "2"
+
+        wait_for(scraped_at_zero, 20, "Prometheus to scrape both daemons", 0.2)
+        assert "CannerDeliveriesForbidden" not in firing(base)
+        started = time.monotonic()
+        env.fake.add_fault("forbidden", count=1)
+        env.upload(b"f" * 5000, filename="refused.warc")
+        wait_for(
+            lambda: "CannerDeliveriesForbidden" in firing(base),
+            20,
+            "the forbidden alert to fire",
+            0.2,
+        )
+        fired_after = time.monotonic() - started
+    finally:
+        end_process(prom, signal.SIGTERM)
+        env.close()
+    print(f"CannerDeliveriesForbidden fired {fired_after:.1f}s after the 403 was armed")
+    assert "level=error" not in log.read_text(encoding="utf-8", errors="replace")

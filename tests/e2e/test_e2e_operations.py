@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import pty
+import pwd
 import re
 import select
 import shutil
@@ -26,10 +27,12 @@ import termios
 import time
 import zlib
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from deliver_support import (
     PROJECT,
     Deliver,
@@ -38,7 +41,7 @@ from deliver_support import (
     venv_bin,
     wait_for,
 )
-from e2e_support import REPO, Receiver, blake3_hex, free_port, scrape
+from e2e_support import REPO, Nobody, Receiver, blake3_hex, free_port, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -625,3 +628,194 @@ def test_status_page_idle_uploading_and_delivering_with_a_failure(tmp_path: Path
         deliver.stop()
         rcv.close()
         fake.stop()
+
+
+# -- the verdict at the top, in each state ---------------------------------------------------------
+
+
+class PageDom(HTMLParser):
+    """The parts of a dumped DOM the verdict tests read: the ids in document order, the text
+    inside each element with an id, the reasons listed, and links by class."""
+
+    def __init__(self, dom: str) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.text: dict[str, str] = {}
+        self.status = ""
+        self.reasons: list[str] = []
+        self.links: dict[str, list[str]] = {}
+        self.codes: dict[str, list[str]] = {}
+        self._open: list[tuple[str, str | None]] = []
+        self._li: list[str] | None = None
+        self._code: tuple[str, list[str]] | None = None
+        self.feed(dom)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        element_id = found.get("id")
+        if element_id:
+            self.ids.append(element_id)
+            self.text.setdefault(element_id, "")
+        if element_id == "verdict":
+            self.status = found.get("data-status") or ""
+        if tag == "li" and any(i == "reasons" for _, i in self._open):
+            self._li = []
+        if tag == "a" and found.get("class"):
+            self.links.setdefault(found["class"] or "", []).append(found.get("href") or "")
+        if tag == "code" and found.get("class"):
+            self._code = (found["class"] or "", [])
+        if tag not in ("br", "meta", "img", "input", "link", "rect", "circle", "polyline"):
+            self._open.append((tag, element_id))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "li" and self._li is not None:
+            self.reasons.append("".join(self._li).strip())
+            self._li = None
+        if tag == "code" and self._code is not None:
+            self.codes.setdefault(self._code[0], []).append("".join(self._code[1]))
+            self._code = None
+        while self._open:
+            name, _ = self._open.pop()
+            if name == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        for _, element_id in self._open:
+            if element_id:
+                self.text[element_id] += data
+        if self._li is not None:
+            self._li.append(data)
+        if self._code is not None:
+            self._code[1].append(data)
+
+    def before(self, first: str, then: str) -> bool:
+        return self.ids.index(first) < self.ids.index(then)
+
+
+NOBODY = pwd.getpwnam("nobody")
+
+
+def status_reasons(config: Path) -> tuple[int, list[str]]:
+    """``canner status``'s exit status and the reasons it gives on stderr."""
+    done = canner("status", "--config", str(config))
+    prefix = "canner: "
+    return done.returncode, [
+        line[len(prefix) :] for line in done.stderr.splitlines() if line.startswith(prefix)
+    ]
+
+
+def served(url: str) -> PageDom:
+    """The page as served (no scripts run on it: what waits poll, cheaper than a browser)."""
+    return PageDom(requests.get(url, timeout=10).text)
+
+
+def page_once(url: str, profile: Path, shot: Path) -> PageDom:
+    screenshot(url, shot, profile)
+    return PageDom(page_dom(url, profile))
+
+
+def test_status_page_verdict_healthy_needs_operator_and_deliver_down(tmp_path: Path) -> None:
+    """Headless Chromium (a screenshot of each state in the test's tmp dir): the page's header
+    carries ``canner status``'s verdict and reasons, word for word, while all is well, once a
+    403 leaves a delivery needing an operator (listed, with the failure, above the charts; the
+    delivered object links to its IA item) and once canner-deliver has stopped."""
+    fake = FakeIA(tmp_path / "fake")
+    fake.start()
+    rcv = DeliveryReceiver.configured(tmp_path / "canner", fake.url, retention="1h")
+    deliver = Deliver(rcv.config_path, rcv.data_dir, tmp_path / "canner" / "deliver.log")
+    profile = tmp_path / "chromium"
+    url = rcv.base_url + "/"
+    try:
+        rcv.start()
+        deliver.start()
+        delivered, _ = rcv.upload_all(os.urandom(20_000), filename="good.warc")
+
+        # 1. Healthy: deliver alive, the object delivered, nothing to do.
+        def healthy() -> PageDom | None:
+            page = served(url)
+            links = page.links.get("ia-item", [])
+            return page if page.status == "ok" and links else None
+
+        wait_for(healthy, 30, "a healthy page listing the delivery")
+        page = page_once(url, profile, tmp_path / "1-healthy.png")
+        assert page.status == "ok" and page.reasons == []
+        assert "Nothing needs attention." in page.text["verdict"]
+        assert status_reasons(rcv.config_path) == (0, [])
+        [link] = page.links["ia-item"]
+        assert link.startswith(f"{fake.url}/details/example-") and link.endswith(delivered)
+        assert "needs-operator" not in page.ids and page.before("failures", "trends")
+
+        # 2. Needs an operator: the IA refuses the next object (403).
+        fake.add_fault("forbidden", count=1)
+        refused, _ = rcv.upload_all(os.urandom(30_000), filename="refused.warc")
+        wait_for(
+            lambda: "needs-operator" in served(url).ids,
+            30,
+            "the refused delivery needing an operator",
+        )
+        page = page_once(url, profile, tmp_path / "2-needs-operator.png")
+        code, reasons = status_reasons(rcv.config_path)
+        assert (code, page.status) == (1, "warning")
+        assert page.reasons == reasons == ["warning: 1 deliveries need an operator"]
+        assert page.before("verdict", "needs-operator")
+        assert page.before("needs-operator", "failures") and page.before("failures", "trends")
+        assert refused[:8] + "…" in page.text["needs-operator"]
+        assert "canner retry --needs-operator" in page.text["needs-operator"]
+        assert "403" in page.text["delivery-failures"]
+
+        # 3. Deliver down.
+        assert deliver.stop() in (0, -signal.SIGTERM)
+        wait_for(
+            lambda: served(url).status == "critical",
+            20,
+            "the page to say deliver stopped",
+        )
+        page = page_once(url, profile, tmp_path / "4-deliver-down.png")
+        code, reasons = status_reasons(rcv.config_path)
+        assert (code, page.status) == (2, "critical")
+        assert page.reasons == reasons
+        assert reasons[0] == "critical: canner-deliver is not running (stopped cleanly)"
+        assert "deliver-banner" in page.ids
+    finally:
+        deliver.stop()
+        rcv.close()
+        fake.stop()
+
+
+def test_status_page_verdict_unready_with_an_error_at_start(tmp_path: Path, nobody: Nobody) -> None:
+    """The issue's case: a receiver (run as nobody) that logged an error at start (its index
+    unreadable), then its uploads/ and receipts/ made unwritable.  /readyz answers 503, and the
+    page says critical with those very reasons (and ``canner status`` the same), its storage
+    state is not "ok", and what start-up logged is shown above the charts."""
+    rcv = Receiver.in_dir(nobody.folder / "node")
+    (rcv.data_dir / "delivery.sqlite").write_bytes(b"not a database at all" * 100)
+    for sub in ("", "uploads", "receipts", "delivery.sqlite"):
+        path = rcv.data_dir / sub
+        if sub in ("uploads", "receipts"):
+            path.mkdir()
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    rcv.launch_prefix, rcv.launch_twistd = nobody.prefix, nobody.twistd
+    profile = tmp_path / "chromium"
+    url = rcv.base_url + "/"
+    rcv.start()
+    try:
+        rcv.uploads_dir.chmod(0o555)
+        rcv.receipts_dir.chmod(0o555)
+        ready = rcv.session.get(rcv.base_url + "/readyz", timeout=10)
+        assert ready.status_code == 503
+        refusals = ready.json()["reasons"]
+        assert len(refusals) == 3, refusals
+        page = PageDom(page_dom(url, profile))
+        screenshot(url, tmp_path / "3-unready.png", profile)
+        code, reasons = status_reasons(rcv.config_path)
+    finally:
+        rcv.close()
+    assert page.status == "critical" and code == 2
+    assert [f"critical: {r}" for r in refusals] == page.reasons[:3] == reasons[:3]
+    # The page alone knows what this receiver logged while starting.
+    assert page.reasons[3:] == ["warning: the receiver logged 1 error while starting"]
+    assert reasons[3:] == []
+    storage = page.text["storage-state"]
+    assert "ok" != storage.strip() and "uploads is missing or not writable" in storage
+    assert "delivery index" in page.text["at-start"] and page.before("at-start", "trends")
+    assert "No warnings or errors since start." not in page.text.get("no-problems", "")

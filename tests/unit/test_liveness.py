@@ -25,7 +25,7 @@ from canner.delivery.liveness import (
 from canner.ids import ObjectIds
 from canner.inventory import take_survey
 from canner.sinks.base import RemoteCheck
-from canner.status_page import Line, StatusView, render_status, trend_chart
+from canner.status_page import DeliveryTarget, Line, StatusView, render_status, trend_chart
 from canner.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from tests.fakes import SyncIndex
 from tests.unit.test_scheduler import Harness
@@ -232,8 +232,10 @@ def test_latest_deliveries_link_to_their_ia_items(harness: Harness) -> None:
     harness.sink.succeed(oid)
     data_dir = harness.index.path.parent
     survey = take_survey(data_dir, IDS, harness.clock.seconds())
-    view = StatusView("i", survey, 1, (), item_urls={"example": "https://archive.example/"})
+    view = StatusView(
+        "i", survey, 1, (), targets={"example": DeliveryTarget(item_url="https://archive.example/")}
+    )
     page = render_status(view).decode()
-    link = f'<a href="https://archive.example/details/item-{oid}">item-{oid}</a>'
+    link = f'<a href="https://archive.example/details/item-{oid}" class="ia-item">item-{oid}</a>'
     assert re.search(r'<table id="recent-deliveries">.*' + re.escape(link), page, re.S)
     assert 'id="no-failures"' in page

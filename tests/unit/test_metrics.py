@@ -27,6 +27,8 @@ from canner.ids import ObjectIds
 from canner.inventory import Survey, take_survey
 from canner.metrics import (
     DELIVER,
+    DICTIONARY_FAILURES,
+    FAILURE_CLASSES,
     RECEIVER,
     Metrics,
     MetricsPage,
@@ -463,6 +465,26 @@ def test_a_failing_refresh_is_logged_and_keeps_the_last_survey(data_dir: Path) -
         job.stopService()
     assert cache.latest is first and len(calls) == 3
     assert any(e.get("label") == "metrics survey" and "log_failure" in e for e in events)
+
+
+def test_failure_counters_exist_at_zero_for_every_known_reason() -> None:
+    """Before anything fails, every failure series is there at 0 (so ``increase() > 0`` fires
+    on the first failure): each reason, operator flag and kind, and each dictionary reason."""
+    m = Metrics(DELIVER, ["example"])
+    for reason in FAILURE_CLASSES:
+        for flag in ("true", "false"):
+            for kind, project in (("object", "example"), ("package", "example"), ("ledger", "")):
+                labels = {"project": project, "needs_operator": flag, "reason": reason}
+                value = m.registry.get_sample_value(
+                    "canner_delivery_failures_total", {**labels, "kind": kind}
+                )
+                assert value == 0.0, (reason, flag, kind)
+    for reason in (*DICTIONARY_FAILURES, "other"):
+        labels = {"project": "example", "reason": reason}
+        assert m.registry.get_sample_value("canner_zstd_dictionary_failures_total", labels) == 0
+    m.delivery_failed(Outbound.OBJECT, "example", "forbidden", True)
+    labels = {"project": "example", "needs_operator": "true", "reason": "forbidden"}
+    assert sample(m, "canner_delivery_failures_total", **labels, kind="object") == 1
 
 
 def test_deliver_metrics_page_serves_the_exposition_format() -> None:

@@ -81,7 +81,7 @@ def test_not_ready_without_data_directories_or_index(data_dir: Path) -> None:
     code, doc = readyz(data_dir, 1)
     assert code == 503
     assert any("receipts is missing or not writable" in r for r in doc["reasons"])
-    assert any("delivery index unusable" in r for r in doc["reasons"])
+    assert any("delivery index unreadable" in r for r in doc["reasons"])
 
 
 def test_floor_crossing_and_recovery_are_logged_once_each() -> None:
