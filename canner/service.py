@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 from attrs import frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import ILogObserver, LogPublisher, globalLogPublisher
+from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
@@ -69,7 +69,7 @@ from canner.startup import (
     prepare_data_dir,
     prepare_packages,
 )
-from canner.status_page import RecentProblems, StatusSource
+from canner.status_page import RecentProblems, StatusSource, watching_start_up
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.channel import ReceiverSite
@@ -191,15 +191,8 @@ def receiver_service(
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the rsync intake and the manhole."""
-    # Watching from here on, so the status page shows what start-up logs (an unusable index).
-    problems = RecentProblems(starting=True)
-    watching = cast(ILogObserver, problems.observe)
-    log_publisher.addObserver(watching)
-    try:
+    with watching_start_up(log_publisher) as problems:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
-    except BaseException:
-        log_publisher.removeObserver(watching)
-        raise
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
@@ -297,18 +290,16 @@ def deliver_service(
     reactor: Any,
     sinks: Mapping[str, Sink] | None = None,
 ) -> IService:
-    """The deliver process: the queue, rescans, verification and purge; metrics on
-    ``[metrics] deliver_listen`` and the manhole when configured.
-
-    Raises :class:`~canner.startup.DeliverLocked` when another deliver process owns the data
-    directory.  ``sinks`` replaces the configured sinks (tests).
-    """
+    """The deliver process: the outbound service, packaging, the ledger, rescans; metrics on
+    ``[metrics] deliver_listen`` and the manhole when configured.  Raises
+    :class:`~canner.startup.DeliverLocked` when another deliver process owns the data directory.
+    ``sinks`` replaces the configured sinks (tests)."""
     # Made here, started with the process: sinks read payloads through them.
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     sinks, retention = configured_sinks(config, reactor, io, hashing, sinks)
     uploads, receipts = prepare_data_dir(config, DELIVER_WRITES)
-    # Megawarc projects are delivered a package at a time; the object queue serves the rest.
+    # Megawarc projects are delivered a package at a time, the others an object at a time.
     packed = packed_projects(config, sinks)
     packages = PackageStore(config.packages_path)
     if packed:
@@ -331,8 +322,8 @@ def deliver_service(
     ledger = ledger_parts(base, delivery_log)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     receipt_rescan(base, archived, ledger).setServiceParent(top)
-    scheduler = outbound_service(base, sinks, retention, packages, ledger, delivery_log)
-    scheduler.setServiceParent(top)
+    outbound = outbound_service(base, sinks, retention, packages, ledger, delivery_log)
+    outbound.setServiceParent(top)
     packaging = package_pipeline(base, packed, packages, archived)
     if packed:
         packaging.setServiceParent(top)
@@ -346,7 +337,7 @@ def deliver_service(
         service.setServiceParent(top)
     manhole = daemon_manhole(
         config, DELIVER, top, io, reactor,
-        index=index, scheduler=scheduler, packaging=packaging, packages=packages,
+        index=index, scheduler=outbound, packaging=packaging, packages=packages,
         packaging_sql=packaging_sql, ledger=ledger and ledger.service, sinks=sinks, uploads=uploads,
         receipts=receipts, metrics=metrics,
     )  # fmt: skip

@@ -21,14 +21,15 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import LogLevel, formatEvent
+from twisted.logger import ILogObserver, LogLevel, LogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.web.template import Tag, flatten, tags
 
@@ -116,6 +117,20 @@ class RecentProblems:
     def at_start(self) -> tuple[Problem, ...]:
         """What was logged before :meth:`started`, oldest first."""
         return tuple(self._at_start)
+
+
+@contextmanager
+def watching_start_up(publisher: LogPublisher) -> Iterator[RecentProblems]:
+    """Problems heard from here on (start-up included: an unusable index), for the status page;
+    a start-up that raises stops the watching."""
+    problems = RecentProblems(starting=True)
+    watching = cast(ILogObserver, problems.observe)
+    publisher.addObserver(watching)
+    try:
+        yield problems
+    except BaseException:
+        publisher.removeObserver(watching)
+        raise
 
 
 @frozen
