@@ -20,6 +20,8 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
+from attrs import frozen
+
 
 class Outbound(enum.Enum):
     """What kind of file an outbound transfer moves."""
@@ -181,10 +183,23 @@ def counting_sent(
     kind: Outbound,
     destination: Destination,
 ) -> Callable[[int], None]:
-    """A sink's progress callback that also tells ``observer`` of the bytes sent."""
+    """A sink's progress callback that also tells ``observer`` of the bytes sent (and passes a
+    multipart sink's parts on to ``report``, when it listens)."""
+    return _CountingSent(report, observer, kind, destination)
 
-    def sent(count: int) -> None:
-        report(count)
-        observer.bytes_sent(kind, destination, count)
 
-    return sent
+@frozen
+class _CountingSent:
+    _report: Callable[[int], None]
+    _observer: OutboundObserver
+    _kind: Outbound
+    _destination: Destination
+
+    def __call__(self, count: int) -> None:
+        self._report(count)
+        self._observer.bytes_sent(self._kind, self._destination, count)
+
+    def parts(self, done: int, total: int, done_bytes: int) -> None:
+        parts = getattr(self._report, "parts", None)
+        if callable(parts):
+            parts(done, total, done_bytes)

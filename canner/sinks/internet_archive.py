@@ -38,6 +38,7 @@ from canner.sinks.base import (
     Outcome,
     RemoteCheck,
     Verdict,
+    report_parts,
 )
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
@@ -710,6 +711,9 @@ class _Attempt:
         return Deferred.fromCoroutine(self._pause(seconds))
 
     def _part_done(self, done: int, parts: int, done_bytes: int) -> None:
+        report_parts(self._on_progress, done, parts, done_bytes)
+        if done == 0 or self._bytes_sent == 0:
+            return  # the upload (re)starts: nothing to report yet
         elapsed = self._sink._clock.seconds() - self._started
         rate = self._bytes_sent / elapsed if elapsed > 0 else 0.0
         left = self._plan.size - done_bytes

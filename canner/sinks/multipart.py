@@ -425,6 +425,8 @@ class MultipartUpload:
                 return started
             record = started
         ranges = part_ranges(self.plan.size, record.part_size)
+        if self.on_part is not None:
+            self.on_part(len(record.parts), len(ranges), sum(p.size for p in record.parts))
         if not record.completing:
             for number, offset, length in ranges:
                 if number in record.finished():

@@ -316,3 +316,53 @@ async def test_a_lost_complete_answer_finds_the_file_listed(world: World) -> Non
     again = await world.sink().deliver(plan, path)
     assert again.delivered and again.already_present
     assert world.journal.load(plan.identifier, plan.remote_name) is None
+
+
+@attrs.define
+class Heard:
+    """A progress callback that also listens for parts."""
+
+    sent: int = 0
+    parts_heard: list[tuple[int, int, int]] = attrs.field(factory=list)
+
+    def __call__(self, n: int) -> None:
+        self.sent += n
+
+    def parts(self, done: int, total: int, done_bytes: int) -> None:
+        self.parts_heard.append((done, total, done_bytes))
+
+
+@pytest_twisted.ensureDeferred
+async def test_progress_hears_parts_done_including_resumed_ones(world: World) -> None:
+    """The progress callback hears parts at the start and after each part; a resumed upload
+    starts from the parts already at IA, and only new bytes count as sent."""
+    plan, path = world.artifact(2 * PART + 1000)
+    world.fake.add_fault("error500", count=4, target="part").part = 3
+    first = Heard()
+    assert not (await world.sink().deliver(plan, path, first)).delivered
+    assert first.parts_heard == [(0, 3, 0), (1, 3, PART), (2, 3, 2 * PART)]
+    second = Heard()
+    assert (await world.sink().deliver(plan, path, second)).delivered
+    assert second.parts_heard == [(2, 3, 2 * PART), (3, 3, plan.size)]
+    assert second.sent == 1000
+
+
+def test_in_flight_shows_parts_and_bytes_at_ia() -> None:
+    """An attempt that resumed with two parts at IA shows them, and its ETA counts only what is
+    left."""
+    from canner.delivery.liveness import Attempt, InFlight
+
+    clock = Clock()
+    in_flight = InFlight(clock)
+    in_flight.begin(Attempt("k", "p", "f", 10 * PART, 2))
+    sent: Any = in_flight.uploading("k")
+    sent.parts(2, 10, 2 * PART)
+    clock.advance(1)
+    sent(PART // 2)
+    in_flight.snapshot()
+    clock.advance(1)
+    sent(PART // 2)
+    (shown,) = in_flight.snapshot()
+    assert (shown.parts_done, shown.parts, shown.done, shown.sent) == (2, 10, 3 * PART, PART)
+    assert shown.eta_s is not None and shown.rate is not None
+    assert shown.eta_s == pytest.approx(7 * PART / shown.rate)
