@@ -9,7 +9,8 @@ plan, each part's MD5 before the part is sent) and sent for real: canner's :clas
 production HTTP client, a thread runner) sends it as an S3 multipart upload to the fake IA
 (``tests/fake_ia.py``, its own process), through a cutting proxy (this file with
 ``--serve-proxy``, its own process) that aborts the connection carrying the request whenever the
-bytes it has forwarded towards the fake pass the next multiple of ``--cut-every``.  Attempts are
+bytes it has forwarded towards the fake pass the next cut, ``--cut-every`` after the last one
+give or take half (seeded by ``--seed``).  Attempts are
 repeated at once until the file is delivered (canner's scheduler would wait a minute or more
 between attempts; this measures bytes, not backoff).
 
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -49,10 +51,19 @@ def parse_size(text: str) -> int:
 # -- the cutting proxy (its own process) ---------------------------------------------------------
 
 
-def serve_proxy(target_port: int, cut_every: int, port_file: Path, stats_file: Path) -> None:
+def serve_proxy(
+    target_port: int, cut_every: int, port_file: Path, stats_file: Path, seed: int
+) -> None:
     """Forward 127.0.0.1:<ephemeral> to 127.0.0.1:target_port; abort the connection whose
-    client-to-server bytes carry the running total past the next multiple of ``cut_every``."""
-    state = {"forwarded": 0, "next_cut": cut_every, "cuts": 0}
+    client-to-server bytes carry the running total past the next cut, which comes after
+    ``cut_every`` bytes give or take half (seeded: a fixed period would always cut the same
+    distance into a part, which says more about the period than about the parts)."""
+    jitter = random.Random(seed)
+
+    def gap() -> int:
+        return int(cut_every * jitter.uniform(0.5, 1.5))
+
+    state = {"forwarded": 0, "next_cut": gap(), "cuts": 0}
 
     def save() -> None:
         stats_file.write_text(json.dumps(state))
@@ -68,7 +79,7 @@ def serve_proxy(target_port: int, cut_every: int, port_file: Path, stats_file: P
                 if upstream:
                     state["forwarded"] += len(data)
                     if state["forwarded"] >= state["next_cut"]:
-                        state["next_cut"] += cut_every
+                        state["next_cut"] += gap()
                         state["cuts"] += 1
                         save()
                         for w in (writer, other):
@@ -206,11 +217,14 @@ def main() -> None:
     parser.add_argument("--cut-every", type=parse_size, default=parse_size("3G"))
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
-    parser.add_argument("--serve-proxy", nargs=4, metavar=("TARGET", "CUT", "PORTFILE", "STATS"))
+    parser.add_argument("--seed", type=int, default=26)
+    parser.add_argument(
+        "--serve-proxy", nargs=5, metavar=("TARGET", "CUT", "PORTFILE", "STATS", "SEED")
+    )
     args = parser.parse_args()
     if args.serve_proxy:
-        target, cut, port_file, stats = args.serve_proxy
-        serve_proxy(int(target), int(cut), Path(port_file), Path(stats))
+        target, cut, port_file, stats, seed = args.serve_proxy
+        serve_proxy(int(target), int(cut), Path(port_file), Path(stats), int(seed))
         return
 
     from deliver_support import FakeIA
@@ -233,6 +247,7 @@ def main() -> None:
                 str(args.cut_every),
                 str(port_file),
                 str(stats_file),
+                str(args.seed),
             ]
         )
         deadline = time.monotonic() + 10
@@ -263,7 +278,7 @@ def main() -> None:
         gib = 2**30
         print(
             f"file {size / gib:.2f} GiB in parts of {outcome['part_size'] / 2**20:.0f} MiB,"
-            f" a cut every {outcome['cut_every'] / gib:.2f} GiB forwarded: {cuts} cuts,"
+            f" a cut every {outcome['cut_every'] / gib:.2f} GiB (+-50%) forwarded: {cuts} cuts,"
             f" {outcome['attempts']} attempt(s)\n"
             f"canner sent {outcome['sent'] / gib:.2f} GiB = {outcome['sent'] / size:.3f}x the"
             f" file; the fake received {outcome['received'] / gib:.2f} GiB of part bodies ="
