@@ -32,13 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+from twisted.internet.defer import Deferred
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
+P = ParamSpec("P")
+T = TypeVar("T")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -121,6 +126,13 @@ def serve_proxy(
 # -- the run -------------------------------------------------------------------------------------
 
 
+def in_thread(f: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+    """The blocking runner: the reactor's thread pool."""
+    from twisted.internet.threads import deferToThread
+
+    return deferToThread(f, *args, **kwargs)
+
+
 def make_sparse(path: Path, size: int) -> None:
     with open(path, "wb") as f:
         f.truncate(size)
@@ -170,7 +182,7 @@ async def deliver_until_done(
         credentials=Credentials(ACCESS, SECRET),
         s3_url=proxy_url,
         metadata_url=fake.url,
-        run=deferToThread,
+        run=in_thread,
         check_limit=False,
         multipart_threshold=1,
         multipart_part_size=args.part_size,
@@ -258,19 +270,19 @@ def main() -> None:
         proxy_url = f"http://127.0.0.1:{port_file.read_text().strip()}"
 
         from twisted.internet import reactor
-        from twisted.internet.defer import Deferred
 
         outcome: dict[str, Any] = {}
 
-        def run() -> Deferred[None]:
+        the_reactor: Any = reactor
+
+        def run() -> None:
             d = Deferred.fromCoroutine(deliver_until_done(args, root, fake, proxy_url))
             d.addCallback(outcome.update)
             d.addErrback(lambda f: outcome.setdefault("error", f.getTraceback()))
-            d.addBoth(lambda _: reactor.stop())  # type: ignore[attr-defined]
-            return d
+            d.addBoth(lambda _: the_reactor.stop())
 
-        reactor.callWhenRunning(run)  # type: ignore[attr-defined]
-        reactor.run()  # type: ignore[attr-defined]
+        the_reactor.callWhenRunning(run)
+        the_reactor.run()
         if "error" in outcome:
             raise SystemExit(outcome["error"])
         cuts = json.loads(stats_file.read_text())["cuts"]

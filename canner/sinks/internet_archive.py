@@ -1012,7 +1012,9 @@ def internet_archive_sink(
             http,
             reactor,
             run,
-            journal=None if state_dir is None else PartJournal(state_dir / project_id),
+            # One journal directory for all projects: a destination (item and name) is one
+            # file at IA, whichever project sends it.
+            journal=None if state_dir is None else PartJournal(state_dir),
         )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None

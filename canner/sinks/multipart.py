@@ -425,6 +425,8 @@ class MultipartUpload:
                 return started
             record = started
         ranges = part_ranges(self.plan.size, record.part_size)
+        # A complete request sent before (its answer lost in a crash) is sent again.
+        resent = record.completing
         if self.on_part is not None:
             self.on_part(len(record.parts), len(ranges), sum(p.size for p in record.parts))
         if not record.completing:
@@ -441,7 +443,7 @@ class MultipartUpload:
                     self.on_part(len(record.parts), len(ranges), done)
             record = attrs.evolve(record, completing=True)
             await self.run_blocking(self.journal.save, record)
-        return await self._complete(record, len(ranges))
+        return await self._complete(record, len(ranges), resent)
 
     async def _check(self, record: UploadRecord) -> UploadRecord | Outcome | None:
         """Confirm the journal's parts with ListParts where IA answers it: parts it does not
@@ -508,16 +510,18 @@ class MultipartUpload:
         return record
 
     async def _forgotten_after_complete(self, record: UploadRecord) -> Outcome:
-        """A completed-or-forgotten upload: drop the journal and let the metadata API decide;
-        the next attempt finds the file listed or starts a new upload."""
+        """The upload is gone after a complete request whose answer was lost (a crash): most
+        likely IA carried it out, and its metadata API has not listed the file yet (which can
+        take hours).  Count it delivered: verification looks the file up as after any PUT, and
+        delivers it again when IA never lists it (``verify_timeout``)."""
         log.warn(
             "multipart upload {upload_id} of {object_id} is gone after its complete request:"
-            " waiting for IA's metadata API to list the file (or uploading it again)",
+            " counting it delivered; verification will find the file, or deliver it again",
             upload_id=record.upload_id,
             object_id=self.plan.object_id,
         )
         await self.run_blocking(self.journal.delete, self.plan.identifier, self.plan.remote_name)
-        return Outcome(Verdict.TRANSIENT, "multipart upload completed or forgotten; checking again")
+        return Outcome(Verdict.SUCCESS, "multipart upload completed before a restart")
 
     def _forgotten(self, record: UploadRecord, where: str) -> None:
         log.warn(
@@ -626,7 +630,7 @@ class MultipartUpload:
             delay *= 4
         return Outcome(outcome.verdict, f"part {number}: {outcome.reason}", outcome.retry_after)
 
-    async def _complete(self, record: UploadRecord, parts: int) -> Outcome:
+    async def _complete(self, record: UploadRecord, parts: int, resent: bool) -> Outcome:
         query = f"?uploadId={quote(record.upload_id, safe='')}"
         answer = await self.exchange(
             "POST",
@@ -646,7 +650,13 @@ class MultipartUpload:
         )
         code = error_code(answer.body)
         if answer.status == 404 and code == "NoSuchUpload":
-            return await self._forgotten_after_complete(record)
+            if resent:
+                return await self._forgotten_after_complete(record)
+            self._forgotten(record, "complete")
+            await self.run_blocking(
+                self.journal.delete, self.plan.identifier, self.plan.remote_name
+            )
+            raise _StartOver()
         if code in ("InvalidPart", "InvalidPartOrder", "EntityTooSmall"):
             # IA does not hold the parts we listed: nothing to resume.
             log.warn(

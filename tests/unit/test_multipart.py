@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from treq.client import HTTPClient
 from twisted.internet import reactor as _reactor
+from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
 from twisted.logger import LogEvent, globalLogPublisher
@@ -366,3 +367,48 @@ def test_in_flight_shows_parts_and_bytes_at_ia() -> None:
     assert (shown.parts_done, shown.parts, shown.done, shown.sent) == (2, 10, 3 * PART, PART)
     assert shown.eta_s is not None and shown.rate is not None
     assert shown.eta_s == pytest.approx(7 * PART / shown.rate)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_slowdown_on_a_part_waits_and_sends_that_part_again(world: World) -> None:
+    """503 SlowDown with Retry-After on part 1: the part is sent again after the pause."""
+    plan, path = world.artifact(PART + 10)
+    world.fake.add_fault("slowdown", target="part", retry_after=1).part = 1
+    started = reactor.seconds()
+    result = await world.sink().deliver(plan, path)
+    assert result.delivered, result.outcome
+    assert world.part_puts() == [1, 1, 2]
+    assert reactor.seconds() - started >= 1.0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_cancelled_attempt_keeps_the_finished_parts(world: World) -> None:
+    """Cancelling the attempt while part 2 hangs (deliver stopping) keeps part 1 journalled;
+    the next attempt sends parts 2 and 3 only."""
+    plan, path = world.artifact(2 * PART + 1000)
+    world.fake.add_fault("stall", target="part", after_bytes=1).part = 2
+    attempt = world.sink().deliver(plan, path)
+    while not any(r.get("fault") == "stall" for r in world.fake.requests):
+        await deferLater(reactor, 0.02, lambda: None)
+    attempt.cancel()
+    with pytest.raises(CancelledError):
+        await attempt
+    record = world.journal.load(plan.identifier, plan.remote_name)
+    assert record is not None and [p.number for p in record.parts] == [1]
+    world.fake.drop_connections()
+    assert (await world.sink().deliver(plan, path)).delivered
+    assert world.part_puts() == [1, 2, 2, 3]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_upload_gone_after_its_complete_counts_as_delivered(world: World) -> None:
+    """A journal whose complete request was sent (answer lost) and an upload IA no longer knows:
+    the attempt succeeds without uploading, leaving the file to verification."""
+    plan, path = world.artifact(PART + 10)
+    identity = FileIdentity.of(path, plan.content_md5)
+    record = UploadRecord(plan.identifier, plan.remote_name, "gone", PART, identity)
+    world.journal.save(attrs.evolve(record, completing=True))
+    result = await world.sink().deliver(plan, path)
+    assert result.delivered and not result.already_present
+    assert world.part_puts() == [] and world.calls("POST", "?uploads") == 0
+    assert world.journal.load(plan.identifier, plan.remote_name) is None
