@@ -3,7 +3,8 @@ and ``canner-deliver`` processes against the fake IA (``tests/fake_ia.py``, its 
 which speaks S3 multipart and counts every part body byte it receives.
 
 * deliver is SIGKILLed while part 2 and then part 3 are in flight: each restart resumes at the
-  part that was in flight; parts that finished are never sent again.
+  part that was in flight; parts that finished are never sent again; ``canner status`` shows
+  the parts at IA meanwhile.
 * A completed file that IA lists right but serves with one byte flipped is caught by the
   whole-file read-back and its payload is kept.
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from deliver_support import Env, data_files, envs, md5_hex, wait_for
+from deliver_support import REPO, Env, data_files, envs, md5_hex, venv_bin, wait_for
 
 pytestmark = pytest.mark.e2e
 env_factory_fixture = pytest.fixture(name="env_factory")(envs)
@@ -29,6 +31,18 @@ SIZE = 3 * PART + 1000  # four parts
 
 def part_puts(env: Env) -> list[dict[str, Any]]:
     return [r for r in env.fake.requests() if "part" in r]
+
+
+def status_text(env: Env) -> str:
+    out = subprocess.run(
+        [venv_bin("canner"), "status", "--config", str(env.config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return out.stdout
 
 
 def stalled_at(env: Env, part: int) -> bool:
@@ -48,6 +62,15 @@ def test_sigkilled_deliver_resumes_without_resending_finished_parts(
         env.fake.add_fault("stall", target="part", part=part, after_bytes=1)
         env.deliver.start()
         wait_for(lambda p=part: stalled_at(env, p), 30, f"part {part} in flight", 0.1, env.describe)
+        if part == 3:
+            # What an operator sees: the parts at IA, part 1 (sent before the restart) included.
+            wait_for(
+                lambda: "2 of 4 parts at IA" in status_text(env),
+                15,
+                "canner status to show the parts at IA",
+                0.5,
+                lambda: status_text(env),
+            )
         env.deliver.kill(signal.SIGKILL)
         assert env.row(oid)["state"] == "delivering"
         journals = list((env.data_dir / "multipart").rglob("*.json"))
