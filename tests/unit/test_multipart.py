@@ -412,3 +412,16 @@ async def test_an_upload_gone_after_its_complete_counts_as_delivered(world: Worl
     assert result.delivered and not result.already_present
     assert world.part_puts() == [] and world.calls("POST", "?uploads") == 0
     assert world.journal.load(plan.identifier, plan.remote_name) is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_journalled_part_ia_does_not_list_is_sent_again(world: World) -> None:
+    """The journal says parts 1 and 2, ListParts shows only 1: part 2 goes again, then 3."""
+    plan, path = world.artifact(2 * PART + 1000)
+    world.fake.add_fault("error500", count=4, target="part").part = 3
+    assert not (await world.sink().deliver(plan, path)).delivered
+    (upload,) = world.fake.multipart.values()
+    del upload["parts"][2]
+    result = await world.sink().deliver(plan, path)
+    assert result.delivered, result.outcome
+    assert world.part_puts() == [1, 2, 3, 3, 3, 3, 2, 3]
