@@ -462,7 +462,7 @@ class MultipartUpload:
             self._status = answer.status
             if answer.status == 404 and error_code(answer.body) == "NoSuchUpload":
                 if record.completing:
-                    # The complete request may have been carried out: the metadata API says.
+                    # The complete request was most likely carried out.
                     return await self._forgotten_after_complete(record)
                 self._forgotten(record, "ListParts")
                 await self.run_blocking(

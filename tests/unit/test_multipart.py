@@ -425,3 +425,21 @@ async def test_a_journalled_part_ia_does_not_list_is_sent_again(world: World) ->
     result = await world.sink().deliver(plan, path)
     assert result.delivered, result.outcome
     assert world.part_puts() == [1, 2, 3, 3, 3, 3, 2, 3]
+
+
+def test_metrics_count_each_part_ia_acknowledged_not_the_resumed_ones() -> None:
+    """canner_ia_parts_total grows by the parts finished in this attempt only."""
+    from canner.metrics import DELIVER, Metrics
+    from canner.observe import Destination, Outbound, counting_sent
+
+    metrics = Metrics(DELIVER, ["example"])
+    heard = Heard()
+    sent: Any = counting_sent(heard, metrics, Outbound.OBJECT, Destination.IA)
+    sent.parts(2, 5, 2 * PART)
+    sent(PART)
+    sent.parts(3, 5, 3 * PART)
+    sent.parts(4, 5, 4 * PART)
+    body = metrics.render().decode()
+    assert 'canner_ia_parts_total{kind="object"} 2.0' in body
+    assert heard.parts_heard == [(2, 5, 2 * PART), (3, 5, 3 * PART), (4, 5, 4 * PART)]
+    assert heard.sent == PART
