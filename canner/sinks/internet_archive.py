@@ -647,6 +647,9 @@ class _Attempt:
                 url = target
                 continue
             outcome = classify(status, headers, excerpt)
+            if outcome.ok and sink.journal is not None:
+                # A multipart upload begun before multipart was turned off is of no use now.
+                await sink._run(sink.journal.delete, plan.identifier, plan.remote_name)
             if outcome.ok:
                 log.info(
                     "uploaded {object_id} to {identifier}/{remote_name}",

@@ -443,3 +443,15 @@ def test_metrics_count_each_part_ia_acknowledged_not_the_resumed_ones() -> None:
     assert 'canner_ia_parts_total{kind="object"} 2.0' in body
     assert heard.parts_heard == [(2, 5, 2 * PART), (3, 5, 3 * PART), (4, 5, 4 * PART)]
     assert heard.sent == PART
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_single_put_drops_the_journal_of_an_earlier_multipart_upload(world: World) -> None:
+    """Multipart turned off mid-upload: the file goes as one PUT and the journal is dropped."""
+    plan, path = world.artifact(2 * PART + 1000)
+    world.fake.add_fault("error500", count=4, target="part").part = 2
+    assert not (await world.sink().deliver(plan, path)).delivered
+    assert world.journal.load(plan.identifier, plan.remote_name) is not None
+    result = await world.sink(multipart_threshold=None).deliver(plan, path)
+    assert result.delivered
+    assert world.journal.load(plan.identifier, plan.remote_name) is None
