@@ -300,6 +300,11 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
             lines.append(
                 f"  in flight      {p['object_id']} {p['phase']}: {human_bytes(p['sent'])}"
                 f" of {human_bytes(p['size'])}, {rate}, ETA {human_duration(p['eta_s'])}"
+                + (
+                    f", {p['parts_done']} of {p['parts']} parts at IA"
+                    if p.get("parts") is not None
+                    else ""
+                )
             )
     free = doc["free_bytes"]
     lines.append(

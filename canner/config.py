@@ -99,6 +99,11 @@ class DeliveryConfig:
     # and that URL's base (default: metadata_url).
     readback_bytes: int | Literal["all"] = 3 * 64 * 1024
     download_url: str = "https://archive.org"
+    # internet_archive only: files of at least this many bytes go up as S3 multipart uploads
+    # that resume at the first missing part (None: off, one PUT per file), in parts of
+    # multipart_part_size bytes (at least MIN_PART_SIZE, S3's floor for every part but the last).
+    multipart_threshold: int | None = None
+    multipart_part_size: int = 512 << 20
 
 
 IDENTITY = "identity"
@@ -319,6 +324,8 @@ _DELIVERY_KEYS = {
     "verify_timeout",
     "readback_bytes",
     "download_url",
+    "multipart_threshold",
+    "multipart_part_size",
 }
 _SINKS = {"internet_archive", "directory"}
 # Keys that only one sink reads; anything else in the table is common to both.
@@ -329,6 +336,8 @@ _SINK_ONLY_KEYS = {
     "metadata": "internet_archive",
     "readback_bytes": "internet_archive",
     "download_url": "internet_archive",
+    "multipart_threshold": "internet_archive",
+    "multipart_part_size": "internet_archive",
     "path": "directory",
 }
 DEFAULT_READBACK_BYTES = 3 * 64 * 1024
@@ -337,6 +346,11 @@ MAX_READBACK_BYTES = 64 << 20
 # ``readback_bytes = "all"``: download the whole remote file and compare its MD5.  Kept as the
 # string itself, so the resolved config (``canner check-config``) shows what the file says.
 READBACK_ALL: Final = "all"
+# S3's smallest multipart part (all but the last); IA's S3-like API is assumed to share it.
+MIN_PART_SIZE = 5 << 20
+DEFAULT_PART_SIZE = 512 << 20
+# S3 allows at most this many parts; a bigger file gets bigger parts than configured.
+MAX_PARTS = 10_000
 
 
 def _unknown(keys: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
@@ -502,6 +516,20 @@ def _parse_delivery(
                 f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, or"
                 f' "all", not {readback}',
             )
+    threshold = raw.get("multipart_threshold")
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1
+    ):
+        raise ConfigError(
+            name + ".multipart_threshold",
+            f"must be a positive number of bytes (leave it out: no multipart), not {threshold!r}",
+        )
+    part_size = raw.get("multipart_part_size", DEFAULT_PART_SIZE)
+    if isinstance(part_size, bool) or not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
+        raise ConfigError(
+            name + ".multipart_part_size",
+            f"must be a number of bytes, at least {MIN_PART_SIZE} (5 MiB), not {part_size!r}",
+        )
     metadata_raw = raw.get("metadata", {})
     if not isinstance(metadata_raw, Mapping):
         raise ConfigError(name + ".metadata", "must be a table")
@@ -541,6 +569,8 @@ def _parse_delivery(
             _string(raw, "download_url", name + ".download_url", metadata_url),
             name + ".download_url",
         ),
+        multipart_threshold=threshold,
+        multipart_part_size=part_size,
     )
 
 

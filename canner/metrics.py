@@ -203,6 +203,12 @@ class Metrics:
             kind,
             registry=dlv,
         )
+        self.ia_parts = Counter(
+            "canner_ia_parts",
+            "Parts of multipart uploads the Internet Archive acknowledged",
+            kind,
+            registry=dlv,
+        )
         self.copied_bytes = Counter(
             "canner_directory_copied_bytes",
             "Payload bytes copied by directory sinks (counted while a copy runs)",
@@ -256,6 +262,7 @@ class Metrics:
                     family.labels(project, outbound.value)
             for family in (
                 self.ia_sent_bytes,
+                self.ia_parts,
                 self.copied_bytes,
                 self.verified_files,
                 self.purged_files,
@@ -348,6 +355,9 @@ class Metrics:
     def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
         family = self.ia_sent_bytes if destination is Destination.IA else self.copied_bytes
         family.labels(kind.value).inc(count)
+
+    def part_sent(self, kind: Outbound) -> None:
+        self.ia_parts.labels(kind.value).inc()
 
     def delivered(self, kind: Outbound, project: str) -> None:
         self.deliveries_completed.labels(self._project(project), kind.value).inc()

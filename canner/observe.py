@@ -20,6 +20,8 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
+from attrs import define
+
 
 class Outbound(enum.Enum):
     """What kind of file an outbound transfer moves."""
@@ -79,6 +81,9 @@ class OutboundObserver(Protocol):
     def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
         """``count`` more payload bytes reached the sink's connection or copy."""
 
+    def part_sent(self, kind: Outbound) -> None:
+        """IA acknowledged one more part of a multipart upload."""
+
     def delivered(self, kind: Outbound, project: str) -> None:
         """The destination accepted the whole file (not yet verified)."""
 
@@ -135,6 +140,9 @@ class Unobserved:
     def bytes_sent(self, kind: Outbound, destination: Destination, count: int) -> None:
         pass
 
+    def part_sent(self, kind: Outbound) -> None:
+        pass
+
     def delivered(self, kind: Outbound, project: str) -> None:
         pass
 
@@ -181,10 +189,28 @@ def counting_sent(
     kind: Outbound,
     destination: Destination,
 ) -> Callable[[int], None]:
-    """A sink's progress callback that also tells ``observer`` of the bytes sent."""
+    """A sink's progress callback that also tells ``observer`` of the bytes sent (and passes a
+    multipart sink's parts on to ``report``, when it listens)."""
+    return _CountingSent(report, observer, kind, destination)
 
-    def sent(count: int) -> None:
-        report(count)
-        observer.bytes_sent(kind, destination, count)
 
-    return sent
+@define
+class _CountingSent:
+    _report: Callable[[int], None]
+    _observer: OutboundObserver
+    _kind: Outbound
+    _destination: Destination
+    _parts_done: int | None = None  # as last heard (the first report is where it resumed)
+
+    def __call__(self, count: int) -> None:
+        self._report(count)
+        self._observer.bytes_sent(self._kind, self._destination, count)
+
+    def parts(self, done: int, total: int, done_bytes: int) -> None:
+        if self._parts_done is not None:
+            for _ in range(done - self._parts_done):
+                self._observer.part_sent(self._kind)
+        self._parts_done = done
+        parts = getattr(self._report, "parts", None)
+        if callable(parts):
+            parts(done, total, done_bytes)

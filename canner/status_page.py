@@ -666,7 +666,11 @@ def _in_flight(view: StatusView) -> Tag:
         id="in-flight",
     )
     for p in beat.in_flight:
-        share = min(100.0, 100.0 * p.sent / p.size) if p.size else 100.0
+        done = p.done if p.done is not None else p.sent
+        share = min(100.0, 100.0 * done / p.size) if p.size else 100.0
+        parts: list[Tag | str] = (
+            [] if p.parts is None else [tags.br(), f"{p.parts_done} of {p.parts} parts at IA"]
+        )
         table(
             _row(
                 tags.td(tags.code(shorten_ids(p.object_id))),
@@ -685,7 +689,7 @@ def _in_flight(view: StatusView) -> Tag:
                     ),
                 ),
                 _bytes("sent", p.sent),
-                tags.td(_bar(share), f" {share:.0f}% of {human_bytes(p.size)}"),
+                tags.td(_bar(share), f" {share:.0f}% of {human_bytes(p.size)}", *parts),
                 tags.td(f"{human_bytes(int(p.rate))}/s" if p.rate else "-", class_="num"),
                 tags.td(human_duration(p.eta_s), class_="num"),
                 **{"data-object": p.object_id[:8]},

@@ -28,6 +28,15 @@ It implements what ``docs/reference/internet-archive.md`` describes, independent
   inverted, in whatever range covers it), ``error500``, ``forbidden``; on the metadata API also
   ``wrong_md5`` (every file listed with an MD5 that is not its content's).  A ``slowdown`` fault
   with ``retry_after`` (seconds) answers with that ``Retry-After`` header.
+* S3 multipart uploads on ``/{identifier}/{remote name}``: ``POST ?uploads`` (initiate, with the
+  PUT's auth and metadata headers; answers namespaced XML, as S3 does),
+  ``PUT ?partNumber=N&uploadId=ID`` (``Content-MD5`` checked, ``ETag`` = the part's MD5),
+  ``GET ?uploadId=ID`` (ListParts),
+  ``POST ?uploadId=ID`` (complete: the parts listed, namespaced or not, are joined and stored like
+  a PUT's body), ``DELETE ?uploadId=ID`` (abort).  Every part body byte received is counted
+  (``GET /_fake/multipart``).  Part faults (target ``part``, optionally only for part number
+  ``part``): ``reset``, ``stall``, ``error500``, ``slowdown``, ``forget`` (IA lost the upload:
+  ``404 NoSuchUpload`` from then on).
 * Admin endpoints for tests in another process: ``GET /_fake/objects``, ``GET /_fake/items``,
   ``GET|POST|DELETE /_fake/faults`` (POST a JSON fault or list of faults),
   ``GET /_fake/requests``, ``POST /_fake/settings`` (``{"metadata_lag": s}``),
@@ -76,7 +85,9 @@ PUT_FAULTS = frozenset(
 METADATA_FAULTS = frozenset({"error500", "slowdown", "garbage", "stall", "dark", "wrong_md5"})
 CHECK_LIMIT_FAULTS = frozenset({"over_limit", "error500", "garbage"})
 DOWNLOAD_FAULTS = frozenset({"altered", "flip_byte", "error500", "forbidden"})
+PART_FAULTS = frozenset({"reset", "stall", "error500", "slowdown", "forget"})
 TARGETS = {
+    "part": PART_FAULTS,
     "put": PUT_FAULTS,
     "metadata": METADATA_FAULTS,
     "check_limit": CHECK_LIMIT_FAULTS,
@@ -89,7 +100,9 @@ _DEFAULT_TARGET = {
     "altered": "download",
     "flip_byte": "download",
     "wrong_md5": "metadata",
+    "forget": "part",
 }
+S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{4,99}")
@@ -110,6 +123,7 @@ class Fault:
     after_bytes: int = 64 * 1024
     location: str | None = None
     retry_after: int | None = None
+    part: int | None = None  # target "part": only this part number
 
     def __attrs_post_init__(self) -> None:
         if not self.target:
@@ -130,6 +144,7 @@ class Fault:
             after_bytes=int(raw.get("after_bytes", 64 * 1024)),
             location=raw.get("location"),
             retry_after=raw.get("retry_after"),
+            part=raw.get("part"),
         )
 
     @classmethod
@@ -150,6 +165,7 @@ class Fault:
             "after_bytes": self.after_bytes,
             "location": self.location,
             "retry_after": self.retry_after,
+            "part": self.part,
         }
 
 
@@ -237,6 +253,8 @@ class Upload:
     sha1: Any = field(factory=lambda: hashlib.sha1(usedforsecurity=False))
     received: int = 0
     dead: bool = False  # reset or stalled: ignore everything that still arrives
+    part: int | None = None  # a multipart part PUT: its number ...
+    upload_id: str | None = None  # ... and upload
 
     def open(self) -> None:
         incoming = self.fake.root / "incoming"
@@ -248,6 +266,9 @@ class Upload:
         if self.dead:
             return
         self.received += len(data)
+        if self.part is not None:
+            key = f"{self.identifier}/{self.name}"
+            self.fake.part_bytes[key] = self.fake.part_bytes.get(key, 0) + len(data)
         if self.stream is not None:
             self.stream.write(data)
             self.md5.update(data)
@@ -256,7 +277,8 @@ class Upload:
         if fault is not None and fault.kind in ("reset", "stall"):
             if self.received >= fault.after_bytes:
                 self.dead = True
-                self.fake.note(self.request, 0, fault=fault.kind, received=self.received)
+                extra = {} if self.part is None else {"part": self.part}
+                self.fake.note(self.request, 0, fault=fault.kind, received=self.received, **extra)
                 transport: Any = self.request.channel.transport
                 if fault.kind == "reset":
                     # abortConnection closes with SO_LINGER 0: the peer sees a reset.
@@ -304,6 +326,16 @@ class Upload:
             )
             return
         self.close(keep=True)
+        if self.part is not None:
+            assert self.temp is not None and self.upload_id is not None
+            fake.store_part(self, digest, self.temp)
+            self.temp = None
+            request.setHeader(b"etag", f'"{digest}"'.encode())
+            fake.note(request, 200, part=self.part, received=self.received)
+            request.setResponseCode(200)
+            request.setHeader(b"content-length", b"0")
+            request.finish()
+            return
         assert self.temp is not None
         fake.store(self, digest, self.sha1.hexdigest(), self.temp)
         self.temp = None
@@ -330,9 +362,13 @@ class FakeRequest(Request):
         channel: Any = self.channel
         # The request line reaches a Request only after its body; until then the channel keeps
         # it in _command/_path (private, stable since Twisted 16).
-        method, raw_path = channel._command, channel._path.split(b"?", 1)[0]
+        method, (raw_path, _, query) = channel._command, channel._path.partition(b"?")
         if method == b"PUT" and not raw_path.startswith(b"/_fake/"):
-            self.upload = self.fake.begin_put(self, raw_path, length)
+            args = parse_qs(query.decode("latin-1"))
+            if "partNumber" in args or "uploadId" in args:
+                self.upload = self.fake.begin_part(self, raw_path, length, args)
+            else:
+                self.upload = self.fake.begin_put(self, raw_path, length)
             self.content = BytesIO()
             if self.transport is not None:
                 self.transport.bufferSize = READ_SIZE  # type: ignore[attr-defined]
@@ -423,6 +459,9 @@ class FakeIA:
     requests: list[dict[str, Any]] = field(factory=list)
     errors: list[str] = field(factory=list)
     put_counts: dict[tuple[str, str], int] = field(factory=dict)
+    # Multipart: open uploads by id, and part body bytes received per "identifier/name".
+    multipart: dict[str, dict[str, Any]] = field(factory=dict)
+    part_bytes: dict[str, int] = field(factory=dict)
     connections: weakref.WeakSet[Any] = field(factory=weakref.WeakSet)
 
     def __attrs_post_init__(self) -> None:
@@ -542,13 +581,15 @@ class FakeIA:
             return 403, "SignatureDoesNotMatch", "The secret key you provided is wrong."
         return None
 
-    def begin_put(self, request: FakeRequest, raw_path: bytes, length: int | None) -> Upload:
+    def begin_put(
+        self, request: FakeRequest, raw_path: bytes, length: int | None, part: bool = False
+    ) -> Upload:
         path = raw_path.decode("ascii", "replace").lstrip("/")
         identifier_part, _, name_part = path.partition("/")
         identifier = unquote(identifier_part)
         name = unquote(name_part, errors="strict") if name_part else ""
         upload = Upload(self, request, identifier, name, length)
-        upload.fault = self._take_fault("put")
+        upload.fault = None if part else self._take_fault("put")
         headers = {
             k.decode("latin-1").lower(): v[-1].decode("latin-1")
             for k, v in request.requestHeaders.getAllRawHeaders()
@@ -558,8 +599,9 @@ class FakeIA:
             upload.fault is None or upload.fault.kind in ("lost_response", "vanish")
         ):
             upload.open()
-        key = (identifier, name)
-        self.put_counts[key] = self.put_counts.get(key, 0) + 1
+        if not part:
+            key = (identifier, name)
+            self.put_counts[key] = self.put_counts.get(key, 0) + 1
         return upload
 
     def _put_error(
@@ -624,6 +666,184 @@ class FakeIA:
         stored.stores += 1
         self._save(item)
 
+    # -- S3 multipart ---------------------------------------------------------------------
+
+    def _take_part_fault(self, number: int) -> Fault | None:
+        for fault in self.faults:
+            if fault.target == "part" and fault.part in (None, number):
+                fault.count -= 1
+                if fault.count <= 0:
+                    self.faults.remove(fault)
+                return fault
+        return None
+
+    def _multipart_dir(self, upload_id: str) -> Path:
+        return self.root / "multipart" / upload_id
+
+    def begin_part(
+        self, request: FakeRequest, raw_path: bytes, length: int | None, args: dict[str, list[str]]
+    ) -> Upload:
+        upload = self.begin_put(request, raw_path, length, part=True)
+        upload.upload_id = args.get("uploadId", [""])[0]
+        try:
+            upload.part = int(args.get("partNumber", [""])[0])
+        except ValueError:
+            upload.part = 0
+        known = self.multipart.get(upload.upload_id)
+        if upload.error is not None and upload.error[0] == 404:
+            upload.error = None  # a part needs no auto-make-bucket
+        if upload.error is None and not 1 <= upload.part <= 10000:
+            upload.error = (400, "InvalidArgument", "Part number must be 1 to 10000.")
+        if upload.error is None and (
+            known is None
+            or (known["identifier"], known["name"]) != (upload.identifier, upload.name)
+        ):
+            upload.error = (404, "NoSuchUpload", "The specified upload does not exist.")
+        upload.fault = None
+        if upload.error is None:
+            fault = self._take_part_fault(upload.part)
+            if fault is not None and fault.kind == "forget":
+                self.forget_upload(upload.upload_id)
+                upload.error = (404, "NoSuchUpload", "The specified upload does not exist.")
+            else:
+                upload.fault = fault
+        if upload.error is None and upload.fault is None and upload.stream is None:
+            upload.open()
+        return upload
+
+    def forget_upload(self, upload_id: str) -> None:
+        self.multipart.pop(upload_id, None)
+        directory = self._multipart_dir(upload_id)
+        for entry in directory.glob("*") if directory.exists() else ():
+            entry.unlink()
+
+    def store_part(self, upload: Upload, md5: str, temp: Path) -> None:
+        assert upload.upload_id is not None and upload.part is not None
+        known = self.multipart.get(upload.upload_id)
+        if known is None:
+            temp.unlink(missing_ok=True)
+            return
+        directory = self._multipart_dir(upload.upload_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"{upload.part:05d}"
+        os.replace(temp, target)
+        known["parts"][upload.part] = {"size": upload.received, "md5": md5, "path": str(target)}
+
+    def _multipart_request(
+        self, request: FakeRequest, path: str, query: dict[str, list[str]]
+    ) -> None:
+        rest = path.lstrip("/")
+        identifier_part, _, name_part = rest.partition("/")
+        identifier, name = unquote(identifier_part), unquote(name_part)
+        method = request.method
+        if method == b"POST" and "uploads" in query:
+            self._initiate(request, identifier, name)
+            return
+        upload_id = query.get("uploadId", [""])[0]
+        denied = self._auth_error(request)
+        if denied is not None:
+            request.respond_error(*denied)
+            return
+        known = self.multipart.get(upload_id)
+        if known is None or (known["identifier"], known["name"]) != (identifier, name):
+            request.respond_error(404, "NoSuchUpload", "The specified upload does not exist.")
+            return
+        if method == b"GET":
+            parts = "".join(
+                f"<Part><PartNumber>{n}</PartNumber><ETag>&quot;{p['md5']}&quot;</ETag>"
+                f"<Size>{p['size']}</Size></Part>"
+                for n, p in sorted(known["parts"].items())
+            )
+            request.respond(
+                200,
+                f'<?xml version="1.0" encoding="UTF-8"?><ListPartsResult xmlns="{S3_NS}">'
+                f"<UploadId>{upload_id}</UploadId><IsTruncated>false</IsTruncated>{parts}"
+                "</ListPartsResult>".encode(),
+                b"application/xml",
+            )
+        elif method == b"DELETE":
+            self.forget_upload(upload_id)
+            request.respond(204, b"")
+        elif method == b"POST":
+            self._complete(request, upload_id, known)
+        else:
+            request.respond_error(405, "MethodNotAllowed", "Not for multipart uploads.")
+
+    def _initiate(self, request: FakeRequest, identifier: str, name: str) -> None:
+        upload = Upload(self, request, identifier, name, 0)
+        headers = {
+            k.decode("latin-1").lower(): v[-1].decode("latin-1")
+            for k, v in request.requestHeaders.getAllRawHeaders()
+        }
+        error = self._put_error(request, upload, headers, 0)
+        if error is not None:
+            request.respond_error(*error)
+            return
+        upload_id = uuid.uuid4().hex
+        self.multipart[upload_id] = {
+            "identifier": identifier,
+            "name": name,
+            "metadata": upload.metadata,
+            "filemeta": upload.filemeta,
+            "parts": {},
+        }
+        request.respond(
+            200,
+            f'<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult xmlns="{S3_NS}">'
+            f"<Bucket>{identifier}</Bucket><Key>{name}</Key><UploadId>{upload_id}</UploadId>"
+            "</InitiateMultipartUploadResult>".encode(),
+            b"application/xml",
+        )
+
+    def _complete(self, request: FakeRequest, upload_id: str, known: dict[str, Any]) -> None:
+        body = _body(request)
+        numbers = [int(n) for n in re.findall(rb"<(?:\w+:)?PartNumber>\s*(\d+)\s*<", body)]
+        etags = [
+            e.decode().strip().strip('"').replace("&quot;", "")
+            for e in re.findall(rb"<(?:\w+:)?ETag>([^<]*)<", body)
+        ]
+        if not numbers or numbers != sorted(numbers) or len(numbers) != len(etags):
+            request.respond_error(400, "InvalidPartOrder", "The list of parts was not in order.")
+            return
+        parts = known["parts"]
+        for n, etag in zip(numbers, etags, strict=True):
+            if n not in parts or parts[n]["md5"] != etag:
+                request.respond_error(400, "InvalidPart", f"Part {n} was not uploaded.")
+                return
+        for n in numbers[:-1]:
+            if parts[n]["size"] < 5 << 20:
+                request.respond_error(400, "EntityTooSmall", "A part is smaller than 5 MiB.")
+                return
+        incoming = self.root / "incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        temp = incoming / uuid.uuid4().hex
+        md5 = hashlib.md5(usedforsecurity=False)
+        sha1 = hashlib.sha1(usedforsecurity=False)
+        size = 0
+        with open(temp, "wb") as out:
+            for n in numbers:
+                with open(parts[n]["path"], "rb") as f:
+                    while chunk := f.read(READ_SIZE):
+                        out.write(chunk)
+                        md5.update(chunk)
+                        sha1.update(chunk)
+                        size += len(chunk)
+        upload = Upload(self, request, known["identifier"], known["name"], size)
+        upload.received = size
+        upload.metadata = known["metadata"]
+        upload.filemeta = known["filemeta"]
+        self.store(upload, md5.hexdigest(), sha1.hexdigest(), temp)
+        self.forget_upload(upload_id)
+        key = (known["identifier"], known["name"])
+        self.put_counts[key] = self.put_counts.get(key, 0) + 1
+        request.respond(
+            200,
+            f'<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult xmlns="{S3_NS}">'
+            f"<Key>{known['name']}</Key><ETag>&quot;multipart-{len(numbers)}&quot;</ETag>"
+            "</CompleteMultipartUploadResult>".encode(),
+            b"application/xml",
+        )
+
     def route(self, request: FakeRequest) -> None:
         if request.upload is not None:
             request.upload.finish()
@@ -644,6 +864,10 @@ class FakeIA:
             return
         if method in (b"GET", b"HEAD") and path.startswith("/datanode/items/"):
             self._serve(request, path[len("/datanode/items/") :])
+            return
+        query = parse_qs(request.uri.decode("latin-1").partition("?")[2], keep_blank_values=True)
+        if "uploads" in query or "uploadId" in query:
+            self._multipart_request(request, path, query)
             return
         request.respond_error(404, "NoSuchKey", "Not found in the fake IA.")
 
@@ -837,6 +1061,20 @@ class FakeIA:
                 return
             self.faults.extend(new)
             request.respond_json([f.to_json() for f in self.faults])
+        elif what == "multipart" and method == b"GET":
+            request.respond_json(
+                {
+                    "part_bytes": self.part_bytes,
+                    "uploads": {
+                        uid: {
+                            "identifier": u["identifier"],
+                            "name": u["name"],
+                            "parts": {str(n): p["size"] for n, p in u["parts"].items()},
+                        }
+                        for uid, u in self.multipart.items()
+                    },
+                }
+            )
         elif what == "settings" and method == b"POST":
             raw = json.loads(_body(request) or b"{}")
             if "metadata_lag" in raw:

@@ -54,6 +54,11 @@ class Progress:
     rate: float | None  # bytes per second over the last RATE_WINDOW seconds
     eta_s: float | None
     stalled_s: float | None = None  # seconds without a byte sent (None: bytes are moving)
+    # A file sent in parts (IA multipart): parts at the destination, of how many, and the
+    # bytes there (parts finished before this attempt included).  None: one PUT.
+    parts_done: int | None = None
+    parts: int | None = None
+    done: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,9 @@ class Progress:
             "rate": self.rate,
             "eta_s": self.eta_s,
             "stalled_s": self.stalled_s,
+            "parts_done": self.parts_done,
+            "parts": self.parts,
+            "done": self.done,
         }
 
     @classmethod
@@ -90,6 +98,9 @@ _PROGRESS_FIELDS = (
     "rate",
     "eta_s",
     "stalled_s",
+    "parts_done",
+    "parts",
+    "done",
 )
 
 
@@ -134,6 +145,10 @@ class _Running:
     sent: int = 0
     upload_started_at: float | None = None
     last_sent_at: float | None = None
+    # A file sent in parts: bytes at the destination before this attempt sent any, parts done.
+    resumed: int = 0
+    parts_done: int | None = None
+    parts: int | None = None
     # (time, sent) seen by recent snapshots, oldest first, for the rate over RATE_WINDOW
     marks: list[tuple[float, int]] = field(factory=list)
 
@@ -175,23 +190,32 @@ class InFlight:
             self.end(attempt.key)
 
     def uploading(self, object_id: str) -> Callable[[int], None]:
-        """Mark the attempt uploading; returns the callback the sink reports bytes to."""
+        """Mark the attempt uploading; returns the callback the sink reports bytes to (and, for
+        a file sent in parts, parts: :class:`~canner.sinks.base.PartsProgress`)."""
         running = self._running.get(object_id)
         if running is not None:
             running.phase = UPLOADING
+        return _Sent(self, object_id)
 
-        def sent(n: int) -> None:
-            self.total_sent += n
-            current = self._running.get(object_id)
-            if current is None:
-                return
-            now = self._clock.seconds()
-            if current.upload_started_at is None:
-                current.upload_started_at = now
-            current.sent += n
-            current.last_sent_at = now
+    def _sent(self, object_id: str, n: int) -> None:
+        self.total_sent += n
+        current = self._running.get(object_id)
+        if current is None:
+            return
+        now = self._clock.seconds()
+        if current.upload_started_at is None:
+            current.upload_started_at = now
+        current.sent += n
+        current.last_sent_at = now
 
-        return sent
+    def _parts(self, object_id: str, done: int, total: int, done_bytes: int) -> None:
+        current = self._running.get(object_id)
+        if current is None:
+            return
+        current.parts_done, current.parts = done, total
+        # Bytes at the destination that this attempt did not send (resumed parts); a part
+        # sent twice does not lower it.
+        current.resumed = max(current.resumed, done_bytes - current.sent)
 
     def end(self, object_id: str) -> None:
         self._running.pop(object_id, None)
@@ -201,7 +225,7 @@ class InFlight:
         found = []
         for r in sorted(self._running.values(), key=lambda r: (r.started_at, r.attempt.key)):
             a = r.attempt
-            rate, eta = rate_and_eta(a.size, r.sent, r.since(now), now)
+            rate, eta = rate_and_eta(a.size - r.resumed, r.sent, r.since(now), now)
             quiet = None
             if r.phase == UPLOADING:
                 last = r.last_sent_at or r.upload_started_at or r.started_at
@@ -220,6 +244,9 @@ class InFlight:
                     rate,
                     eta,
                     quiet,
+                    r.parts_done,
+                    r.parts,
+                    None if r.parts is None else min(a.size, r.resumed + r.sent),
                 )
             )
         return found
@@ -227,6 +254,20 @@ class InFlight:
     @property
     def bytes_in_flight(self) -> int:
         return sum(r.sent for r in self._running.values())
+
+
+@frozen
+class _Sent:
+    """The progress callback of one attempt: bytes as they go, parts as they finish."""
+
+    _in_flight: InFlight
+    _key: str
+
+    def __call__(self, n: int) -> None:
+        self._in_flight._sent(self._key, n)
+
+    def parts(self, done: int, total: int, done_bytes: int) -> None:
+        self._in_flight._parts(self._key, done, total, done_bytes)
 
 
 # -- the heartbeat row ---------------------------------------------------------------------------

@@ -61,6 +61,22 @@ class RemoteCheck:
     bad_copy: bool = False
 
 
+class PartsProgress(Protocol):
+    """What a progress callback may also hear from a sink that sends a file in parts (IA
+    multipart): ``done`` of ``total`` parts are at the destination, ``done_bytes`` of the file.
+    Told once when an upload (re)starts and after every part; callbacks without a ``parts``
+    method hear only bytes."""
+
+    def parts(self, done: int, total: int, done_bytes: int) -> None: ...
+
+
+def report_parts(progress: object, done: int, total: int, done_bytes: int) -> None:
+    """Tell ``progress`` of the parts done, when it listens (see :class:`PartsProgress`)."""
+    parts = getattr(progress, "parts", None)
+    if callable(parts):
+        parts(done, total, done_bytes)
+
+
 class Sink(Protocol):
     """A destination (the Internet Archive in production, or a directory): it sees a plan and a
     path, never a queue row.  Objects, package files and ledgers are sent through the same

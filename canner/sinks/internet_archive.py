@@ -23,13 +23,14 @@ from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from canner.blocking import BlockingRunner
-from canner.config import ConfigError, DeliveryConfig
+from canner.config import DEFAULT_PART_SIZE, ConfigError, DeliveryConfig
 from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
@@ -37,9 +38,17 @@ from canner.sinks.base import (
     Outcome,
     RemoteCheck,
     Verdict,
+    report_parts,
 )
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.multipart import (
+    Answer,
+    AttemptEnded,
+    FileRange,
+    MultipartUpload,
+    PartJournal,
+)
 from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
 from canner.sinks.readback import (
     ReadBack,
@@ -93,6 +102,8 @@ class DeliveryResult:
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 METADATA_BODY_MAX = 32 << 20
 ERROR_BODY_MAX = 64 << 10
+# A ListParts page (up to 1000 parts) or another multipart answer.
+MULTIPART_BODY_MAX = 4 << 20
 
 
 @define(eq=False, kw_only=True)
@@ -122,6 +133,12 @@ class IASink:
     # Base of the download URLs the read-back uses (None: metadata_url, as on archive.org).
     download_url: str | None = None
     random: Callable[[], float] = random.random
+    # Files of at least ``multipart_threshold`` bytes go up as resumable multipart uploads
+    # (None: never), their parts recorded in ``journal`` (required then).
+    multipart_threshold: int | None = None
+    multipart_part_size: int = DEFAULT_PART_SIZE
+    journal: PartJournal | None = None
+    part_retry_delay: float = 1.0
 
     @classmethod
     def for_delivery(
@@ -142,7 +159,12 @@ class IASink:
             s3_url=delivery.s3_url,
             metadata_url=delivery.metadata_url,
             run=run,
-            **{"download_url": delivery.download_url, **kwargs},
+            **{
+                "download_url": delivery.download_url,
+                "multipart_threshold": delivery.multipart_threshold,
+                "multipart_part_size": delivery.multipart_part_size,
+                **kwargs,
+            },
         )
 
     def remote_file(self, plan: ItemPlan) -> Deferred[Lookup]:
@@ -351,6 +373,13 @@ class IASink:
     def _redact(self, text: str) -> str:
         return redact(text, self._credentials.secret)
 
+    def uses_multipart(self, plan: ItemPlan) -> bool:
+        return (
+            self.journal is not None
+            and self.multipart_threshold is not None
+            and plan.size >= self.multipart_threshold
+        )
+
     async def _lookup(self, identifier: str, remote_name: str) -> Lookup:
         url = self._metadata_url.rstrip("/") + "/metadata/" + quote(identifier, safe="")
         started = self._clock.seconds()
@@ -418,15 +447,6 @@ class IASink:
     def _plain_headers(self) -> Headers:
         return Headers({b"user-agent": [self.user_agent.encode("ascii")]})
 
-    def _put_headers(self, plan: ItemPlan, with_auth: bool) -> Headers:
-        headers = Headers()
-        for name, value in plan.headers:
-            headers.addRawHeader(name.encode("ascii"), value.encode("ascii"))
-        headers.setRawHeaders(b"user-agent", [self.user_agent.encode("ascii")])
-        if with_auth:
-            headers.setRawHeaders(b"authorization", [self._credentials.authorization.encode()])
-        return headers
-
     def _keeps_auth(self, url: str) -> bool:
         """Send the secret only to the configured S3 host or IA's own hosts, never in clear."""
         parts = urlsplit(url)
@@ -476,6 +496,8 @@ class _Attempt:
     _answer: IDelayedCall | None = None
     _bytes_sent: int = 0
     _put_sent: int = 0
+    _put_length: int = 0
+    _capped: bool = False
     _started: float = 0.0
     _outer: Deferred[DeliveryResult] | None = None
 
@@ -483,11 +505,7 @@ class _Attempt:
         clock = self._sink._clock
         self._started = clock.seconds()
         self._outer = Deferred(self._cancel)
-        self._cap = clock.callLater(
-            self._sink.attempt_timeout,
-            self._abort,
-            f"attempt exceeded {self._sink.attempt_timeout:g}s",
-        )
+        self._cap = clock.callLater(self._sink.attempt_timeout, self._cap_fired)
         inner = Deferred.fromCoroutine(self._run())
         inner.addBoth(self._finish)
         return self._outer
@@ -517,6 +535,21 @@ class _Attempt:
         self._stop_timers()
         if self._current is not None:
             self._current.cancel()
+
+    def _cap_fired(self) -> None:
+        self._capped = True
+        self._abort(f"attempt exceeded {self._sink.attempt_timeout:g}s")
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` on the clock, as cancellable as a request."""
+        try:
+            await self._wait(deferLater(self._sink._clock, seconds, lambda: None))
+        except CancelledError:
+            if self._cancelled:
+                raise
+            raise AttemptEnded(
+                Outcome(Verdict.TRANSIENT, self._abort_reason or "interrupted")
+            ) from None
 
     def _abort(self, reason: str) -> None:
         if self._abort_reason is None:
@@ -572,6 +605,9 @@ class _Attempt:
                 identifier=plan.identifier,
                 remote_name=plan.remote_name,
             )
+            if sink.journal is not None:
+                # A multipart upload completed but not yet recorded (a crash): its journal goes.
+                await sink._run(sink.journal.delete, plan.identifier, plan.remote_name)
             return self._result(Outcome(Verdict.SUCCESS, "already present"), already_present=True)
         if isinstance(remote, Unknown) and remote.needs_operator:
             return self._result(Outcome(Verdict.OPERATOR, remote.reason))
@@ -591,6 +627,8 @@ class _Attempt:
                     Outcome(Verdict.TRANSIENT, "503 SlowDown: check_limit reports over_limit")
                 )
         url = sink._s3_url.rstrip("/") + plan.path
+        if sink.uses_multipart(plan):
+            return await self._multipart(url)
         for _hop in range(sink.max_redirects + 1):
             answer = await self._put_once(url)
             if isinstance(answer, DeliveryResult):
@@ -609,6 +647,9 @@ class _Attempt:
                 url = target
                 continue
             outcome = classify(status, headers, excerpt)
+            if outcome.ok and sink.journal is not None:
+                # A multipart upload begun before multipart was turned off is of no use now.
+                await sink._run(sink.journal.delete, plan.identifier, plan.remote_name)
             if outcome.ok:
                 log.info(
                     "uploaded {object_id} to {identifier}/{remote_name}",
@@ -629,33 +670,155 @@ class _Attempt:
             return self._result(outcome, status=status)
         return self._result(Outcome(Verdict.TRANSIENT, "too many redirects"))
 
-    async def _put_once(self, url: str) -> DeliveryResult | tuple[int, dict[str, str], bytes]:
+    async def _multipart(self, url: str) -> DeliveryResult:
         sink, plan = self._sink, self._plan
-        try:
-            # Off the reactor thread: a failing disk must not stall every timer.
-            stream, actual = await sink._run(open_payload, self._path)
-        except OSError as e:
-            return self._result(Outcome(Verdict.OPERATOR, f"local file unreadable: {e.strerror}"))
-        producer = FileProducer(
-            stream, plan.size, sink._clock, sink._run, self._progress, sink.read_size
+        assert sink.journal is not None
+        upload = MultipartUpload(
+            plan=plan,
+            path=self._path,
+            url=url,
+            part_size=sink.multipart_part_size,
+            journal=sink.journal,
+            exchange=self._exchange_d,
+            run_blocking=sink._run,
+            pause=self._pause_d,
+            on_part=self._part_done,
+            retry_delay=sink.part_retry_delay,
         )
+        outcome, status = await upload.run()
+        if outcome.ok:
+            log.info(
+                "uploaded {object_id} to {identifier}/{remote_name} in parts",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                remote_name=plan.remote_name,
+                size=plan.size,
+                duration_s=sink._clock.seconds() - self._started,
+            )
+        else:
+            log.warn(
+                "multipart upload of {object_id} to {identifier} failed: {error}",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                error=sink._redact(outcome.reason),
+                needs_operator=outcome.needs_operator,
+            )
+        return self._result(outcome, status=status)
+
+    def _exchange_d(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | FileRange
+    ) -> Deferred[Answer | Outcome]:
+        return Deferred.fromCoroutine(self._exchange(method, url, headers, body))
+
+    def _pause_d(self, seconds: float) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._pause(seconds))
+
+    def _part_done(self, done: int, parts: int, done_bytes: int) -> None:
+        report_parts(self._on_progress, done, parts, done_bytes)
+        if done == 0 or self._bytes_sent == 0:
+            return  # the upload (re)starts: nothing to report yet
+        elapsed = self._sink._clock.seconds() - self._started
+        rate = self._bytes_sent / elapsed if elapsed > 0 else 0.0
+        left = self._plan.size - done_bytes
+        log.info(
+            "part {part_count} of {parts} of {object_id} is at IA",
+            object_id=self._plan.object_id,
+            part_count=done,
+            parts=parts,
+            bytes_done=done_bytes,
+            size=self._plan.size,
+            rate_bps=round(rate),
+            eta_s=round(left / rate) if rate > 0 else None,
+        )
+
+    async def _put_once(self, url: str) -> DeliveryResult | tuple[int, dict[str, str], bytes]:
+        answer = await self._request_once(
+            "PUT", url, list(self._plan.headers), FileRange(0, self._plan.size), ERROR_BODY_MAX
+        )
+        if isinstance(answer, Outcome):
+            return self._result(answer)
+        return answer.status, dict(answer.headers), answer.body
+
+    async def _exchange(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | FileRange
+    ) -> Answer | Outcome:
+        """A multipart request (see :class:`~canner.sinks.multipart.Exchange`): redirects
+        followed, the watchdog's verdict returned (the part may be tried again), the cap's
+        raised."""
+        for _hop in range(self._sink.max_redirects + 1):
+            if self._capped:
+                raise AttemptEnded(Outcome(Verdict.TRANSIENT, self._abort_reason or "capped"))
+            # A watchdog that fired for an earlier request does not end this one.
+            self._abort_reason = None
+            answer = await self._request_once(method, url, headers, body, MULTIPART_BODY_MAX)
+            if self._capped:
+                raise AttemptEnded(Outcome(Verdict.TRANSIENT, self._abort_reason or "capped"))
+            if isinstance(answer, Outcome):
+                return answer
+            location = answer.headers.get("location")
+            if answer.status not in _REDIRECTS or not location:
+                return answer
+            url = urljoin(url, location)
+            if urlsplit(url).scheme not in ("http", "https"):
+                return Outcome(Verdict.TRANSIENT, f"{method} redirected to a non-HTTP URL")
+        return Outcome(Verdict.TRANSIENT, "too many redirects")
+
+    async def _request_once(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: bytes | FileRange,
+        limit: int,
+    ) -> Answer | Outcome:
+        """One request whose body is ``body`` (a payload range streams from disk, watched for
+        progress); the answer with the first ``limit`` bytes of its body, or the Outcome that
+        ended it.  Fails only with ``CancelledError``."""
+        sink, plan = self._sink, self._plan
+        producer: FileProducer | None = None
+        if isinstance(body, FileRange):
+            try:
+                # Off the reactor thread: a failing disk must not stall every timer.
+                stream, actual = await sink._run(open_payload, self._path)
+            except OSError as e:
+                return Outcome(Verdict.OPERATOR, f"local file unreadable: {e.strerror}")
+            if body.offset:
+                try:
+                    await sink._run(stream.seek, body.offset)
+                except OSError as e:
+                    stream.close()
+                    return Outcome(Verdict.OPERATOR, f"local file unreadable: {e.strerror}")
+            producer = FileProducer(
+                stream, body.length, sink._clock, sink._run, self._progress, sink.read_size
+            )
         try:
             if (stop := self._interrupted()) is not None:
-                return stop
-            if actual != plan.size:
-                return self._result(
-                    Outcome(
-                        Verdict.OPERATOR,
-                        f"local file is {actual} bytes, its receipt says {plan.size}",
-                    )
+                return stop.outcome
+            if producer is not None and actual != plan.size:
+                return Outcome(
+                    Verdict.OPERATOR, f"local file is {actual} bytes, its receipt says {plan.size}"
+                )
+            request_headers = Headers()
+            for name, value in headers:
+                request_headers.addRawHeader(name.encode("ascii"), value.encode("ascii"))
+            request_headers.setRawHeaders(b"user-agent", [sink.user_agent.encode("ascii")])
+            if sink._keeps_auth(url):
+                request_headers.setRawHeaders(
+                    b"authorization", [sink._credentials.authorization.encode()]
                 )
             self._put_sent = 0
-            self._arm(watchdog=True)
+            if producer is not None:
+                self._put_length = body.length if isinstance(body, FileRange) else 0
+                self._arm(watchdog=True)
+                data: Any = producer
+            else:
+                self._arm(answer=True)
+                data = body if body or method in ("POST", "PUT") else None
             request = sink._http.request(
-                "PUT",
+                method,
                 url,
-                headers=sink._put_headers(plan, sink._keeps_auth(url)),
-                data=producer,
+                headers=request_headers,
+                data=data,
                 allow_redirects=False,
                 unbuffered=True,
             )
@@ -663,15 +826,15 @@ class _Attempt:
                 response = await self._wait(request)
                 # Headers are in: from here on only the answer timer runs.
                 self._arm(answer=True)
-                body, _ = await self._wait(
-                    read_bounded(response, ERROR_BODY_MAX, sink.answer_timeout, sink._clock)
+                answer, _ = await self._wait(
+                    read_bounded(response, limit, sink.answer_timeout, sink._clock)
                 )
             except Exception as e:
                 if (stop := self._interrupted()) is not None:
-                    return stop
+                    return stop.outcome
                 local = _local_failure(e)
                 if local is not None:
-                    return self._result(Outcome(Verdict.OPERATOR, str(local)))
+                    return Outcome(Verdict.OPERATOR, str(local))
                 if not isinstance(
                     e, (ConnectError, DNSLookupError, ConnectionClosed, TimeoutError)
                 ) and not type(e).__module__.startswith("twisted.web"):
@@ -680,21 +843,22 @@ class _Attempt:
                         Failure(e),
                         object_id=plan.object_id,
                     )
-                return self._result(Outcome(Verdict.TRANSIENT, describe_failure(e, "PUT")))
+                return Outcome(Verdict.TRANSIENT, describe_failure(e, method))
             finally:
                 self._disarm()
             if (stop := self._interrupted()) is not None:
-                return stop
-            return response.code, first_headers(response.headers), body
+                return stop.outcome
+            return Answer(response.code, first_headers(response.headers), answer)
         finally:
-            producer.close()
+            if producer is not None:
+                producer.close()
 
     def _progress(self, n: int) -> None:
         self._bytes_sent += n
         self._put_sent += n
         if self._on_progress is not None:
             self._on_progress(n)
-        if self._put_sent >= self._plan.size:
+        if self._put_sent >= self._put_length:
             # The last byte is with the transport: wait for the answer, not for progress.
             self._arm(answer=True)
         elif self._watchdog is not None and self._watchdog.active():
@@ -836,16 +1000,26 @@ def internet_archive_sink(
     reactor: Any,
     run: BlockingRunner,
     mode: str = "identity",
+    state_dir: Path | None = None,
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
-    ``run`` is the blocking runner that reads payloads off the reactor thread.  Raises
+    ``run`` is the blocking runner that reads payloads off the reactor thread; ``state_dir``
+    (the data directory's ``multipart/``) holds the journals of multipart uploads.  Raises
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
     project refuses to start instead of failing every attempt later.
     """
     validate_delivery(project_id, delivery, mode)
     try:
-        sink = IASink.for_delivery(delivery, http, reactor, run)
+        sink = IASink.for_delivery(
+            delivery,
+            http,
+            reactor,
+            run,
+            # One journal directory for all projects: a destination (item and name) is one
+            # file at IA, whichever project sends it.
+            journal=None if state_dir is None else PartJournal(state_dir),
+        )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
     return IADeliverySink(delivery.readback_bytes, sink)

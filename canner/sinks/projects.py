@@ -39,6 +39,12 @@ def project_sinks(
         if http is None:
             http = make_http_client(reactor)
         sinks[project_id] = internet_archive_sink(
-            project_id, delivery, http, reactor, run, project.packaging.mode
+            project_id,
+            delivery,
+            http,
+            reactor,
+            run,
+            project.packaging.mode,
+            state_dir=config.data_dir / "multipart",
         )
     return sinks

@@ -179,6 +179,10 @@ class FakeIA:
     def puts(self) -> list[dict[str, Any]]:
         return [r for r in self.requests() if r["method"] == "PUT"]
 
+    def multipart(self) -> dict[str, Any]:
+        """Open multipart uploads and the part body bytes received per "identifier/name"."""
+        return dict(self._get("multipart"))
+
     def faults(self) -> list[dict[str, Any]]:
         return list(self._get("faults"))
 
