@@ -782,3 +782,29 @@ def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIn
     assert json.loads(out)["needs_operator"] == 0
     code, _, err = run("retry", "node-2026-11-29")
     assert code == 1 and "ledger node-2026-11-29 has nothing to retry" in err
+
+
+def test_check_config_reports_every_error_with_the_nearest_key(run: Run) -> None:
+    """One run names every bad key of the file; an unknown key gets the nearest known one."""
+    run.config.write_text(
+        'issuer = "https://canner.test"\n'
+        f'data_dir = "{run.data_dir}"\n'
+        "min_free_byte = 1\n"
+        'partial_upload_retention = "soon"\n\n'
+        "[connections]\nmax_per_clent = 0\n\n"
+        '[projects.example.delivery]\nsink = "directory"\npath = "/srv"\n'
+        'identifier = "x-{object_id}"\nlocal_artifact_retention = "1d"\n',
+        encoding="utf-8",
+    )
+    code, out, err = run("check-config")
+    assert (code, out) == (1, "")
+    assert err == (
+        "canner: 5 config errors:\n"
+        "  config key 'min_free_byte': unknown key (did you mean 'min_free_bytes'?)\n"
+        "  config key 'connections.max_per_clent': unknown key (did you mean 'max_per_client'?)\n"
+        "  config key 'min_free_bytes': required\n"
+        "  config key 'partial_upload_retention': 'soon' is not a Go duration"
+        ' (such as "30s" or "1h30m")\n'
+        "  config key 'projects.example.delivery.local_artifact_retention': '1d' is not a Go"
+        ' duration (such as "30s" or "1h30m")\n'
+    )
