@@ -101,8 +101,47 @@ class Io:
     now: Callable[[], float] = time.time
 
 
+# A Unix time after 2001-09-09: below that, a number under a time-like key is not a timestamp.
+_EPOCH_FLOOR = 1e9
+
+
+def _is_time_key(key: str) -> bool:
+    return key.endswith(("_at", "_after")) or key in ("since", "until")
+
+
+def utc_text(when: float) -> str:
+    """``when`` (Unix time) as ISO 8601 UTC to the second: ``2026-12-01T23:15:33Z``."""
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_utc(doc: Any) -> Any:
+    """``doc`` with ``<key>_utc`` (ISO 8601 UTC, for people) right after every Unix-time field
+    ``<key>`` (``*_at``, ``*_after``, ``since``, ``until``), which keeps its number for
+    machines and for scripts written before the text was added."""
+    if isinstance(doc, list):
+        return [with_utc(v) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        out[key] = with_utc(value)
+        if (
+            _is_time_key(key)
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and value >= _EPOCH_FLOOR
+        ):
+            out[key + "_utc"] = utc_text(value)
+    return out
+
+
 def _dump(io: Io, doc: Any) -> None:
-    io.out.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    io.out.write(json.dumps(with_utc(doc), indent=2, sort_keys=False) + "\n")
+
+
+def _line(io: Io, doc: Any) -> None:
+    """One JSON line (``deliveries``, ``packages``, ``ledger``...), times as in :func:`with_utc`."""
+    io.out.write(json.dumps(with_utc(doc), separators=(",", ":")) + "\n")
 
 
 def _object_id(config: Config, text: str) -> str:
@@ -388,7 +427,9 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     doc["reasons"] = reasons
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
-    io.out.write(json.dumps(doc, indent=2) + "\n" if as_json else _status_text(doc, config))
+    io.out.write(
+        json.dumps(with_utc(doc), indent=2) + "\n" if as_json else _status_text(doc, config)
+    )
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
     return code
@@ -459,7 +500,7 @@ def packages(config_path: Path, io: Io) -> int:
         cur = conn.cursor()
         for row in psql.all_packages(cur):
             doc = psql.package_listing(cur, row)
-            io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+            _line(io, doc)
     finally:
         conn.close()
     return 0
@@ -508,7 +549,7 @@ def deliveries(config_path: Path, io: Io, where: RowFilter = RowFilter()) -> int
     try:
         for row in sql.all_rows(conn.cursor()):
             if where.matches(row):
-                io.out.write(json.dumps(row.as_dict(), separators=(",", ":")) + "\n")
+                _line(io, row.as_dict())
     finally:
         conn.close()
     return 0
@@ -718,7 +759,7 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
         published = _write(data_dir, rel.record_releases, journal, to_publish, now, "operator")
     results = rel.finish_answers(receipt_ids, answers, published, now)
     for result in results:
-        io.out.write(json.dumps(result.as_dict(), separators=(",", ":")) + "\n")
+        _line(io, result.as_dict())
     refused = [r for r in results if r.status in (rel.NOT_DELIVERED, rel.UNKNOWN)]
     for r in refused:
         io.err.write(f"canner: {r.id}: {r.status.replace('_', ' ')}\n")
@@ -756,7 +797,7 @@ def list_ledgers(config_path: Path, io: Io) -> int:
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     for doc in _ledger_docs(data_dir):
-        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        _line(io, doc)
     return 0
 
 
@@ -834,7 +875,7 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
             raise CommandError(f"the flush did not finish within {timeout:.0f}s")
         time.sleep(0.2)
     for doc in _ledger_docs(data_dir):
-        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        _line(io, doc)
     return 0
 
 

@@ -595,7 +595,7 @@ def test_ids_by_unique_prefix(run: Run, indexed: SyncIndex) -> None:
     assert code == 0, err
     assert json.loads(out)["object_id"] == "abcd" + "0" * 28
     code, _, err = run("show", "abc")
-    assert code == 1 and "not an object id" in err
+    assert code == 1 and "too short" in err
     code, _, err = run("show", "abcd")
     assert code == 0
     code, _, err = run("show", "00000000")
@@ -807,4 +807,29 @@ def test_check_config_reports_every_error_with_the_nearest_key(run: Run) -> None
         ' (such as "30s" or "1h30m")\n'
         "  config key 'projects.example.delivery.local_artifact_retention': '1d' is not a Go"
         ' duration (such as "30s" or "1h30m")\n'
+    )
+
+
+def test_times_are_shown_as_utc_beside_the_unix_time(run: Run, indexed: SyncIndex) -> None:
+    """show, deliveries and status --json: each Unix time keeps its number and gets its ISO
+    8601 UTC text right after it."""
+    code, out, err = run("show", oid(2))
+    assert code == 0, err
+    assert (
+        '    "next_attempt_at": 1784768400.0,\n    "next_attempt_at_utc": "2026-07-23T01:00:00Z",\n'
+        in out
+    )
+    code, out, _ = run("deliveries", "--state", "retry_wait")
+    assert '"next_attempt_at":1784768400.0,"next_attempt_at_utc":"2026-07-23T01:00:00Z",' in out
+    code, out, _ = run("status", "--json")
+    doc = json.loads(out)
+    assert (doc["taken_at"], doc["taken_at_utc"]) == (NOW, "2026-07-23T00:00:00Z")
+    assert '  "taken_at": 1784764800.0,\n  "taken_at_utc": "2026-07-23T00:00:00Z",\n' in out
+
+
+def test_show_says_a_prefix_needs_four_characters(run: Run, indexed: SyncIndex) -> None:
+    code, out, err = run("show", "2f")
+    assert (code, out) == (1, "")
+    assert err == (
+        "canner: '2f' is too short: give the whole object id or at least its first 4 characters\n"
     )
