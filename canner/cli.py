@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import sqlite3
 import sys
 import time
@@ -69,7 +70,7 @@ from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
 from canner.rsync.incoming import count_waiting
-from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.credentials import CredentialsError, load_credentials, loose_permissions
 from canner.sinks.directory import validate_directory
 from canner.sinks.plan import (
     PlanError,
@@ -252,6 +253,8 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(path)
         except CredentialsError as e:
             raise ConfigError(key, str(e)) from None
+        if (loose := loose_permissions(path)) is not None:
+            warnings.append(f"{key}: {loose}")
     if config.hq is not None:
         try:
             rel.TokenFile(config.hq.tokens).current()
@@ -267,6 +270,8 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(config.ledger.credentials)
         except CredentialsError as e:
             raise ConfigError("ledger.credentials", str(e)) from None
+        if (loose := loose_permissions(config.ledger.credentials)) is not None:
+            warnings.append(f"ledger.credentials: {loose}")
     if config.manhole is not None and not os.access(config.manhole.authorized_keys, os.R_OK):
         warnings.append(
             f"manhole.authorized_keys: {config.manhole.authorized_keys} is not readable"
@@ -414,10 +419,38 @@ def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[st
     return (CRITICAL if critical else WARNING if warning else OK), reasons
 
 
+def unreadable_data_dir(data_dir: Path) -> str | None:
+    """Why this process cannot look inside ``data_dir``, or None when it can."""
+    if os.access(data_dir, os.R_OK | os.X_OK):
+        return None
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return (
+        f"data directory {data_dir} is not readable by {user} (uid {uid}, its owner, whom"
+        " canner runs as): this node's state is unknown; give it back to its owner with"
+        " mode 0750"
+    )
+
+
 def status(config_path: Path, as_json: bool, io: Io) -> int:
     config = load_config(config_path)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
+    problem = unreadable_data_dir(data_dir)
+    if problem is not None:
+        # Nothing inside can be read: say only that, never a state (draining...) guessed from
+        # files that could not be opened.
+        doc = {"taken_at": io.now(), "status": "critical", "reasons": [f"critical: {problem}"]}
+        io.out.write(
+            json.dumps(with_utc(doc), indent=2) + "\n"
+            if as_json
+            else f"data directory   {data_dir}: unreadable, state unknown\n"
+        )
+        io.err.write(f"canner: critical: {problem}\n")
+        return CRITICAL
     survey = inventory.take_survey(data_dir, config.object_ids, io.now())
     # A heartbeat marked stopped is not a stop while a deliver process still holds the lock.
     survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
@@ -791,9 +824,21 @@ def _ledger_doc(row: ledger_store.LedgerRow, manifest: Manifest | None) -> dict[
     }
 
 
+NO_LEDGER = (
+    "no [ledger] table in the config: this node writes no ledgers (released records stay"
+    " local); see docs/operator-guide.md for [ledger]"
+)
+
+
 def list_ledgers(config_path: Path, io: Io) -> int:
-    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk)."""
+    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk).
+
+    Without ``[ledger]`` it says so and exits 2, like a usage error: the command does not apply
+    to this node as configured, which a script must be able to tell from 1, a failure."""
     config = load_config(config_path)
+    if config.ledger is None:
+        io.err.write(f"canner: {NO_LEDGER}\n")
+        return 2
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     for doc in _ledger_docs(data_dir):
@@ -849,7 +894,8 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     if config.ledger is None:
-        raise CommandError("no [ledger] table in the config: there is nowhere to archive to")
+        io.err.write(f"canner: {NO_LEDGER}\n")
+        return 2
     if not lock_held(data_dir / "deliver.lock"):
         raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
     requested = io.now()

@@ -727,6 +727,21 @@ def _endpoint_parts(text: str) -> list[str]:
     return parts
 
 
+def listen_url(text: str) -> str | None:
+    """The ``http://`` base a ``tcp``/``tcp6`` listen endpoint serves (``tcp:8080`` without an
+    interface listens everywhere: its URL names localhost), or None for other endpoints."""
+    parts = _endpoint_parts(text)
+    if parts[0] not in ("tcp", "tcp6") or len(parts) < 2 or not parts[1].isdigit():
+        return None
+    options = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+    host = options.get("interface", "localhost")
+    if host in ("0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{parts[1]}/"
+
+
 def loopback_endpoint(text: str, name: str) -> str:
     """Accept a ``tcp``/``tcp6`` endpoint whose ``interface`` is a loopback address, or ``unix``.
 

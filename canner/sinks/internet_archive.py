@@ -39,7 +39,13 @@ from canner.sinks.base import (
     Verdict,
 )
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
-from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.credentials import (
+    Credentials,
+    CredentialsError,
+    load_credentials,
+    loose_permissions,
+    redact,
+)
 from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
 from canner.sinks.readback import (
     ReadBack,
@@ -847,4 +853,8 @@ def internet_archive_sink(
         sink = IASink.for_delivery(delivery, http, reactor, run)
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
+    if delivery.credentials is not None and (loose := loose_permissions(delivery.credentials)):
+        log.warn(
+            "projects.{project}.delivery.credentials: {problem}", project=project_id, problem=loose
+        )
     return IADeliverySink(delivery, sink)

@@ -511,6 +511,33 @@ def test_root_becomes_the_data_directory_owner() -> None:
         shutil.rmtree(root)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch users")
+def test_status_as_root_on_an_unreadable_data_directory_says_so() -> None:
+    """Run as root, canner reads as the data directory's owner; when even the owner cannot read
+    it, status says the state is unknown (critical), never that the node is draining."""
+    root = Path(tempfile.mkdtemp(prefix="canner-cli-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        run = Run(root)
+        run.index().close()
+        for path in (run.data_dir, *run.data_dir.rglob("*")):
+            os.chown(path, 65534, 65534)
+        os.chmod(run.data_dir, 0)
+        done = canner("status", "--config", str(run.config))
+        assert (done.returncode, done.stdout) == (
+            2,
+            f"data directory   {run.data_dir}: unreadable, state unknown\n",
+        )
+        assert done.stderr == (
+            f"canner: critical: data directory {run.data_dir} is not readable by nobody"
+            " (uid 65534, its owner, whom canner runs as): this node's state is unknown; give"
+            " it back to its owner with mode 0750\n"
+        )
+    finally:
+        os.chmod(root / "data", 0o755)
+        shutil.rmtree(root)
+
+
 # -- exit codes for monitoring, prefixes, filters, bulk retry ----------------------------------
 
 
@@ -833,3 +860,31 @@ def test_show_says_a_prefix_needs_four_characters(run: Run, indexed: SyncIndex) 
     assert err == (
         "canner: '2f' is too short: give the whole object id or at least its first 4 characters\n"
     )
+
+
+@pytest.mark.parametrize("argv", [["ledger"], ["ledger", "flush"]])
+def test_ledger_without_a_ledger_table_says_so(run: Run, argv: list[str]) -> None:
+    """Exit 2, like a usage error: the command does not apply to this node (1 is a failure)."""
+    assert run(*argv) == (
+        2,
+        "",
+        "canner: no [ledger] table in the config: this node writes no ledgers (released records"
+        " stay local); see docs/operator-guide.md for [ledger]\n",
+    )
+
+
+def test_check_config_warns_about_credentials_others_can_read(run: Run) -> None:
+    """The guide says 0600: a 0644 key file is a warning (the keys still work), 0600 none."""
+    keys = run.root / "keys"
+    keys.write_text("access\nsecret\n")
+    run.write_config(DELIVERY.replace("{identifier}", "example-{date}-{object_id}"))
+    keys.chmod(0o644)
+    code, _, err = run("check-config")
+    assert code == 0
+    assert (
+        f"canner: warning: projects.example.delivery.credentials: {keys} is mode 0644: other"
+        f" users of this host can read the IA keys; chmod 0600 {keys}"
+    ) in err.splitlines()
+    keys.chmod(0o600)
+    code, _, err = run("check-config")
+    assert code == 0 and "chmod" not in err
