@@ -23,6 +23,8 @@
     canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
                               uploads in progress and deliveries go on
     canner undrain            take new uploads again
+    canner manhole-proxy ROLE relay stdin/stdout to ROLE's manhole unix socket: ssh's
+                              ProxyCommand (conf/manhole.md), needing nothing but canner
 
 IDs may be given by a unique prefix (the status page shows 8 characters).
 
@@ -35,11 +37,14 @@ exit status 1 (2 for usage errors); a config error names its key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
+import socket
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -1046,6 +1051,44 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     return 1 if problems or damage else 0
 
 
+# -- manhole-proxy ------------------------------------------------------------------------------
+
+
+def manhole_proxy(config_path: Path, role: str, io: Io) -> int:
+    """Relay bytes between stdin/stdout and ``role``'s manhole socket until both ends close:
+    ssh's ``ProxyCommand``, so that no netcat or socat is needed (stock Debian has neither)."""
+    config = load_config(config_path)
+    path = config.manhole.socket_for(role) if config.manhole is not None else None
+    if path is None:
+        raise CommandError(
+            f"no manhole socket for canner-{role}: the config has no [manhole] table"
+            if config.manhole is None
+            else f"no manhole socket for canner-{role}: manhole.{role}_socket is empty"
+        )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError as e:
+        sock.close()
+        raise CommandError(
+            f"cannot connect to {path}: {e.strerror} (is canner-{role} running with a manhole,"
+            " and are you root or canner?)"
+        ) from None
+
+    def upstream() -> None:
+        # ssh's requests to the daemon; EOF from ssh half-closes the socket.
+        with contextlib.suppress(OSError):
+            while data := os.read(0, 65536):
+                sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=upstream, daemon=True).start()
+    with sock:
+        while data := sock.recv(65536):
+            os.write(1, data)
+    return 0
+
+
 # -- rsyncd-conf -------------------------------------------------------------------------------
 
 
@@ -1131,6 +1174,10 @@ def _parser() -> argparse.ArgumentParser:
     ledger.add_argument(
         "--timeout", type=float, default=600.0, help="flush: seconds to wait (default 600)"
     )
+    command(
+        "manhole-proxy",
+        "relay stdin/stdout to a daemon's manhole socket (ssh -o ProxyCommand=...)",
+    ).add_argument("role", choices=["receiver", "deliver"], help="whose manhole")
     conf = command("rsyncd-conf", "write the rsync daemon's config: one module per project")
     conf.add_argument(
         "--templates", type=Path, default=Path("/etc/canner/rsyncd"),
@@ -1174,6 +1221,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),
         "release": lambda: release(args.config, args.ids, io),
+        "manhole-proxy": lambda: manhole_proxy(args.config, args.role, io),
         "rsyncd-conf": lambda: write_rsyncd_conf(
             args.config, args.templates, args.runtime_dir, args.output, io
         ),

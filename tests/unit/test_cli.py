@@ -888,3 +888,11 @@ def test_check_config_warns_about_credentials_others_can_read(run: Run) -> None:
     keys.chmod(0o600)
     code, _, err = run("check-config")
     assert code == 0 and "chmod" not in err
+
+
+def test_manhole_proxy_without_a_manhole_says_so(run: Run) -> None:
+    assert run("manhole-proxy", "receiver") == (
+        1,
+        "",
+        "canner: no manhole socket for canner-receiver: the config has no [manhole] table\n",
+    )
