@@ -26,7 +26,9 @@
     canner manhole-proxy ROLE relay stdin/stdout to ROLE's manhole unix socket: ssh's
                               ProxyCommand (conf/manhole.md), needing nothing but canner
 
-IDs may be given by a unique prefix (the status page shows 8 characters).
+IDs may be given by a unique prefix of at least 4 characters (the status page shows 8).
+Every Unix time in the JSON output is followed by ``<key>_utc``, the same instant in ISO 8601
+UTC, for people; the number stays for scripts.
 
 Reads use read-only SQLite connections, safe while both daemons run.  Run as root, the command
 first becomes the owner of the data directory, so any file SQLite creates there (``-wal``,
