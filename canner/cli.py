@@ -28,8 +28,12 @@
     canner undrain            take new uploads again
     canner import-go-config CONFIG.json [--output PATH]
                               a Go canner config as canner TOML; every change on stderr
+    canner manhole-proxy ROLE relay stdin/stdout to ROLE's manhole unix socket: ssh's
+                              ProxyCommand (conf/manhole.md), needing nothing but canner
 
-IDs may be given by a unique prefix (the status page shows 8 characters).
+IDs may be given by a unique prefix of at least 4 characters (the status page shows 8).
+Every Unix time in the JSON output is followed by ``<key>_utc``, the same instant in ISO 8601
+UTC, for people; the number stays for scripts.
 
 Reads use read-only SQLite connections, safe while both daemons run.  Run as root, the command
 first becomes the owner of the data directory, so any file SQLite creates there (``-wal``,
@@ -40,10 +44,14 @@ exit status 1 (2 for usage errors); a config error names its key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import pwd
+import socket
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -75,7 +83,7 @@ from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
 from canner.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
 from canner.rsync.incoming import count_waiting
-from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.credentials import CredentialsError, load_credentials, loose_permissions
 from canner.sinks.directory import validate_directory
 from canner.sinks.plan import (
     PlanError,
@@ -86,7 +94,7 @@ from canner.sinks.plan import (
 )
 from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
-from canner.verdict import NAMES, assess
+from canner.verdict import CRITICAL, NAMES, assess
 from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
@@ -108,8 +116,47 @@ class Io:
     now: Callable[[], float] = time.time
 
 
+# A Unix time after 2001-09-09: below that, a number under a time-like key is not a timestamp.
+_EPOCH_FLOOR = 1e9
+
+
+def _is_time_key(key: str) -> bool:
+    return key.endswith(("_at", "_after")) or key in ("since", "until")
+
+
+def utc_text(when: float) -> str:
+    """``when`` (Unix time) as ISO 8601 UTC to the second: ``2026-12-01T23:15:33Z``."""
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_utc(doc: Any) -> Any:
+    """``doc`` with ``<key>_utc`` (ISO 8601 UTC, for people) right after every Unix-time field
+    ``<key>`` (``*_at``, ``*_after``, ``since``, ``until``), which keeps its number for
+    machines and for scripts written before the text was added."""
+    if isinstance(doc, list):
+        return [with_utc(v) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        out[key] = with_utc(value)
+        if (
+            _is_time_key(key)
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and value >= _EPOCH_FLOOR
+        ):
+            out[key + "_utc"] = utc_text(value)
+    return out
+
+
 def _dump(io: Io, doc: Any) -> None:
-    io.out.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    io.out.write(json.dumps(with_utc(doc), indent=2, sort_keys=False) + "\n")
+
+
+def _line(io: Io, doc: Any) -> None:
+    """One JSON line (``deliveries``, ``packages``, ``ledger``...), times as in :func:`with_utc`."""
+    io.out.write(json.dumps(with_utc(doc), separators=(",", ":")) + "\n")
 
 
 def _object_id(config: Config, text: str) -> str:
@@ -220,6 +267,8 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(path)
         except CredentialsError as e:
             raise ConfigError(key, str(e)) from None
+        if (loose := loose_permissions(path)) is not None:
+            warnings.append(f"{key}: {loose}")
     if config.hq is not None:
         try:
             rel.TokenFile(config.hq.tokens).current()
@@ -235,6 +284,8 @@ def _credential_warnings(config: Config) -> list[str]:
             load_credentials(config.ledger.credentials)
         except CredentialsError as e:
             raise ConfigError("ledger.credentials", str(e)) from None
+        if (loose := loose_permissions(config.ledger.credentials)) is not None:
+            warnings.append(f"ledger.credentials: {loose}")
     if config.manhole is not None and not os.access(config.manhole.authorized_keys, os.R_OK):
         warnings.append(
             f"manhole.authorized_keys: {config.manhole.authorized_keys} is not readable"
@@ -363,10 +414,38 @@ def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[st
     return found.code, list(found.reasons)
 
 
+def unreadable_data_dir(data_dir: Path) -> str | None:
+    """Why this process cannot look inside ``data_dir``, or None when it can."""
+    if os.access(data_dir, os.R_OK | os.X_OK):
+        return None
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return (
+        f"data directory {data_dir} is not readable by {user} (uid {uid}, its owner, whom"
+        " canner runs as): this node's state is unknown; give it back to its owner with"
+        " mode 0750"
+    )
+
+
 def status(config_path: Path, as_json: bool, io: Io) -> int:
     config = load_config(config_path)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
+    problem = unreadable_data_dir(data_dir)
+    if problem is not None:
+        # Nothing inside can be read: say only that, never a state (draining...) guessed from
+        # files that could not be opened.
+        doc = {"taken_at": io.now(), "status": "critical", "reasons": [f"critical: {problem}"]}
+        io.out.write(
+            json.dumps(with_utc(doc), indent=2) + "\n"
+            if as_json
+            else f"data directory   {data_dir}: unreadable, state unknown\n"
+        )
+        io.err.write(f"canner: critical: {problem}\n")
+        return CRITICAL
     survey = inventory.take_survey(data_dir, config.object_ids, io.now())
     # A heartbeat marked stopped is not a stop while a deliver process still holds the lock.
     survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
@@ -376,7 +455,9 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     doc["reasons"] = reasons
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
-    io.out.write(json.dumps(doc, indent=2) + "\n" if as_json else _status_text(doc, config))
+    io.out.write(
+        json.dumps(with_utc(doc), indent=2) + "\n" if as_json else _status_text(doc, config)
+    )
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
     return code
@@ -447,7 +528,7 @@ def packages(config_path: Path, io: Io) -> int:
         cur = conn.cursor()
         for row in psql.all_packages(cur):
             doc = psql.package_listing(cur, row)
-            io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+            _line(io, doc)
     finally:
         conn.close()
     return 0
@@ -496,7 +577,7 @@ def deliveries(config_path: Path, io: Io, where: RowFilter = RowFilter()) -> int
     try:
         for row in sql.all_rows(conn.cursor()):
             if where.matches(row):
-                io.out.write(json.dumps(row.as_dict(), separators=(",", ":")) + "\n")
+                _line(io, row.as_dict())
     finally:
         conn.close()
     return 0
@@ -706,7 +787,7 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
         published = _write(data_dir, rel.record_releases, journal, to_publish, now, "operator")
     results = rel.finish_answers(receipt_ids, answers, published, now)
     for result in results:
-        io.out.write(json.dumps(result.as_dict(), separators=(",", ":")) + "\n")
+        _line(io, result.as_dict())
     refused = [r for r in results if r.status in (rel.NOT_DELIVERED, rel.UNKNOWN)]
     for r in refused:
         io.err.write(f"canner: {r.id}: {r.status.replace('_', ' ')}\n")
@@ -738,13 +819,25 @@ def _ledger_doc(row: ledger_store.LedgerRow, manifest: Manifest | None) -> dict[
     }
 
 
+NO_LEDGER = (
+    "no [ledger] table in the config: this node writes no ledgers (released records stay"
+    " local); see docs/operator-guide.md for [ledger]"
+)
+
+
 def list_ledgers(config_path: Path, io: Io) -> int:
-    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk)."""
+    """``canner ledger``: one JSON line per ledger (the index, and verified ones on disk).
+
+    Without ``[ledger]`` it says so and exits 2, like a usage error: the command does not apply
+    to this node as configured, which a script must be able to tell from 1, a failure."""
     config = load_config(config_path)
+    if config.ledger is None:
+        io.err.write(f"canner: {NO_LEDGER}\n")
+        return 2
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     for doc in _ledger_docs(data_dir):
-        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        _line(io, doc)
     return 0
 
 
@@ -796,7 +889,8 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
     if config.ledger is None:
-        raise CommandError("no [ledger] table in the config: there is nowhere to archive to")
+        io.err.write(f"canner: {NO_LEDGER}\n")
+        return 2
     if not lock_held(data_dir / "deliver.lock"):
         raise CommandError("canner-deliver is not running: it writes and uploads the ledgers")
     requested = io.now()
@@ -822,7 +916,7 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
             raise CommandError(f"the flush did not finish within {timeout:.0f}s")
         time.sleep(0.2)
     for doc in _ledger_docs(data_dir):
-        io.out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        _line(io, doc)
     return 0
 
 
@@ -961,6 +1055,44 @@ def adopt_go(config_path: Path, go_dir: Path, apply: bool, io: Io) -> int:
         raise CommandError(str(e)) from None
 
 
+# -- manhole-proxy ------------------------------------------------------------------------------
+
+
+def manhole_proxy(config_path: Path, role: str, io: Io) -> int:
+    """Relay bytes between stdin/stdout and ``role``'s manhole socket until both ends close:
+    ssh's ``ProxyCommand``, so that no netcat or socat is needed (stock Debian has neither)."""
+    config = load_config(config_path)
+    path = config.manhole.socket_for(role) if config.manhole is not None else None
+    if path is None:
+        raise CommandError(
+            f"no manhole socket for canner-{role}: the config has no [manhole] table"
+            if config.manhole is None
+            else f"no manhole socket for canner-{role}: manhole.{role}_socket is empty"
+        )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError as e:
+        sock.close()
+        raise CommandError(
+            f"cannot connect to {path}: {e.strerror} (is canner-{role} running with a manhole,"
+            " and are you root or canner?)"
+        ) from None
+
+    def upstream() -> None:
+        # ssh's requests to the daemon; EOF from ssh half-closes the socket.
+        with contextlib.suppress(OSError):
+            while data := os.read(0, 65536):
+                sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=upstream, daemon=True).start()
+    with sock:
+        while data := sock.recv(65536):
+            os.write(1, data)
+    return 0
+
+
 # -- rsyncd-conf -------------------------------------------------------------------------------
 
 
@@ -1074,6 +1206,10 @@ def _parser() -> argparse.ArgumentParser:
     ledger.add_argument(
         "--timeout", type=float, default=600.0, help="flush: seconds to wait (default 600)"
     )
+    command(
+        "manhole-proxy",
+        "relay stdin/stdout to a daemon's manhole socket (ssh -o ProxyCommand=...)",
+    ).add_argument("role", choices=["receiver", "deliver"], help="whose manhole")
     conf = command("rsyncd-conf", "write the rsync daemon's config: one module per project")
     conf.add_argument(
         "--templates", type=Path, default=Path("/etc/canner/rsyncd"),
@@ -1121,6 +1257,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "undrain": lambda: undrain(args.config, io),
         "adopt-go": lambda: adopt_go(args.config, args.go_dir, args.apply, io),
         "release": lambda: release(args.config, args.ids, io),
+        "manhole-proxy": lambda: manhole_proxy(args.config, args.role, io),
         "rsyncd-conf": lambda: write_rsyncd_conf(
             args.config, args.templates, args.runtime_dir, args.output, io
         ),

@@ -8,6 +8,7 @@ and the problem.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -50,6 +51,20 @@ class ConfigError(ValueError):
         super().__init__(f"config key {key!r}: {problem}")
         self.key = key
         self.problem = problem
+
+
+class ConfigErrors(ConfigError):
+    """Several problems in one file, all reported at once; ``errors`` lists them, unknown keys
+    first.  ``key`` and ``problem`` are the first one's."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        super().__init__(errors[0].key, errors[0].problem)
+        self.errors = errors
+        lines = [f"{len(errors)} config errors:", *(f"  {e}" for e in errors)]
+        self.args = ("\n".join(lines),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def parse_duration(text: str) -> float:
@@ -353,10 +368,57 @@ DEFAULT_PART_SIZE = 512 << 20
 MAX_PARTS = 10_000
 
 
-def _unknown(keys: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
-    for key in keys:
-        if key not in allowed:
-            raise ConfigError(prefix + key, "unknown key")
+# The keys of each table, by its path in the file (``<id>`` stands for any project id).  The
+# metadata tables are free-form.
+_TABLES: Final[dict[str, set[str]]] = {
+    "": _TOP_KEYS,
+    "projects.<id>": {"delivery", "packaging"},
+    "projects.<id>.delivery": _DELIVERY_KEYS,
+    "projects.<id>.packaging": _PACKAGING_KEYS,
+    "metrics": _METRICS_KEYS,
+    "manhole": _MANHOLE_KEYS,
+    "connections": _CONNECTIONS_KEYS,
+    "hq": _HQ_KEYS,
+    "ledger": _LEDGER_KEYS,
+    "rsync": _RSYNC_KEYS,
+}
+
+
+def known_keys(table: str) -> frozenset[str]:
+    """The keys parse_config accepts in ``table`` (``""`` for the top level,
+    ``"projects.<id>.delivery"``...); KeyError for a table it does not know."""
+    return frozenset(_TABLES[table])
+
+
+def _unknown_problem(key: str, allowed: set[str]) -> str:
+    near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+    return f"unknown key (did you mean {near[0]!r}?)" if near else "unknown key"
+
+
+def unknown_keys(raw: Mapping[str, Any]) -> list[ConfigError]:
+    """Every unknown key of the file, each with the nearest known key of its table, if any."""
+    errors: list[ConfigError] = []
+
+    def check(table: Any, schema: str, prefix: str) -> None:
+        if isinstance(table, Mapping):
+            allowed = _TABLES[schema]
+            errors.extend(
+                ConfigError(prefix + key, _unknown_problem(key, allowed))
+                for key in table
+                if key not in allowed
+            )
+
+    check(raw, "", "")
+    for section in ("metrics", "manhole", "connections", "hq", "ledger", "rsync"):
+        check(raw.get(section), section, section + ".")
+    projects = raw.get("projects")
+    if isinstance(projects, Mapping):
+        for project_id, table in projects.items():
+            check(table, "projects.<id>", f"projects.{project_id}.")
+            if isinstance(table, Mapping):
+                for sub in ("packaging", "delivery"):
+                    check(table.get(sub), f"projects.<id>.{sub}", f"projects.{project_id}.{sub}.")
+    return errors
 
 
 def _positive_int(mapping: Mapping[str, Any], key: str, default: int | None, name: str) -> int:
@@ -417,7 +479,6 @@ def _parse_packaging(raw: Any, name: str) -> PackagingConfig:
         return PackagingConfig()
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
-    _unknown(raw, _PACKAGING_KEYS, name + ".")
     mode = _string(raw, "mode", name + ".mode", IDENTITY)
     if mode not in (IDENTITY, MEGAWARC):
         raise ConfigError(name + ".mode", f'must be "identity" or "megawarc", not {mode!r}')
@@ -489,7 +550,6 @@ def _parse_delivery(
 ) -> DeliveryConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
-    _unknown(raw, _DELIVERY_KEYS, name + ".")
     sink = _string(raw, "sink", name + ".sink")
     if sink not in _SINKS:
         raise ConfigError(
@@ -591,7 +651,6 @@ def _parse_hq(raw: Any, base_dir: Path) -> HQConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("hq", "must be a table")
-    _unknown(raw, _HQ_KEYS, "hq.")
     return HQConfig(tokens=(base_dir / _string(raw, "tokens", "hq.tokens")).resolve())
 
 
@@ -600,7 +659,6 @@ def _parse_rsync(raw: Any, base_dir: Path, data_dir: Path) -> RsyncConfig | None
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("rsync", "must be a table")
-    _unknown(raw, _RSYNC_KEYS, "rsync.")
     incoming = _string(raw, "incoming", "rsync.incoming", str(data_dir / "incoming"))
     if not incoming:
         raise ConfigError("rsync.incoming", "must not be empty")
@@ -619,7 +677,6 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("ledger", "must be a table")
-    _unknown(raw, _LEDGER_KEYS, "ledger.")
     period = _string(raw, "period", "ledger.period", "day")
     if period not in LEDGER_PERIODS:
         raise ConfigError("ledger.period", f'must be "day" or "month", not {period!r}')
@@ -651,29 +708,36 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
     )
 
 
-def _parse_projects(raw: Any, base_dir: Path) -> dict[str, ProjectConfig]:
+def _parse_projects(
+    raw: Any, base_dir: Path, errors: list[ConfigError]
+) -> dict[str, ProjectConfig]:
+    """The projects that parse; each one that does not adds its error to ``errors``."""
     if not isinstance(raw, Mapping) or not raw:
         raise ConfigError("projects", "at least one [projects.<id>] table is required")
     projects: dict[str, ProjectConfig] = {}
     for project_id, table in raw.items():
-        name = f"projects.{project_id}"
-        if not PROJECT_ID.fullmatch(project_id):
-            raise ConfigError(name, "project ids are 1-128 characters of [A-Za-z0-9._:-]")
-        if not isinstance(table, Mapping):
-            raise ConfigError(name, "must be a table")
-        _unknown(table, {"delivery", "packaging"}, name + ".")
-        packaging = _parse_packaging(table.get("packaging"), name + ".packaging")
-        delivery = None
-        if "delivery" in table:
-            # A megawarc item's files are named "<remote_name>.megawarc.warc.gz" and so on.
-            default_remote = "{package}" if packaging.megawarc else "{filename}"
-            delivery = _parse_delivery(table["delivery"], name + ".delivery", base_dir,
-                                       default_remote)  # fmt: skip
-            _check_packaging_templates(packaging, delivery, name)
-        projects[project_id] = ProjectConfig(
-            project_id=project_id, delivery=delivery, packaging=packaging
-        )
+        try:
+            projects[project_id] = _parse_project(project_id, table, base_dir)
+        except ConfigError as e:
+            errors.append(e)
     return projects
+
+
+def _parse_project(project_id: str, table: Any, base_dir: Path) -> ProjectConfig:
+    name = f"projects.{project_id}"
+    if not PROJECT_ID.fullmatch(project_id):
+        raise ConfigError(name, "project ids are 1-128 characters of [A-Za-z0-9._:-]")
+    if not isinstance(table, Mapping):
+        raise ConfigError(name, "must be a table")
+    packaging = _parse_packaging(table.get("packaging"), name + ".packaging")
+    delivery = None
+    if "delivery" in table:
+        # A megawarc item's files are named "<remote_name>.megawarc.warc.gz" and so on.
+        default_remote = "{package}" if packaging.megawarc else "{filename}"
+        delivery = _parse_delivery(table["delivery"], name + ".delivery", base_dir,
+                                   default_remote)  # fmt: skip
+        _check_packaging_templates(packaging, delivery, name)
+    return ProjectConfig(project_id=project_id, delivery=delivery, packaging=packaging)
 
 
 def _endpoint_parts(text: str) -> list[str]:
@@ -691,6 +755,21 @@ def _endpoint_parts(text: str) -> list[str]:
             current += ch
     parts.append(current)
     return parts
+
+
+def listen_url(text: str) -> str | None:
+    """The ``http://`` base a ``tcp``/``tcp6`` listen endpoint serves (``tcp:8080`` without an
+    interface listens everywhere: its URL names localhost), or None for other endpoints."""
+    parts = _endpoint_parts(text)
+    if parts[0] not in ("tcp", "tcp6") or len(parts) < 2 or not parts[1].isdigit():
+        return None
+    options = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+    host = options.get("interface", "localhost")
+    if host in ("0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{parts[1]}/"
 
 
 def loopback_endpoint(text: str, name: str) -> str:
@@ -728,7 +807,6 @@ def _parse_connections(raw: Any) -> ConnectionsConfig:
         return ConnectionsConfig()
     if not isinstance(raw, Mapping):
         raise ConfigError("connections", "must be a table")
-    _unknown(raw, _CONNECTIONS_KEYS, "connections.")
     defaults = ConnectionsConfig()
     total = _positive_int(raw, "max", defaults.max, "connections.max")
     per_client = raw.get("max_per_client", defaults.max_per_client)
@@ -748,7 +826,6 @@ def _parse_metrics(raw: Any) -> MetricsConfig:
         return MetricsConfig()
     if not isinstance(raw, Mapping):
         raise ConfigError("metrics", "must be a table")
-    _unknown(raw, _METRICS_KEYS, "metrics.")
     listen = _optional_string(raw, "deliver_listen", "metrics.deliver_listen")
     if listen is not None:
         listen = loopback_endpoint(listen, "metrics.deliver_listen")
@@ -763,7 +840,6 @@ def _parse_manhole(raw: Any, base_dir: Path, data_dir: Path) -> ManholeConfig | 
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("manhole", "must be a table")
-    _unknown(raw, _MANHOLE_KEYS, "manhole.")
     keys = _string(raw, "authorized_keys", "manhole.authorized_keys")
     host_key = _optional_string(raw, "host_key", "manhole.host_key")
     sockets: dict[str, Path | None] = {}
@@ -790,9 +866,7 @@ def _parse_manhole(raw: Any, base_dir: Path, data_dir: Path) -> ManholeConfig | 
     )
 
 
-def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
-    """Validate a parsed TOML mapping; relative paths are resolved against ``base_dir`` once."""
-    _unknown(raw, _TOP_KEYS, "")
+def _issuer(raw: Mapping[str, Any]) -> str:
     issuer = _string(raw, "issuer", "issuer")
     if not issuer:
         raise ConfigError("issuer", "must not be empty")
@@ -805,58 +879,111 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
             f"is still the placeholder {PLACEHOLDER_ISSUER!r} of the example config: set this"
             " node's real issuer before starting canner",
         )
-    public_url = raw.get("public_url")
-    if public_url is not None:
-        public_url = _http_url(_string(raw, "public_url", "public_url"), "public_url")
-        public_url = public_url.rstrip("/") + "/"
-    listen = _string(raw, "listen", "listen", "tcp:8080:interface=127.0.0.1")
-    if not listen:
-        raise ConfigError("listen", "must be a Twisted endpoint string")
-    data_dir = _string(raw, "data_dir", "data_dir", "/var/lib/canner")
-    if not data_dir:
-        raise ConfigError("data_dir", "must not be empty")
+    return issuer
+
+
+def _public_url(raw: Mapping[str, Any]) -> str | None:
+    if raw.get("public_url") is None:
+        return None
+    return _http_url(_string(raw, "public_url", "public_url"), "public_url").rstrip("/") + "/"
+
+
+def _non_empty(raw: Mapping[str, Any], key: str, default: str | None, problem: str) -> str:
+    value = _string(raw, key, key, default)
+    if not value:
+        raise ConfigError(key, problem)
+    return value
+
+
+def _node_prefix(raw: Mapping[str, Any]) -> str:
     node_prefix = _string(raw, "node_prefix", "node_prefix", "")
     try:
         validate_node_prefix(node_prefix)
     except ValueError as e:
         raise ConfigError("node_prefix", str(e)) from None
-    trust = raw.get("trust_forwarded_headers", False)
-    if not isinstance(trust, bool):
-        raise ConfigError("trust_forwarded_headers", "must be true or false")
-    access_log = raw.get("access_log", True)
-    if not isinstance(access_log, bool):
-        raise ConfigError("access_log", "must be true or false")
+    return node_prefix
+
+
+def _bool(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(key, "must be true or false")
+    return value
+
+
+def _retention(raw: Mapping[str, Any]) -> float:
     retention = _duration(raw, "partial_upload_retention", "partial_upload_retention", "30m")
     if retention <= 0:
         raise ConfigError("partial_upload_retention", "must be positive")
-    resolved_data_dir = (base_dir / data_dir).resolve()
+    return retention
+
+
+def _packages_dir(raw: Mapping[str, Any], base_dir: Path) -> Path | None:
     packages_dir = _optional_string(raw, "packages_dir", "packages_dir")
     if packages_dir == "":
         raise ConfigError("packages_dir", "must not be empty")
-    return Config(
-        issuer=issuer,
-        data_dir=resolved_data_dir,
-        listen=listen,
-        public_url=public_url,
-        max_upload_bytes=_positive_int(raw, "max_upload_bytes", 107374182400, "max_upload_bytes"),
-        min_free_bytes=_positive_int(raw, "min_free_bytes", None, "min_free_bytes"),
-        partial_upload_retention=retention,
-        delivery_concurrency=_positive_int(raw, "delivery_concurrency", 2, "delivery_concurrency"),
-        node_prefix=node_prefix,
-        trust_forwarded_headers=trust,
-        projects=_parse_projects(raw.get("projects"), base_dir),
-        metrics=_parse_metrics(raw.get("metrics")),
-        manhole=_parse_manhole(raw.get("manhole"), base_dir, resolved_data_dir),
-        access_log=access_log,
-        connections=_parse_connections(raw.get("connections")),
-        packages_dir=(base_dir / packages_dir).resolve() if packages_dir else None,
-        packaging_concurrency=_positive_int(
-            raw, "packaging_concurrency", 1, "packaging_concurrency"
+    return (base_dir / packages_dir).resolve() if packages_dir else None
+
+
+def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
+    """Validate a parsed TOML mapping; relative paths are resolved against ``base_dir`` once.
+
+    Every problem of the file is reported in one go: one :class:`ConfigError`, or a
+    :class:`ConfigErrors` listing them all (unknown keys first, each with the nearest known key).
+    """
+    errors = unknown_keys(raw)
+
+    def attempt(parse: Any, fallback: Any, *args: Any) -> Any:
+        try:
+            return parse(*args)
+        except ConfigError as e:
+            errors.append(e)
+            return fallback
+
+    data_dir = attempt(_non_empty, "/var/lib/canner", raw, "data_dir", "/var/lib/canner",
+                       "must not be empty")  # fmt: skip
+    resolved_data_dir = (base_dir / data_dir).resolve()
+    node_prefix = attempt(_node_prefix, "", raw)
+    values = {
+        "issuer": attempt(_issuer, "", raw),
+        "data_dir": resolved_data_dir,
+        "listen": attempt(
+            _non_empty,
+            "",
+            raw,
+            "listen",
+            "tcp:8080:interface=127.0.0.1",
+            "must be a Twisted endpoint string",
         ),
-        hq=_parse_hq(raw.get("hq"), base_dir),
-        ledger=_parse_ledger(raw.get("ledger"), base_dir, node_prefix),
-        rsync=_parse_rsync(raw.get("rsync"), base_dir, resolved_data_dir),
-    )
+        "public_url": attempt(_public_url, None, raw),
+        "max_upload_bytes": attempt(
+            _positive_int, 1, raw, "max_upload_bytes", 107374182400, "max_upload_bytes"
+        ),
+        "min_free_bytes": attempt(_positive_int, 1, raw, "min_free_bytes", None, "min_free_bytes"),
+        "partial_upload_retention": attempt(_retention, 1.0, raw),
+        "delivery_concurrency": attempt(
+            _positive_int, 1, raw, "delivery_concurrency", 2, "delivery_concurrency"
+        ),
+        "node_prefix": node_prefix,
+        "trust_forwarded_headers": attempt(_bool, False, raw, "trust_forwarded_headers", False),
+        "projects": attempt(_parse_projects, {}, raw.get("projects"), base_dir, errors),
+        "metrics": attempt(_parse_metrics, None, raw.get("metrics")),
+        "manhole": attempt(_parse_manhole, None, raw.get("manhole"), base_dir, resolved_data_dir),
+        "access_log": attempt(_bool, True, raw, "access_log", True),
+        "connections": attempt(_parse_connections, None, raw.get("connections")),
+        "packages_dir": attempt(_packages_dir, None, raw, base_dir),
+        "packaging_concurrency": attempt(
+            _positive_int, 1, raw, "packaging_concurrency", 1, "packaging_concurrency"
+        ),
+        "hq": attempt(_parse_hq, None, raw.get("hq"), base_dir),
+        "ledger": attempt(_parse_ledger, None, raw.get("ledger"), base_dir, node_prefix),
+        "rsync": attempt(_parse_rsync, None, raw.get("rsync"), base_dir, resolved_data_dir),
+    }
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+    return Config(**values)
 
 
 def check_data_dir(config: Config) -> Path:

@@ -552,8 +552,13 @@ class UnknownId(ValueError):
 def id_prefix(text: str) -> str:
     """``text`` as an id prefix to look up (pure); :class:`UnknownId` when it cannot be one."""
     prefix = text.strip().rstrip("…").lower()
-    if len(prefix) < ID_PREFIX_MIN or not _PREFIX.fullmatch(prefix):
+    if not _PREFIX.fullmatch(prefix):
         raise UnknownId(f"{text!r} is not an object id of this node (nor a prefix of one)")
+    if len(prefix) < ID_PREFIX_MIN:
+        raise UnknownId(
+            f"{text!r} is too short: give the whole object id or at least its first"
+            f" {ID_PREFIX_MIN} characters"
+        )
     return prefix
 
 

@@ -226,10 +226,13 @@ def _shell(namespace: dict[str, Any]) -> Any:
 
 class _ShellSession(manhole_ssh.TerminalSession):
     """Twisted's terminal session, except that resizing the operator's terminal redraws the
-    prompt and an end-of-file is ignored, where Twisted's raises NotImplementedError (an error
-    in the log for every resize)."""
+    prompt, an end-of-file is ignored, where Twisted's raises NotImplementedError (an error
+    in the log for every resize), and a session without a pty (``ssh -T``, a script piping its
+    input) gets an 80x24 shell where Twisted's failed (``shell request failed on channel 0``)."""
 
     _terminal: Any = None
+    # What getPty sets; a session that asked for no pty keeps these.
+    width, height = 80, 24
 
     def openShell(self, proto: Any) -> None:
         self._terminal = self.chainedProtocolFactory()

@@ -26,6 +26,23 @@ class Credentials:
         return f"LOW {self.access}:{self.secret}"
 
 
+def loose_permissions(path: Path) -> str | None:
+    """Why ``path`` is readable by more than its owner (the guide says 0600), or None.
+
+    A warning, not an error: the keys still work, and an unreadable or missing file is
+    :func:`load_credentials`'s to report."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return (
+        f"{path} is mode {mode:04o}: other users of this host can read the IA keys;"
+        f" chmod 0600 {path}"
+    )
+
+
 _KEY_TOKEN = re.compile(r"[\x21-\x7e]+")
 
 

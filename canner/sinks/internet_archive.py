@@ -41,7 +41,13 @@ from canner.sinks.base import (
     report_parts,
 )
 from canner.sinks.body import FileProducer, LocalFileError, open_payload
-from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.credentials import (
+    Credentials,
+    CredentialsError,
+    load_credentials,
+    loose_permissions,
+    redact,
+)
 from canner.sinks.multipart import (
     Answer,
     AttemptEnded,
@@ -1022,4 +1028,8 @@ def internet_archive_sink(
         )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
+    if delivery.credentials is not None and (loose := loose_permissions(delivery.credentials)):
+        log.warn(
+            "projects.{project}.delivery.credentials: {problem}", project=project_id, problem=loose
+        )
     return IADeliverySink(delivery.readback_bytes, sink)

@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deadline",
         type=_seconds,
-        default=6 * 3600.0,
         metavar="S",
-        help="give up on a file after retrying this long in all; 0: never (21600)",
+        help="give up on a file after retrying this long in all; 0: never (21600). Without it,"
+        " a server that refuses the first connections 3 times in a row is given up on at once"
+        " (nothing listens there); with it, it is retried like any failure",
     )
     p.add_argument("--json-progress", action="store_true", help="progress as JSON lines on stderr")
     p.add_argument(
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"canner-upload {__version__}")
     return p
+
+
+# Refused connections in a row, before the server ever answered, that mean "wrong address":
+# about 3.5 s of backoff, while a restarting server that answered before is always waited for.
+REFUSED_LIMIT = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(
             args.url,
             timeout=Timeouts(args.connect_timeout, args.read_timeout, args.acceptance_timeout),
-            retry=RetryPolicy(deadline=args.deadline or None),
+            retry=(
+                RetryPolicy(refused_limit=REFUSED_LIMIT)
+                if args.deadline is None
+                else RetryPolicy(deadline=args.deadline or None)
+            ),
             state_dir=args.state_dir,
             chunk_size=args.chunk_size,
         )
@@ -226,6 +236,11 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def resuming_text(ev: ProgressEvent) -> str:
+    """``resuming at 139.0 MiB of 200.0 MiB (byte 145752064)``: where a resumed upload goes on."""
+    return f"resuming at {human(ev.done)} of {human(ev.total)} (byte {ev.done})"
+
+
 class _Tracking(Reporter):
     """Keeps per-file state (phase, bytes, rate) for the text reporters."""
 
@@ -304,6 +319,8 @@ class PlainReporter(_Tracking):
                 name = os.path.basename(ev.path)
                 if ev.phase == "waiting":
                     line = f"{name}: retrying: {ev.message}"
+                elif ev.phase == "resuming":
+                    line = f"{name}: {resuming_text(ev)}"
                 elif ev.phase == "done":
                     line = f"{name}: receipted as {ev.object_id}"
                 else:
@@ -407,6 +424,8 @@ class RichReporter(Reporter):
                 self.progress.update(task, description=f"{ev.phase:<9} {name}")
                 if ev.phase == "waiting" and ev.message:
                     self._say(f"{name}: retrying: {ev.message}")
+                if ev.phase == "resuming":
+                    self._say(f"{name}: {resuming_text(ev)}")
             if ev.phase in ("hashing", "uploading", "done"):
                 self.progress.update(task, completed=ev.done)
             if ev.phase in ("uploading", "accepting", "done"):

@@ -63,8 +63,9 @@ class Timeouts:
 class ProgressEvent:
     """What an upload is doing, for progress displays.
 
-    ``phase`` is ``hashing``, ``uploading``, ``accepting`` (all bytes are on the server, the
-    receipt is not there yet), ``waiting`` (a retry; ``message`` says why) or ``done``.
+    ``phase`` is ``hashing``, ``uploading``, ``resuming`` (once, when an upload started earlier
+    goes on: ``done`` is the offset the server has), ``accepting`` (all bytes are on the server,
+    the receipt is not there yet), ``waiting`` (a retry; ``message`` says why) or ``done``.
     ``done``/``total`` are bytes of the current phase.
     """
 
@@ -150,6 +151,21 @@ class _Body:
             yield block
 
 
+def _refused(error: Exception) -> bool:
+    """The transport error is a refused connection (nothing listens at the address)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        for arg in getattr(seen, "args", ()):
+            if isinstance(arg, ConnectionRefusedError):
+                return True
+        seen = seen.__cause__ or seen.__context__ or getattr(seen, "reason", None)
+        if not isinstance(seen, BaseException):
+            break
+    return "[Errno 111]" in str(error) or "Connection refused" in str(error)
+
+
 def _describe(error: Exception) -> str:
     """A transport error in one line: its kind and the system's reason when there is one."""
     text = str(error)
@@ -204,6 +220,8 @@ class Client:
             raise ValueError("chunk_size must be at least 1 byte")
         self.base_url = root
         self.files_url = root + "/files/"
+        parts = urlsplit(root)
+        self._address = f"{parts.scheme}://{parts.netloc}"  # where a refused connection went
         if timeout is None:
             timeout = Timeouts()
         elif not isinstance(timeout, Timeouts):
@@ -247,7 +265,7 @@ class Client:
                     f"{session.checksum}); rerun with --restart to upload it as a new object"
                 )
             try:
-                return self._drive(session, notify, backoff)
+                return self._drive(session, notify, backoff, resuming=True)
             except UploadLost as e:
                 notify.emit("waiting", 0, session.size, session.object_id, f"{e}; starting over")
                 self.states.remove(session)
@@ -376,8 +394,9 @@ class Client:
             except requests.RequestException as e:
                 message = f"POST: {_describe(e)}"
                 notify.emit("waiting", 0, after.st_size, None, message)
-                backoff.wait(message)
+                backoff.wait(message, refused_at=self._address if _refused(e) else None)
                 continue
+            backoff.answered = True
             if r.status_code == 201 and r.headers.get("Location"):
                 break
             error = _classify(r, "upload creation")
@@ -408,6 +427,7 @@ class Client:
         notify: _Notifier,
         backoff: Backoff,
         offset: int | None = None,  # None: ask the server (HEAD) first
+        resuming: bool = False,  # an upload started earlier: say where it goes on from
     ) -> Receipt:
         """Bring ``session`` to its receipt: HEAD, PATCH, and receipt recovery, with retries."""
         size, oid = session.size, session.object_id
@@ -422,6 +442,11 @@ class Client:
                     if offset is None:
                         wait = self.timeouts.acceptance if reached[0] >= size else None
                         offset, receipt = self._head(session, wait)
+                        backoff.answered = True
+                        if resuming and receipt is None and offset is not None:
+                            # Said once: the bytes before ``offset`` are not sent again.
+                            notify.emit("resuming", offset, size, oid)
+                        resuming = False
                     elif offset < size:
                         _check_unchanged(session)
                         reached[0] = offset
@@ -438,15 +463,17 @@ class Client:
                         return self._finish(session, receipt, notify)
                 except _Transient as e:
                     offset = None
+                    backoff.answered = True
                     notify.emit("waiting", 0, size, oid, str(e))
                     backoff.wait(str(e), e.retry_after)
                 except requests.RequestException as e:
                     offset = None
                     message = _describe(e)
                     notify.emit("waiting", 0, size, oid, message)
-                    backoff.wait(message)
+                    backoff.wait(message, refused_at=self._address if _refused(e) else None)
                 except _Gone as e:
                     offset = None
+                    backoff.answered = True
                     receipt = self._receipt_or_none(oid)
                     if receipt is not None:
                         return self._finish(session, receipt, notify)

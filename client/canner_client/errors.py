@@ -37,6 +37,11 @@ class DeadlineExceeded(CannerError):
         super().__init__(message + suffix)
 
 
+class NothingListens(CannerError):
+    """Every connection to the server was refused, several times in a row, and it never
+    answered: most likely a wrong URL or port, not a server restarting."""
+
+
 class UnknownObject(CannerError):
     """The server has no object (or receipt) with this id."""
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from canner_client.errors import DeadlineExceeded
+from canner_client.errors import DeadlineExceeded, NothingListens
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class RetryPolicy:
     random factor in ``[1 - jitter, 1]`` (so workers that failed together do not retry together).
     A server's ``Retry-After`` is honoured, capped at ``max_retry_after``.  ``deadline`` bounds
     one upload from its start to its receipt, retries included (None: no bound).
+    ``refused_limit``: give up (:class:`NothingListens`) after this many refused connections in
+    a row to a server that has not answered this upload yet (None: retry them like any failure;
+    a server that answered before and now refuses is restarting, and is always waited for).
     """
 
     initial: float = 0.5
@@ -26,6 +29,7 @@ class RetryPolicy:
     jitter: float = 0.5
     max_retry_after: float = 300.0
     deadline: float | None = 6 * 3600.0
+    refused_limit: int | None = None
 
     def delay(self, failures: int, rng: Callable[[], float] = random.random) -> float:
         base = min(self.maximum, self.initial * 2.0 ** max(0, failures - 1))
@@ -65,6 +69,8 @@ class Backoff:
         self._end = None if policy.deadline is None else clock() + policy.deadline
         self.failures = 0
         self.last_error: str | None = None
+        self.refused = 0  # connections refused in a row
+        self.answered = False  # the server answered an HTTP request of this upload
 
     def remaining(self) -> float | None:
         return None if self._end is None else self._end - self._clock()
@@ -80,11 +86,25 @@ class Backoff:
         """The server stored more bytes: the next failure starts the backoff afresh."""
         self.failures = 0
 
-    def wait(self, error: str, retry_after: float | None = None) -> float:
+    def wait(
+        self, error: str, retry_after: float | None = None, refused_at: str | None = None
+    ) -> float:
         """Record a failure and sleep before the next attempt; returns the seconds slept.
-        Raises :class:`DeadlineExceeded` instead of sleeping past the deadline."""
+        Raises :class:`DeadlineExceeded` instead of sleeping past the deadline.
+
+        ``refused_at``: the failure was a refused connection to that address; past the
+        policy's ``refused_limit`` in a row, before any answer, raises :class:`NothingListens`.
+        """
         self.failures += 1
         self.last_error = error
+        self.refused = self.refused + 1 if refused_at is not None else 0
+        limit = self.policy.refused_limit
+        if refused_at is not None and limit and not self.answered and self.refused >= limit:
+            raise NothingListens(
+                f"nothing listens at {refused_at}: the connection was refused {self.refused}"
+                " times in a row. Check --url (and the port); --deadline S keeps retrying for"
+                " S seconds, for a server that is still starting"
+            )
         delay = self.policy.delay(self.failures)
         if retry_after is not None:
             delay = max(delay, min(retry_after, self.policy.max_retry_after))

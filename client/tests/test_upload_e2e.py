@@ -379,6 +379,10 @@ def test_client_killed_and_rerun_resumes(
         "--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state", path
     )
     assert result.returncode == 0, result.stderr
+    assert (
+        f"canner-upload: f.bin: resuming at 16.0 MiB of 48.0 MiB (byte {size // 3})\n"
+        in result.stderr
+    )
     receipt = Receipt.from_json(result.stdout)
     assert receipt.object_id == oid, "the rerun finished the same upload"
     assert_receipted(receiver, receipt, path, tmp_path)
@@ -476,6 +480,8 @@ def test_ctrl_c_stops_at_once(tmp_path: Path) -> None:
             "example",
             "--state-dir",
             tmp_path / "state",
+            "--deadline",  # keep retrying the refused connections (without: 3, then it stops)
+            "60",
             path,
         ),
         stdout=subprocess.PIPE,
@@ -494,3 +500,25 @@ def test_ctrl_c_stops_at_once(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode == 130
     assert "Connection refused" in err and "run the same command again to resume" in err
+
+
+def test_nothing_listening_is_said_plainly_unless_asked_to_retry(tmp_path: Path) -> None:
+    """A wrong port: after 3 refused connections in a row the command says nothing listens
+    there and stops (exit 1, in seconds, not 6 hours); with --deadline it retries that long."""
+    path = make_file(tmp_path / "f.bin", 10)
+    url = f"http://127.0.0.1:{free_port()}"
+    args = ("--url", url, "--project", "example", "--state-dir", tmp_path / "state")
+    started = time.monotonic()
+    result = run_cli(*args, path, timeout=30)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert time.monotonic() - started < 15
+    lines = result.stderr.splitlines()
+    assert lines[-1] == (
+        f"canner-upload: {path}: nothing listens at {url}: the connection was refused 3 times"
+        " in a row. Check --url (and the port); --deadline S keeps retrying for S seconds, for a"
+        " server that is still starting"
+    )
+    assert sum("retrying: POST: ConnectionError" in line for line in lines) == 3
+    result = run_cli(*args, "--deadline", "4", path, timeout=30)
+    assert result.returncode == 1
+    assert "gave up after 4s of retrying" in result.stderr.splitlines()[-1]

@@ -58,18 +58,6 @@ CHROMIUM_FLAGS = [
 # Free space moves while tests write elsewhere on the same filesystem (the parallel e2e workers
 # include a 1 GiB upload).
 FREE_SPACE_SLACK = 1536 * 1024 * 1024
-RELAY = """
-import os, socket, sys, threading
-sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-sock.connect(sys.argv[1])
-def up():
-    while data := os.read(0, 65536):
-        sock.sendall(data)
-    sock.shutdown(socket.SHUT_WR)
-threading.Thread(target=up, daemon=True).start()
-while data := sock.recv(65536):
-    os.write(1, data)
-"""
 
 
 def need(tool: str, package: str) -> str:
@@ -244,9 +232,11 @@ def tcp_shell(key: Path, hosts: Path, port: int) -> Shell:
     return Shell(ssh_argv(key, hosts, "-p", str(port), "operator@127.0.0.1"))
 
 
-def unix_shell(key: Path, hosts: Path, relay: Path, socket: Path, alias: str) -> Shell:
-    proxy = f"ProxyCommand={sys.executable} {relay} {socket}"
-    return Shell(ssh_argv(key, hosts, "-o", proxy, "-o", f"HostKeyAlias={alias}", "operator@x"))
+def unix_shell(key: Path, hosts: Path, config: Path, role: str) -> Shell:
+    """conf/manhole.md's recipe: ``canner manhole-proxy ROLE`` as ssh's ProxyCommand."""
+    proxy = f"ProxyCommand={sys.executable} -m canner.cli --config {config} manhole-proxy {role}"
+    alias = f"HostKeyAlias=canner-{role}"
+    return Shell(ssh_argv(key, hosts, "-o", proxy, "-o", alias, "operator@manhole"))
 
 
 def manhole_toml(root: Path, keys: Path, **settings: str) -> str:
@@ -370,8 +360,6 @@ def test_receiver_manhole_over_tcp_ssh_and_the_unix_socket(tmp_path: Path, short
             receiver_ssh=f"tcp:{port}:interface=127.0.0.1",
         ),
     )
-    relay = tmp_path / "relay.py"
-    relay.write_text(RELAY)
     rcv.start()
     shells: list[Shell] = []
     try:
@@ -392,7 +380,7 @@ def test_receiver_manhole_over_tcp_ssh_and_the_unix_socket(tmp_path: Path, short
         assert "'size_bytes': 12345" in found and "'state': 'pending'" in found
         assert "'payload_present': True" in found
 
-        local = unix_shell(key, hosts, relay, socket, "canner-receiver")
+        local = unix_shell(key, hosts, rcv.config_path, "receiver")
         shells.append(local)
         local.read_until(">>> ")
         said = local.eval(f"receipts.read({oid!r}).size_bytes + 1", r"\n12346\n")
@@ -400,6 +388,16 @@ def test_receiver_manhole_over_tcp_ssh_and_the_unix_socket(tmp_path: Path, short
         stuck = local.eval("stuck()", r"Deferred #0 called back: \[\]")
         assert "called back: []" in stuck
 
+        # Scripted (conf/manhole.md): input piped in, with or without a remote terminal.
+        for tty in ("-T", "-tt"):
+            scripted = subprocess.run(
+                ssh_argv(key, hosts, tty, "-p", str(port), "operator@127.0.0.1"),
+                input=b"6 * 7\n\x04",
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+            assert b"\n42\r\n>>> " in scripted.stdout, (tty, scripted)
         refused = subprocess.run(
             ssh_argv(stranger, hosts, "-p", str(port), "operator@127.0.0.1", "true"),
             capture_output=True,

@@ -511,6 +511,33 @@ def test_root_becomes_the_data_directory_owner() -> None:
         shutil.rmtree(root)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch users")
+def test_status_as_root_on_an_unreadable_data_directory_says_so() -> None:
+    """Run as root, canner reads as the data directory's owner; when even the owner cannot read
+    it, status says the state is unknown (critical), never that the node is draining."""
+    root = Path(tempfile.mkdtemp(prefix="canner-cli-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        run = Run(root)
+        run.index().close()
+        for path in (run.data_dir, *run.data_dir.rglob("*")):
+            os.chown(path, 65534, 65534)
+        os.chmod(run.data_dir, 0)
+        done = canner("status", "--config", str(run.config))
+        assert (done.returncode, done.stdout) == (
+            2,
+            f"data directory   {run.data_dir}: unreadable, state unknown\n",
+        )
+        assert done.stderr == (
+            f"canner: critical: data directory {run.data_dir} is not readable by nobody"
+            " (uid 65534, its owner, whom canner runs as): this node's state is unknown; give"
+            " it back to its owner with mode 0750\n"
+        )
+    finally:
+        os.chmod(root / "data", 0o755)
+        shutil.rmtree(root)
+
+
 # -- exit codes for monitoring, prefixes, filters, bulk retry ----------------------------------
 
 
@@ -595,7 +622,7 @@ def test_ids_by_unique_prefix(run: Run, indexed: SyncIndex) -> None:
     assert code == 0, err
     assert json.loads(out)["object_id"] == "abcd" + "0" * 28
     code, _, err = run("show", "abc")
-    assert code == 1 and "not an object id" in err
+    assert code == 1 and "too short" in err
     code, _, err = run("show", "abcd")
     assert code == 0
     code, _, err = run("show", "00000000")
@@ -782,3 +809,90 @@ def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIn
     assert json.loads(out)["needs_operator"] == 0
     code, _, err = run("retry", "node-2026-11-29")
     assert code == 1 and "ledger node-2026-11-29 has nothing to retry" in err
+
+
+def test_check_config_reports_every_error_with_the_nearest_key(run: Run) -> None:
+    """One run names every bad key of the file; an unknown key gets the nearest known one."""
+    run.config.write_text(
+        'issuer = "https://canner.test"\n'
+        f'data_dir = "{run.data_dir}"\n'
+        "min_free_byte = 1\n"
+        'partial_upload_retention = "soon"\n\n'
+        "[connections]\nmax_per_clent = 0\n\n"
+        '[projects.example.delivery]\nsink = "directory"\npath = "/srv"\n'
+        'identifier = "x-{object_id}"\nlocal_artifact_retention = "1d"\n',
+        encoding="utf-8",
+    )
+    code, out, err = run("check-config")
+    assert (code, out) == (1, "")
+    assert err == (
+        "canner: 5 config errors:\n"
+        "  config key 'min_free_byte': unknown key (did you mean 'min_free_bytes'?)\n"
+        "  config key 'connections.max_per_clent': unknown key (did you mean 'max_per_client'?)\n"
+        "  config key 'min_free_bytes': required\n"
+        "  config key 'partial_upload_retention': 'soon' is not a Go duration"
+        ' (such as "30s" or "1h30m")\n'
+        "  config key 'projects.example.delivery.local_artifact_retention': '1d' is not a Go"
+        ' duration (such as "30s" or "1h30m")\n'
+    )
+
+
+def test_times_are_shown_as_utc_beside_the_unix_time(run: Run, indexed: SyncIndex) -> None:
+    """show, deliveries and status --json: each Unix time keeps its number and gets its ISO
+    8601 UTC text right after it."""
+    code, out, err = run("show", oid(2))
+    assert code == 0, err
+    assert (
+        '    "next_attempt_at": 1784768400.0,\n    "next_attempt_at_utc": "2026-07-23T01:00:00Z",\n'
+        in out
+    )
+    code, out, _ = run("deliveries", "--state", "retry_wait")
+    assert '"next_attempt_at":1784768400.0,"next_attempt_at_utc":"2026-07-23T01:00:00Z",' in out
+    code, out, _ = run("status", "--json")
+    doc = json.loads(out)
+    assert (doc["taken_at"], doc["taken_at_utc"]) == (NOW, "2026-07-23T00:00:00Z")
+    assert '  "taken_at": 1784764800.0,\n  "taken_at_utc": "2026-07-23T00:00:00Z",\n' in out
+
+
+def test_show_says_a_prefix_needs_four_characters(run: Run, indexed: SyncIndex) -> None:
+    code, out, err = run("show", "2f")
+    assert (code, out) == (1, "")
+    assert err == (
+        "canner: '2f' is too short: give the whole object id or at least its first 4 characters\n"
+    )
+
+
+@pytest.mark.parametrize("argv", [["ledger"], ["ledger", "flush"]])
+def test_ledger_without_a_ledger_table_says_so(run: Run, argv: list[str]) -> None:
+    """Exit 2, like a usage error: the command does not apply to this node (1 is a failure)."""
+    assert run(*argv) == (
+        2,
+        "",
+        "canner: no [ledger] table in the config: this node writes no ledgers (released records"
+        " stay local); see docs/operator-guide.md for [ledger]\n",
+    )
+
+
+def test_check_config_warns_about_credentials_others_can_read(run: Run) -> None:
+    """The guide says 0600: a 0644 key file is a warning (the keys still work), 0600 none."""
+    keys = run.root / "keys"
+    keys.write_text("access\nsecret\n")
+    run.write_config(DELIVERY.replace("{identifier}", "example-{date}-{object_id}"))
+    keys.chmod(0o644)
+    code, _, err = run("check-config")
+    assert code == 0
+    assert (
+        f"canner: warning: projects.example.delivery.credentials: {keys} is mode 0644: other"
+        f" users of this host can read the IA keys; chmod 0600 {keys}"
+    ) in err.splitlines()
+    keys.chmod(0o600)
+    code, _, err = run("check-config")
+    assert code == 0 and "chmod" not in err
+
+
+def test_manhole_proxy_without_a_manhole_says_so(run: Run) -> None:
+    assert run("manhole-proxy", "receiver") == (
+        1,
+        "",
+        "canner: no manhole socket for canner-receiver: the config has no [manhole] table\n",
+    )

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from canner.config import (
     READBACK_ALL,
     ConfigError,
+    listen_url,
     load_config,
     parse_config,
     parse_duration,
@@ -220,3 +221,16 @@ def test_example_configs_load_once_the_placeholder_issuer_is_set(tmp_path: Path)
     assert load_config(shipped).issuer == "https://node.test"
     dev = load_config(root / "conf" / "canner.dev.toml")
     assert dev.data_dir == root / "run" / "data"
+
+
+@pytest.mark.parametrize(
+    ("listen", "url"),
+    [
+        ("tcp:8080:interface=127.0.0.1", "http://127.0.0.1:8080/"),
+        ("tcp:80", "http://localhost:80/"),
+        ("tcp6:8080:interface=\\:\\:1", "http://[::1]:8080/"),
+        ("unix:/run/canner.sock", None),
+    ],
+)
+def test_listen_url_is_what_dev_run_prints(listen: str, url: str | None) -> None:
+    assert listen_url(listen) == url

@@ -151,7 +151,11 @@ def test_drain_status_and_undrain_through_the_command(run: Run) -> None:
     code, out, _ = run("status", "--json")
     doc = json.loads(out)
     assert code == 0, "draining by itself is no warning"
-    assert doc["draining"] == {"since": NOW, "reason": "retiring"}
+    assert doc["draining"] == {
+        "since": NOW,
+        "since_utc": "2026-07-23T00:00:00Z",
+        "reason": "retiring",
+    }
     assert doc["retirement"]["retirable"] is False
     assert doc["retirement"]["remaining"] == [
         "2 receipts not yet in the delivery index (canner-deliver's rescan adds them)"
