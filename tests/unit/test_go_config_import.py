@@ -89,7 +89,9 @@ class Converted:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     (tmp_path / "data").mkdir()
-    (tmp_path / "ia.keys").write_text(f"ACCESSKEY\n{SECRET}\n", encoding="utf-8")
+    keys = tmp_path / "ia.keys"
+    keys.write_text(f"ACCESSKEY\n{SECRET}\n", encoding="utf-8")
+    keys.chmod(0o600)  # as the operator guide says (a looser mode is warned about)
     return tmp_path
 
 
