@@ -2,7 +2,8 @@
 
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
 accepted now: the node not draining (``canner drain``), free space at or above
-``min_free_bytes`` (and known), the data directory's ``uploads/`` and ``receipts/`` writable,
+``min_free_bytes`` (and known) and not all promised to uploads in flight
+(:mod:`canner.promises`), the data directory's ``uploads/`` and ``receipts/`` writable,
 ``delivery.sqlite`` readable.  A load balancer that
 polls ``/readyz`` stops sending work while it answers 503.  :class:`FloorWatch` logs crossing the
 floor and recovering once each, however many requests see it.  Everything here that touches the
@@ -22,6 +23,7 @@ from twisted.logger import Logger
 from canner import fs
 from canner.drain import read_drain
 from canner.inventory import INDEX_NAME, read_index
+from canner.promises import Promises, overpromised
 
 log = Logger()
 
@@ -70,12 +72,14 @@ class Readiness:
     ready: bool
     reasons: tuple[str, ...]
     free_bytes: int | None
+    promised_bytes: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
             "status": "ready" if self.ready else "not ready",
             "reasons": list(self.reasons),
             "free_bytes": self.free_bytes,
+            "promised_bytes": self.promised_bytes,
         }
 
 
@@ -84,8 +88,11 @@ def _index_readable(cur: sqlite3.Cursor) -> None:
     cur.fetchone()
 
 
-def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> Readiness:
-    """Whether uploads would be accepted now, and every reason they would not (blocking)."""
+def check_readiness(
+    data_dir: Path, min_free_bytes: int, watch: FloorWatch, promises: Promises | None = None
+) -> Readiness:
+    """Whether uploads would be accepted now, and every reason they would not (blocking).
+    With ``promises``, free space they leave under the floor is such a reason."""
     reasons = []
     draining = read_drain(data_dir)
     if draining is not None:
@@ -100,6 +107,11 @@ def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> R
         reasons.append(
             f"free space under the floor: {free} bytes free, min_free_bytes is {min_free_bytes}"
         )
+    elif free is not None and promises is not None:
+        # Not even one more byte could be promised: every creation would be refused.
+        refusal = overpromised(free, promises.total, promises.uploads, 1, min_free_bytes)
+        if refusal is not None:
+            reasons.append(f"free space is promised to uploads in flight: {refusal.describe()}")
     for sub in ("uploads", "receipts"):
         path = data_dir / sub
         if not os.access(path, os.W_OK | os.X_OK):
@@ -108,4 +120,5 @@ def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> R
         read_index(data_dir / INDEX_NAME, _index_readable)
     except (OSError, sqlite3.Error) as e:
         reasons.append(f"delivery index unusable: {e}")
-    return Readiness(not reasons, tuple(reasons), free)
+    promised = promises.total if promises is not None else None
+    return Readiness(not reasons, tuple(reasons), free, promised)
