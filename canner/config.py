@@ -99,6 +99,9 @@ class DeliveryConfig:
     # and that URL's base (default: metadata_url).
     readback_bytes: int | Literal["all"] = 3 * 64 * 1024
     download_url: str = "https://archive.org"
+    # internet_archive only: the most bytes one item may hold (IA refuses files with a 403 near
+    # 1 TiB); a plan that would pass it is refused for an operator, never sent.
+    max_item_bytes: int = 10**12
 
 
 IDENTITY = "identity"
@@ -319,6 +322,7 @@ _DELIVERY_KEYS = {
     "verify_timeout",
     "readback_bytes",
     "download_url",
+    "max_item_bytes",
 }
 _SINKS = {"internet_archive", "directory"}
 # Keys that only one sink reads; anything else in the table is common to both.
@@ -329,8 +333,10 @@ _SINK_ONLY_KEYS = {
     "metadata": "internet_archive",
     "readback_bytes": "internet_archive",
     "download_url": "internet_archive",
+    "max_item_bytes": "internet_archive",
     "path": "directory",
 }
+DEFAULT_MAX_ITEM_BYTES = 10**12
 DEFAULT_READBACK_BYTES = 3 * 64 * 1024
 # A read-back bigger than this would be a download, not a spot check.
 MAX_READBACK_BYTES = 64 << 20
@@ -502,6 +508,10 @@ def _parse_delivery(
                 f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, or"
                 f' "all", not {readback}',
             )
+    try:
+        max_item_bytes = parse_size(raw.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES))
+    except ValueError as e:
+        raise ConfigError(name + ".max_item_bytes", str(e)) from None
     metadata_raw = raw.get("metadata", {})
     if not isinstance(metadata_raw, Mapping):
         raise ConfigError(name + ".metadata", "must be a table")
@@ -541,6 +551,7 @@ def _parse_delivery(
             _string(raw, "download_url", name + ".download_url", metadata_url),
             name + ".download_url",
         ),
+        max_item_bytes=max_item_bytes,
     )
 
 
