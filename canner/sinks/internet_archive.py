@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
-from attrs import Factory, define, field, frozen
+from attrs import Factory, define, evolve, field, frozen
 from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
@@ -126,7 +126,8 @@ class IASink:
     # Base of the download URLs the read-back uses (None: metadata_url, as on archive.org).
     download_url: str | None = None
     random: Callable[[], float] = random.random
-    # The PUTs running through this sink, paced by check_limit (canner.sinks.pacing).
+    # The PUTs running to this sink's account, paced by check_limit (canner.sinks.pacing); the
+    # sinks of projects that share IA keys share it (internet_archive_sink).
     gate: PutGate = field(default=Factory(lambda self: PutGate(self._clock), takes_self=True))
 
     @classmethod
@@ -150,6 +151,11 @@ class IASink:
             run=run,
             **{"download_url": delivery.download_url, **kwargs},
         )
+
+    @property
+    def account(self) -> str:
+        """The IA account (access key) this sink uploads as."""
+        return self._credentials.access
 
     def remote_file(self, plan: ItemPlan) -> Deferred[Lookup]:
         """Look the planned file up in the metadata API (bounded by ``request_timeout``).
@@ -871,10 +877,13 @@ def internet_archive_sink(
     reactor: Any,
     run: BlockingRunner,
     mode: str = "identity",
+    gates: dict[str, PutGate] | None = None,
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
-    ``run`` is the blocking runner that reads payloads off the reactor thread.  Raises
+    ``run`` is the blocking runner that reads payloads off the reactor thread.  ``gates``, by
+    access key, is shared by every project's sink: IA rations tasks per account, so projects
+    that upload with the same keys are paced together.  Raises
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
     project refuses to start instead of failing every attempt later.
     """
@@ -883,4 +892,6 @@ def internet_archive_sink(
         sink = IASink.for_delivery(delivery, http, reactor, run)
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
+    if gates is not None:
+        sink = evolve(sink, gate=gates.setdefault(sink.account, sink.gate))
     return IADeliverySink(delivery, sink)

@@ -11,6 +11,7 @@ from canner.config import Config, ConfigError
 from canner.sinks.base import Sink
 from canner.sinks.directory import DirectorySink
 from canner.sinks.internet_archive import internet_archive_sink
+from canner.sinks.pacing import PutGate
 from canner.sinks.transport import make_http_client
 
 
@@ -24,6 +25,8 @@ def project_sinks(
     """
     sinks: dict[str, Sink] = {}
     http: HTTPClient | None = None
+    # One gate per IA account: its task ration is the account's, whichever project uploads.
+    gates: dict[str, PutGate] = {}
     for project_id, project in config.projects.items():
         delivery = project.delivery
         if delivery is None:
@@ -39,6 +42,6 @@ def project_sinks(
         if http is None:
             http = make_http_client(reactor)
         sinks[project_id] = internet_archive_sink(
-            project_id, delivery, http, reactor, run, project.packaging.mode
+            project_id, delivery, http, reactor, run, project.packaging.mode, gates
         )
     return sinks

@@ -22,7 +22,12 @@ from twisted.web.server import NOT_DONE_YET, Request
 from canner.blocking import run_inline
 from canner.sinks.base import Verdict
 from canner.sinks.credentials import Credentials
-from canner.sinks.internet_archive import PACE_RECHECK, DeliveryResult, IASink
+from canner.sinks.internet_archive import (
+    PACE_RECHECK,
+    DeliveryResult,
+    IASink,
+    internet_archive_sink,
+)
 from canner.sinks.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
 from canner.sinks.plan import ItemPlan, plan_upload
 from tests.unit.test_ia import ACCEPTED, OID, delivery
@@ -312,3 +317,26 @@ def test_a_cancelled_wait_leaves_the_gate_and_the_clock_clean(tmp_path: Path) ->
     h.settle()
     assert h.sink.gate.running() == 0
     assert h.clock.getDelayedCalls() == []
+
+
+def test_projects_with_the_same_keys_share_one_gate(tmp_path: Path) -> None:
+    """IA rations tasks per account: sinks built with the same access key count their PUTs
+    together, other keys apart."""
+    keys = {"one": "AKEY1\nSECRET1\n", "two": "AKEY2\nSECRET2\n"}
+    for name, text in keys.items():
+        (tmp_path / name).write_text(text)
+    gates: dict[str, PutGate] = {}
+    sinks = [
+        internet_archive_sink(
+            f"p{n}",
+            delivery(credentials=tmp_path / key),
+            HTTPClient(RequestTraversalAgent(ScriptedIA())),
+            Clock(),
+            run_inline,
+            gates=gates,
+        )
+        for n, key in enumerate(("one", "one", "two"))
+    ]
+    gate_of = [s._sink.gate for s in sinks]
+    assert gate_of[0] is gate_of[1] and gate_of[0] is not gate_of[2]
+    assert set(gates) == {"AKEY1", "AKEY2"}
