@@ -15,15 +15,16 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
 from canner.blocking import run_inline
+from canner.cli import _status_text
 from canner.ids import ObjectIds
-from canner.inventory import take_survey
+from canner.inventory import survey_json, take_survey
 from canner.journal import Journal
-from canner.metrics import RECEIVER, Metrics
+from canner.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
 from canner.promises import Promises, overpromised
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import ReceiptStore
 from canner.receiver import ReceiverRoutes
-from canner.status_page import RecentProblems, StatusSource
+from canner.status_page import RecentProblems, StatusSource, StatusView, render_status
 from canner.tus.store import UploadStore
 from canner.tus.sweep import StaleSweep
 from tests.fakes import SyncIndex, succeeded
@@ -229,3 +230,14 @@ def test_the_survey_counts_promises_as_the_receiver_does(tmp_path: Path) -> None
         UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts"), ObjectIds()
     )
     assert rebuilt.total == survey.promised_bytes
+    promised = 2 * SIZE - 1234
+    page = render_status(StatusView("i", survey, FLOOR, ())).decode()
+    assert f'data-field="promised_bytes"><b>{promised:,}</b>' in page
+    doc = survey_json(survey, FLOOR)
+    assert doc["promised_bytes"] == promised
+    assert f"promised         18.3 KiB ({promised} bytes)" in _status_text(doc, rcv.config)
+    metrics = Metrics(RECEIVER)
+    cache = SurveyCache(run_inline, lambda now: survey, rcv.clock)
+    succeeded(cache.refresh())
+    metrics.register(SurveyCollector(cache, FLOOR))
+    assert metrics.registry.get_sample_value("canner_promised_bytes") == promised
