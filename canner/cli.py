@@ -371,6 +371,10 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
         f"active uploads   {doc['active_uploads']} ({human_bytes(doc['active_upload_bytes'])}"
         f" stored, {doc['awaiting_acceptance']} awaiting acceptance)"
     )
+    lines.append(
+        f"promised         {human_bytes(doc['promised_bytes'])} ({doc['promised_bytes']} bytes)"
+        " to uploads in flight"
+    )
     if doc["states"] is None:
         lines.append(f"delivery index   unreadable: {doc['index_error']}")
         return "\n".join(lines) + "\n"

@@ -119,6 +119,9 @@ class DeliveryConfig:
     # multipart_part_size bytes (at least MIN_PART_SIZE, S3's floor for every part but the last).
     multipart_threshold: int | None = None
     multipart_part_size: int = 512 << 20
+    # internet_archive only: the most bytes one item may hold (IA refuses files with a 403 near
+    # 1 TiB); a plan that would pass it is refused for an operator, never sent.
+    max_item_bytes: int = 10**12
 
 
 IDENTITY = "identity"
@@ -341,6 +344,7 @@ _DELIVERY_KEYS = {
     "download_url",
     "multipart_threshold",
     "multipart_part_size",
+    "max_item_bytes",
 }
 _SINKS = {"internet_archive", "directory"}
 # Keys that only one sink reads; anything else in the table is common to both.
@@ -353,8 +357,10 @@ _SINK_ONLY_KEYS = {
     "download_url": "internet_archive",
     "multipart_threshold": "internet_archive",
     "multipart_part_size": "internet_archive",
+    "max_item_bytes": "internet_archive",
     "path": "directory",
 }
+DEFAULT_MAX_ITEM_BYTES = 10**12
 DEFAULT_READBACK_BYTES = 3 * 64 * 1024
 # A read-back bigger than this would be a download, not a spot check.
 MAX_READBACK_BYTES = 64 << 20
@@ -590,6 +596,10 @@ def _parse_delivery(
             name + ".multipart_part_size",
             f"must be a number of bytes, at least {MIN_PART_SIZE} (5 MiB), not {part_size!r}",
         )
+    try:
+        max_item_bytes = parse_size(raw.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES))
+    except ValueError as e:
+        raise ConfigError(name + ".max_item_bytes", str(e)) from None
     metadata_raw = raw.get("metadata", {})
     if not isinstance(metadata_raw, Mapping):
         raise ConfigError(name + ".metadata", "must be a table")
@@ -631,6 +641,7 @@ def _parse_delivery(
         ),
         multipart_threshold=threshold,
         multipart_part_size=part_size,
+        max_item_bytes=max_item_bytes,
     )
 
 

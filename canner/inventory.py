@@ -139,6 +139,12 @@ class Survey:
         return sum(u.offset for u in self.active_uploads)
 
     @property
+    def promised_bytes(self) -> int:
+        """Bytes promised to uploads in flight: what they declared and have not stored yet
+        (the receiver's admission rule, canner.promises)."""
+        return sum(max(u.size - u.offset, 0) for u in self.active_uploads)
+
+    @property
     def oldest_undelivered_age(self) -> float | None:
         if self.index is None or self.index.oldest_undelivered_at is None:
             return None
@@ -384,6 +390,7 @@ def survey_json(survey: Survey, min_free_bytes: int | None = None) -> dict[str, 
         "min_free_bytes": min_free_bytes,
         "active_uploads": len(survey.active_uploads),
         "active_upload_bytes": survey.active_upload_bytes,
+        "promised_bytes": survey.promised_bytes,
         "awaiting_acceptance": sum(1 for u in survey.active_uploads if u.complete),
         "states": dict(index.states) if index else None,
         "pending_objects": index.pending_objects if index else None,

@@ -486,6 +486,12 @@ class SurveyCollector(Collector):
             "Bytes stored so far of uploads without a receipt",
             value=survey.active_upload_bytes,
         )
+        yield GaugeMetricFamily(
+            "canner_promised_bytes",
+            "Bytes promised to uploads in flight: declared sizes minus bytes stored; new uploads"
+            " are admitted against free space minus these",
+            value=survey.promised_bytes,
+        )
         index = survey.index
         yield GaugeMetricFamily(
             "canner_index_readable",

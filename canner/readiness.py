@@ -2,7 +2,8 @@
 
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
 accepted now: the node not draining (``canner drain``), free space at or above
-``min_free_bytes`` (and known), the data directory's ``uploads/`` and ``receipts/`` writable,
+``min_free_bytes`` (and known) and not all promised to uploads in flight
+(:mod:`canner.promises`), the data directory's ``uploads/`` and ``receipts/`` writable,
 ``delivery.sqlite`` readable.  A load balancer that
 polls ``/readyz`` stops sending work while it answers 503.  :class:`FloorWatch` logs crossing the
 floor and recovering once each, however many requests see it.  Everything here that touches the
@@ -21,6 +22,7 @@ from twisted.logger import Logger
 from canner import fs
 from canner.drain import read_drain
 from canner.inventory import INDEX_NAME, read_index, unusable_dirs
+from canner.promises import Promises, overpromised
 from canner.verdict import draining_reason, upload_refusals
 
 log = Logger()
@@ -70,12 +72,14 @@ class Readiness:
     ready: bool
     reasons: tuple[str, ...]
     free_bytes: int | None
+    promised_bytes: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
             "status": "ready" if self.ready else "not ready",
             "reasons": list(self.reasons),
             "free_bytes": self.free_bytes,
+            "promised_bytes": self.promised_bytes,
         }
 
 
@@ -84,9 +88,12 @@ def _index_readable(cur: sqlite3.Cursor) -> None:
     cur.fetchone()
 
 
-def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> Readiness:
+def check_readiness(
+    data_dir: Path, min_free_bytes: int, watch: FloorWatch, promises: Promises | None = None
+) -> Readiness:
     """Whether uploads would be accepted now, and every reason they would not (blocking),
-    worded as ``canner status`` and the status page word them (:mod:`canner.verdict`)."""
+    worded as ``canner status`` and the status page word them (:mod:`canner.verdict`).  With
+    ``promises``, free space they leave under the floor is such a reason."""
     reasons = []
     draining = read_drain(data_dir)
     if draining is not None:
@@ -109,4 +116,10 @@ def check_readiness(data_dir: Path, min_free_bytes: int, watch: FloorWatch) -> R
         unusable=unusable_dirs(data_dir),
         index_error=index_error,
     )
-    return Readiness(not reasons, tuple(reasons), free)
+    if free is not None and free >= min_free_bytes and promises is not None:
+        # Not even one more byte could be promised: every creation would be refused.
+        refusal = overpromised(free, promises.total, promises.uploads, 1, min_free_bytes)
+        if refusal is not None:
+            reasons.append(f"free space is promised to uploads in flight: {refusal.describe()}")
+    promised = promises.total if promises is not None else None
+    return Readiness(not reasons, tuple(reasons), free, promised)

@@ -56,6 +56,7 @@ from canner.objects import ObjectReader
 from canner.origins import AcceptedOrigins
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
+from canner.promises import Promises
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
@@ -126,7 +127,9 @@ def receiver_parts(
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
-    ``Clock`` and inline runners."""
+    ``Clock`` and inline runners.  The promises to uploads in flight are rebuilt from
+    ``uploads/`` here (blocking, before anything listens)."""
+    promises = Promises.from_disk(uploads, receipts, config.object_ids)
     origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
         uploads=uploads,
@@ -154,6 +157,7 @@ def receiver_parts(
         free_space_seen=floor.observe,
         purged_origin=reader.origin,
         observer=metrics,
+        promises=promises,
     )
     releases = Releases(
         index=index,
@@ -175,7 +179,7 @@ def receiver_parts(
         run=run,
         metrics=metrics,
         status=status,
-        ready=partial(check_readiness, config.data_dir, config.min_free_bytes, floor),
+        ready=partial(check_readiness, config.data_dir, config.min_free_bytes, floor, promises),
         access_log=config.access_log,
         connection_limits=connection_limits,
         header_timeout=config.connections.header_timeout,
@@ -244,6 +248,7 @@ def receiver_service(
         run=io,
         clock=reactor,
         observer=metrics,
+        promises=parts.intake.promises,
     )
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"

@@ -706,6 +706,10 @@ def _uploads(survey: Survey, rsync_waiting: int | None) -> Tag:
             tags.th("bytes stored so far"),
             _bytes("active_upload_bytes", survey.active_upload_bytes),
         ),
+        _row(
+            tags.th("promised to uploads in flight"),
+            _bytes("promised_bytes", survey.promised_bytes),
+        ),
         id="active-summary",
     )
     if rsync_waiting is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
-from attrs import define, field, frozen
+from attrs import Factory, define, evolve, field, frozen
 from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
@@ -55,6 +55,7 @@ from canner.sinks.multipart import (
     MultipartUpload,
     PartJournal,
 )
+from canner.sinks.pacing import LimitReading, PutGate, pace, parse_check_limit
 from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
 from canner.sinks.readback import (
     ReadBack,
@@ -110,6 +111,9 @@ METADATA_BODY_MAX = 32 << 20
 ERROR_BODY_MAX = 64 << 10
 # A ListParts page (up to 1000 parts) or another multipart answer.
 MULTIPART_BODY_MAX = 4 << 20
+# An attempt held back by IA's limits (near a ration, the allowed PUTs running) probes
+# check_limit again when one of those PUTs ends, or after this many seconds.
+PACE_RECHECK = 60.0
 
 
 @define(eq=False, kw_only=True)
@@ -145,6 +149,9 @@ class IASink:
     multipart_part_size: int = DEFAULT_PART_SIZE
     journal: PartJournal | None = None
     part_retry_delay: float = 1.0
+    # The PUTs running to this sink's account, paced by check_limit (canner.sinks.pacing); the
+    # sinks of projects that share IA keys share it (internet_archive_sink).
+    gate: PutGate = field(default=Factory(lambda self: PutGate(self._clock), takes_self=True))
 
     @classmethod
     def for_delivery(
@@ -172,6 +179,11 @@ class IASink:
                 **kwargs,
             },
         )
+
+    @property
+    def account(self) -> str:
+        """The IA account (access key) this sink uploads as."""
+        return self._credentials.access
 
     def remote_file(self, plan: ItemPlan) -> Deferred[Lookup]:
         """Look the planned file up in the metadata API (bounded by ``request_timeout``).
@@ -416,8 +428,9 @@ class IASink:
             )
         return result
 
-    async def _over_limit(self, plan: ItemPlan) -> bool:
-        """True only when ``check_limit`` clearly says over the limit; a failed probe is False."""
+    async def read_limit(self, plan: ItemPlan) -> LimitReading | None:
+        """What ``check_limit`` says of ``plan``'s item and this account; None when the probe
+        failed or said nothing usable (which never holds an upload back)."""
         query = (
             "?check_limit=1&accesskey="
             + quote(self._credentials.access, safe="")
@@ -441,14 +454,14 @@ class IASink:
                 identifier=plan.identifier,
                 error=self._redact(describe_failure(e, "check_limit")),
             )
-            return False
-        if not isinstance(doc, dict) or "over_limit" not in doc:
+            return None
+        if not isinstance(doc, dict) or ("over_limit" not in doc and "detail" not in doc):
             log.warn(
                 "check_limit for {identifier} gave no verdict, uploading anyway",
                 identifier=plan.identifier,
             )
-            return False
-        return doc["over_limit"] not in (0, "0", False, None)
+            return None
+        return parse_check_limit(doc)
 
     def _plain_headers(self) -> Headers:
         return Headers({b"user-agent": [self.user_agent.encode("ascii")]})
@@ -506,6 +519,8 @@ class _Attempt:
     _capped: bool = False
     _started: float = 0.0
     _outer: Deferred[DeliveryResult] | None = None
+    # Counted as running by the sink's gate (left when the attempt ends).
+    _gated: bool = False
 
     def start(self) -> Deferred[DeliveryResult]:
         clock = self._sink._clock
@@ -518,6 +533,9 @@ class _Attempt:
 
     def _finish(self, result: DeliveryResult | Failure) -> None:
         self._stop_timers()
+        if self._gated:
+            self._gated = False
+            self._sink.gate.leave(self._plan.identifier)
         outer = self._outer
         assert outer is not None
         if outer.called:
@@ -617,21 +635,8 @@ class _Attempt:
             return self._result(Outcome(Verdict.SUCCESS, "already present"), already_present=True)
         if isinstance(remote, Unknown) and remote.needs_operator:
             return self._result(Outcome(Verdict.OPERATOR, remote.reason))
-        if sink.check_limit:
-            try:
-                over = await self._wait(Deferred.fromCoroutine(sink._over_limit(plan)))
-            except CancelledError:
-                over = False
-            if (stop := self._interrupted()) is not None:
-                return stop
-            if over:
-                log.warn(
-                    "IA says the account is over its limit; not uploading",
-                    identifier=plan.identifier,
-                )
-                return self._result(
-                    Outcome(Verdict.TRANSIENT, "503 SlowDown: check_limit reports over_limit")
-                )
+        if sink.check_limit and (held := await self._paced()) is not None:
+            return held
         url = sink._s3_url.rstrip("/") + plan.path
         if sink.uses_multipart(plan):
             return await self._multipart(url)
@@ -675,6 +680,43 @@ class _Attempt:
                 )
             return self._result(outcome, status=status)
         return self._result(Outcome(Verdict.TRANSIENT, "too many redirects"))
+
+    async def _paced(self) -> DeliveryResult | None:
+        """Pass the sink's gate: probe ``check_limit`` and start the PUT while IA's limits allow
+        one more to this item and account (None); over a limit, end the attempt as a SlowDown
+        (the retry resumes by itself); near one, with the allowed PUTs running, wait for one to
+        end (or :data:`PACE_RECHECK`) and probe again."""
+        sink, plan = self._sink, self._plan
+        while True:
+            try:
+                reading = await self._wait(Deferred.fromCoroutine(sink.read_limit(plan)))
+            except CancelledError:
+                reading = None
+            if (stop := self._interrupted()) is not None:
+                return stop
+            allowed = pace(reading)
+            if allowed.stopped:
+                log.warn(
+                    "IA's limits allow no upload now; not uploading: {reason}",
+                    identifier=plan.identifier,
+                    reason=allowed.reason,
+                )
+                return self._result(Outcome(Verdict.TRANSIENT, f"503 SlowDown: {allowed.reason}"))
+            if sink.gate.enter(plan.identifier, allowed):
+                self._gated = True
+                return None
+            log.info(
+                "pacing {object_id} to {identifier}: {reason}; waiting for a running upload",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                reason=allowed.reason,
+            )
+            try:
+                await self._wait(sink.gate.room_or_timeout(PACE_RECHECK))
+            except CancelledError:
+                pass
+            if (stop := self._interrupted()) is not None:
+                return stop
 
     async def _multipart(self, url: str) -> DeliveryResult:
         sink, plan = self._sink, self._plan
@@ -1007,11 +1049,14 @@ def internet_archive_sink(
     run: BlockingRunner,
     mode: str = "identity",
     state_dir: Path | None = None,
+    gates: dict[str, PutGate] | None = None,
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
     ``run`` is the blocking runner that reads payloads off the reactor thread; ``state_dir``
-    (the data directory's ``multipart/``) holds the journals of multipart uploads.  Raises
+    (the data directory's ``multipart/``) holds the journals of multipart uploads.  ``gates``,
+    by access key, is shared by every project's sink: IA rations tasks per account, so projects
+    that upload with the same keys are paced together.  Raises
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
     project refuses to start instead of failing every attempt later.
     """
@@ -1032,4 +1077,6 @@ def internet_archive_sink(
         log.warn(
             "projects.{project}.delivery.credentials: {problem}", project=project_id, problem=loose
         )
+    if gates is not None:
+        sink = evolve(sink, gate=gates.setdefault(sink.account, sink.gate))
     return IADeliverySink(delivery.readback_bytes, sink)

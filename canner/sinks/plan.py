@@ -52,6 +52,22 @@ class PlanError(ValueError):
     """An object's expanded destination breaks IA's rules (config validation should prevent it)."""
 
 
+class ItemTooBig(PlanError):
+    """The plan would push its item past ``max_item_bytes``: an operator decides (a smaller
+    ``target_bytes``, another identifier template, a larger limit); nothing is sent."""
+
+
+def item_too_big(delivery: DeliveryConfig, identifier: str, item_bytes: int) -> ItemTooBig | None:
+    """The refusal of a plan that would put ``item_bytes`` into IA item ``identifier`` (None: it
+    fits, or the sink has no items)."""
+    if delivery.sink != "internet_archive" or item_bytes <= delivery.max_item_bytes:
+        return None
+    return ItemTooBig(
+        f"item {identifier} would hold {item_bytes} bytes, more than max_item_bytes"
+        f" ({delivery.max_item_bytes}): IA refuses files to an item near 1 TiB; not sent"
+    )
+
+
 @frozen
 class ItemPlan:
     """Where one object goes and how, resolved once from config and stable inputs.
@@ -325,7 +341,8 @@ def plan_package_file(
     ``item_bytes`` (all the package's files) is the size hint IA picks a server by.
 
     Stable inputs only, so every attempt resolves to the same destination.  Raises
-    :class:`PlanError` like :func:`plan_upload`.
+    :class:`PlanError` like :func:`plan_upload`, :class:`ItemTooBig` when the package's files
+    would pass ``max_item_bytes``.
     """
     if not HEX_MD5.fullmatch(content_md5):
         raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
@@ -343,9 +360,13 @@ def plan_package_file(
     problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
     if problem is not None:
         raise PlanError(problem)
+    # Every file of the package goes to its item: the package's bytes are the item's.
+    hint = max(size, item_bytes or 0)
+    if (too_big := item_too_big(delivery, identifier, hint)) is not None:
+        raise too_big
     return _item_plan(
-        project, ("package", package), identifier, remote_name, size, content_md5,
-        max(size, item_bytes or 0), meta_headers,
+        project, ("package", package), identifier, remote_name, size, content_md5, hint,
+        meta_headers,
     )  # fmt: skip
 
 
@@ -363,7 +384,8 @@ def plan_upload(
     ``filename`` is the worker's (sanitised here), ``accepted_at`` the receipt time,
     ``content_md5`` 32 lowercase hex digits (:func:`canner.checksum.delivery_digests`).  Raises
     :class:`PlanError` when the result breaks IA's rules, which :func:`validate_delivery` rules
-    out for a validated config.
+    out for a validated config, and :class:`ItemTooBig` when the object alone would pass
+    ``max_item_bytes``.
     """
     if not HEX_MD5.fullmatch(content_md5):
         raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
@@ -388,6 +410,8 @@ def plan_upload(
     problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
     if problem is not None:
         raise PlanError(problem)
+    if (too_big := item_too_big(delivery, identifier, size)) is not None:
+        raise too_big
     return _item_plan(
         project, ("object-id", object_id), identifier, remote_name, size, content_md5, size,
         meta_headers,

@@ -11,6 +11,7 @@ from canner.config import Config, ConfigError
 from canner.sinks.base import Sink
 from canner.sinks.directory import DirectorySink
 from canner.sinks.internet_archive import internet_archive_sink
+from canner.sinks.pacing import PutGate
 from canner.sinks.transport import make_http_client
 
 
@@ -24,6 +25,8 @@ def project_sinks(
     """
     sinks: dict[str, Sink] = {}
     http: HTTPClient | None = None
+    # One gate per IA account: its task ration is the account's, whichever project uploads.
+    gates: dict[str, PutGate] = {}
     for project_id, project in config.projects.items():
         delivery = project.delivery
         if delivery is None:
@@ -46,5 +49,6 @@ def project_sinks(
             run,
             project.packaging.mode,
             state_dir=config.data_dir / "multipart",
+            gates=gates,
         )
     return sinks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from attrs import define, field, frozen
@@ -28,6 +29,7 @@ from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.observe import UNOBSERVED, UploadObserver
+from canner.promises import Promises
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.routing import Kind, Route
 from canner.tus import protocol
@@ -122,6 +124,11 @@ class UploadIntake:
     # with it): the delivery index has it.  Called from a worker thread; None when unknown.
     purged_origin: Callable[[str], Origin | None] = lambda upload_id: None
     observer: UploadObserver = UNOBSERVED
+    # The bytes promised to uploads in flight (canner.promises): creations are admitted against
+    # free space minus these.
+    promises: Promises = field(factory=Promises)
+    # How free space is measured (called from a worker thread); tests fix it.
+    free_space: Callable[[Path], int] = fs.free_bytes
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 
@@ -212,6 +219,7 @@ class UploadIntake:
                 self._uploads.remove(info.upload_id)
             finally:
                 upload.close()
+                self.promises.release(info.upload_id)
 
         def cut_short(_: object) -> Outcome:
             raise TusError(400, f"the body ended after {offset} of {info.size} bytes")
@@ -300,14 +308,25 @@ class UploadIntake:
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_draining()
-        self._check_free_space()
-        self._uploads.create(info)  # all or nothing; an OSError is answered by _failure_status
+        available = self._check_free_space()
+        refusal = self.promises.admit(
+            info.upload_id, info.size, available, self._config.min_free_bytes
+        )
+        if refusal is not None:
+            raise protocol.overpromised(refusal.describe())
+        try:
+            # All or nothing; an OSError is answered by _failure_status.
+            self._uploads.create(info)
+        except BaseException:
+            self.promises.release(info.upload_id)
+            raise
         if not with_body:
             return Outcome(info.upload_id, info.size, 0, info.metadata, None, location)
         try:
             upload = self._uploads.open_locked(info)
         except OSError:
             # The client never learns this id: leave nothing of it behind.
+            self.promises.release(info.upload_id)
             with contextlib.suppress(OSError):
                 self._uploads.remove(info.upload_id)
             raise
@@ -385,6 +404,9 @@ class UploadIntake:
         except TusError:
             upload.close()
             raise
+        # Admitted before (maybe by an earlier process, or reset since): what it lacks is
+        # promised again, never refused.
+        self.promises.hold(upload_id, info.size, upload.offset)
         return upload
 
     def _check_draining(self) -> None:
@@ -397,15 +419,17 @@ class UploadIntake:
                 (("Retry-After", str(drain.RETRY_AFTER)),),
             )
 
-    def _check_free_space(self) -> None:
+    def _check_free_space(self) -> int:
+        """The free bytes of the data filesystem; 429 under the floor, 503 when unknown."""
         try:
-            available = fs.free_bytes(self._config.data_dir)
+            available = self.free_space(self._config.data_dir)
         except OSError:
             self.free_space_seen(None)
             raise protocol.space_unknown() from None
         self.free_space_seen(available)
         if available < self._config.min_free_bytes:
             raise protocol.no_space(available, self._config.min_free_bytes)
+        return available
 
     def _read_info(self, upload_id: str) -> UploadInfo | None:
         """The sidecar; None when there is none, or when it is unreadable.
@@ -460,6 +484,7 @@ class UploadIntake:
 
         def stored(offset: int) -> int:
             self.observer.bytes_stored(size)
+            self.promises.stored(upload.info.upload_id, offset)
             return offset
 
         return self._run(self._uploads.append, upload, chunks).addCallbacks(stored, failed)
@@ -469,6 +494,9 @@ class UploadIntake:
     def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
         info, location = upload.info, upload.location
         if upload.offset == info.size:
+            # Every byte is stored: nothing is owed any more, whatever acceptance says (an
+            # upload it resets is promised again when its worker appends).
+            self.promises.release(info.upload_id)
             return self._acceptance.accept(upload).addCallbacks(
                 lambda receipt: Outcome(
                     info.upload_id, info.size, info.size, info.metadata, receipt, location
@@ -642,6 +670,7 @@ class UploadIntake:
     def _accept_in_background(self, upload: LockedUpload | None) -> None:
         if upload is None:
             return
+        self.promises.release(upload.info.upload_id)
         self._acceptance.accept(upload).addErrback(
             lambda f: (
                 None

@@ -68,6 +68,12 @@ def no_space(available: int, required: int) -> TusError:
     return _retry_later(429, f"insufficient storage: {available} bytes free, {required} required")
 
 
+def overpromised(reason: str) -> TusError:
+    """503: the free space is promised to uploads in flight; create the upload later (or on
+    another node)."""
+    return _retry_later(503, f"insufficient storage for a new upload: {reason}")
+
+
 def space_unknown() -> TusError:
     """503: free space on the data filesystem could not be determined."""
     return _retry_later(503, "free space on the data directory cannot be determined")

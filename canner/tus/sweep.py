@@ -27,6 +27,7 @@ from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.journal import Journal
 from canner.observe import UploadObserver
+from canner.promises import Promises
 from canner.receipts import ReceiptStore
 from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
@@ -143,6 +144,8 @@ class StaleSweep:
     _run: BlockingRunner
     _clock: IReactorTime
     _observer: UploadObserver
+    # The receiver's promises: an upload swept is owed nothing more.
+    _promises: Promises | None = None
 
     @property
     def interval(self) -> float:
@@ -162,6 +165,8 @@ class StaleSweep:
         return d.addCallback(self._report)
 
     def _report(self, report: SweepReport) -> None:
+        if self._promises is not None:
+            self._promises.release_all(report.removed)
         if report.removed:
             self._observer.stale_removed(len(report.removed))
             log.info("removed {count} stale uploads", count=len(report.removed), ids=report.removed)

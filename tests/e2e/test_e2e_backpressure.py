@@ -6,7 +6,12 @@ The data directory lives on a 64 MiB tmpfs mounted for the test.  The receiver r
 M + 1 page by growing or shrinking a filler file on the same tmpfs.  tmpfs accounts whole pages and
 changes only when something is written, so each request sees exactly the free space set for it.
 Below M, POST and PATCH (also PATCH via ``X-HTTP-Method-Override`` and creation-with-upload) get
-429 with ``Retry-After: 60``; at exactly M they are allowed; HEAD, receipts and health stay 200.
+429 with ``Retry-After: 60``; at exactly M a PATCH is allowed; HEAD, receipts and health stay 200.
+
+A creation is also promised its declared length (canner.promises): it is admitted only while free
+space minus the bytes promised to every upload in flight, its own included, stays at or above M,
+and refused with 503 and ``Retry-After`` otherwise; the promises are rebuilt from ``uploads/``
+when the receiver starts again.
 """
 
 from __future__ import annotations
@@ -157,10 +162,11 @@ def test_backpressure_below_equal_above(space: tuple[Receiver, FreeSpace]) -> No
     assert health.json()["free_bytes"] == below
     assert rcv.request("OPTIONS", rcv.files_url).status_code in (200, 204)
 
-    # -- exactly equal: allowed -------------------------------------------------------------------
+    # -- exactly equal: a PATCH is allowed; a creation is not, it would take free space under M --
     fs.set(MIN_FREE)
     created = rcv.create(len(data), checksum)
-    assert created.status_code == 201, f"POST at exactly min_free_bytes: {created.status_code}"
+    assert created.status_code == 503, f"POST at exactly min_free_bytes: {created.status_code}"
+    assert "promised" in created.text and created.headers.get("Retry-After") == "60"
     fs.set(MIN_FREE)
     r = rcv.patch(partial, 5000, data[5000:6000])
     assert r.status_code == 204, f"PATCH at exactly min_free_bytes: {r.status_code}"
@@ -171,8 +177,63 @@ def test_backpressure_below_equal_above(space: tuple[Receiver, FreeSpace]) -> No
     r = rcv.patch(partial, 6000, data[6000:])
     assert r.status_code == 204, r.status_code
     rcv.verify_receipt(r.headers.get("Artifact-Receipt"), partial, data)
-    fs.set(MIN_FREE + fs.page)  # completing the upload consumed space (data, receipt, index)
+    # Completing the upload consumed space (data, receipt, index); nothing is promised now.
+    fs.set(MIN_FREE + -(-len(data) // fs.page) * fs.page)
     assert rcv.create(len(data), checksum).status_code == 201
+    assert rcv.create(len(data), checksum).status_code == 503, "promised twice over"
+
+
+PROMISED = 4 << 20  # each upload's declared length: a whole number of pages
+
+
+def readyz(rcv: Receiver) -> tuple[int, dict[str, object]]:
+    r = rcv.request("GET", "/readyz")
+    doc: dict[str, object] = r.json()
+    return r.status_code, doc
+
+
+def test_promised_space_refuses_the_third_upload_and_survives_a_restart(
+    space: tuple[Receiver, FreeSpace],
+) -> None:
+    """Room for two and a half uploads over the floor: the third is refused at creation, also
+    after a SIGKILL and restart (the promises are rebuilt from uploads/), and the first two
+    finish with receipts."""
+    rcv, fs = space
+    files = [random.Random(n).randbytes(PROMISED) for n in range(3)]
+    fs.set(MIN_FREE + 2 * PROMISED + PROMISED // 2)
+    first, second = rcv.new_upload(files[0]), rcv.new_upload(files[1])
+    refused = rcv.create(PROMISED, blake3_hex(files[2]))
+    assert refused.status_code == 503, refused.status_code
+    assert refused.headers.get("Retry-After") == "60"
+    assert "promised to 2 uploads in flight" in refused.text, refused.text
+    half = PROMISED // 2
+    assert rcv.patch(first, 0, files[0][:half]).status_code == 204
+    code, doc = readyz(rcv)
+    assert code == 200 and doc["promised_bytes"] == 2 * PROMISED - half
+
+    rcv.restart()
+    code, doc = readyz(rcv)
+    assert doc["promised_bytes"] == 2 * PROMISED - half, "promises not rebuilt at start"
+    refused = rcv.create(PROMISED, blake3_hex(files[2]))
+    assert refused.status_code == 503, f"after a restart: {refused.status_code}"
+    # Something else takes space the uploads were promised: /readyz says so.
+    free = fs.settle()
+    fs.set(free - PROMISED)
+    code, doc = readyz(rcv)
+    assert code == 503
+    reasons = doc["reasons"]
+    assert isinstance(reasons, list)
+    assert any("promised to uploads in flight" in r for r in reasons), reasons
+    fs.set(free)
+
+    done = rcv.patch(first, half, files[0][half:])
+    assert done.status_code == 204, done.status_code
+    rcv.verify_receipt(done.headers.get("Artifact-Receipt"), first, files[0])
+    done = rcv.patch(second, 0, files[1])
+    assert done.status_code == 204, done.status_code
+    rcv.verify_receipt(done.headers.get("Artifact-Receipt"), second, files[1])
+    code, doc = readyz(rcv)
+    assert doc["promised_bytes"] == 0
 
 
 def test_free_space_unknown_is_503(make_receiver: Callable[..., Receiver]) -> None:

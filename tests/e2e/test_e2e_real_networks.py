@@ -359,10 +359,15 @@ def test_disk_filling_mid_patch_is_503_and_keeps_the_bytes(
     make_receiver: Callable[..., Receiver], small_tmpfs: Path
 ) -> None:
     """A 40 MiB PATCH onto a 24 MiB tmpfs: 503 with Retry-After (never a 500), the bytes that
-    fit are kept and HEAD says how many; once the volume grows the worker sends the rest."""
+    fit are kept and HEAD says how many; once the volume grows the worker sends the rest.  (The
+    upload is created while the volume is large enough: the receiver refuses a creation whose
+    length free space cannot cover; the volume then shrinks under it, as when something else
+    takes the space.)"""
     rcv = make_receiver(data_dir=small_tmpfs / "data")
     data = payload(40 * MiB, seed=8)
+    subprocess.run(["mount", "-o", "remount,size=96m", str(small_tmpfs)], check=True)
     oid = rcv.new_upload(data)
+    subprocess.run(["mount", "-o", "remount,size=24m", str(small_tmpfs)], check=True)
     r = rcv.patch(oid, 0, data)
     assert r.status_code == 503, (r.status_code, r.text)
     assert "Retry-After" in r.headers

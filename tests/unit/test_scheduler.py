@@ -106,7 +106,7 @@ class Harness:
         self.clock.advance(1_000_000)
         self.sink = FakeSink()
         self.metrics = Metrics(DELIVER, ["example"])
-        owner = ObjectOwner(
+        self.owner = owner = ObjectOwner(
             index=self.index,
             uploads=self.uploads,
             receipts=self.receipts,
