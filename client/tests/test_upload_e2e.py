@@ -268,8 +268,12 @@ def test_connections_cut_mid_body(receiver: Receiver, proxy: FaultProxy, tmp_pat
     patches = [r for r in proxy.seen("PATCH") if r.length]
     assert [r.fault for r in patches[:3]] == ["cut"] * 3
     offsets = [r.offset for r in patches]
-    assert offsets[:4] == [0, 5 * MiB, 10 * MiB, 15 * MiB], "each retry resumed where it stopped"
-    assert proxy.patch_bytes() == size
+    # Each retry resumes at the offset the receiver reports: never from the start, never past
+    # what the cut let through (on a loaded machine the receiver may still be writing the cut
+    # request's last bytes when the client asks, so the offset may lag the cut point).
+    for before, after in zip(offsets[:3], offsets[1:4], strict=True):
+        assert before < after <= before + 5 * MiB, f"each retry resumed where it stopped: {offsets}"
+    assert size <= proxy.patch_bytes() <= size + 3 * 5 * MiB
 
 
 def test_retry_after_on_429_and_503(receiver: Receiver, proxy: FaultProxy, tmp_path: Path) -> None:

@@ -225,8 +225,13 @@ def test_purge_waits_for_retention(env_factory: Callable[..., Env]) -> None:
     row = env.wait_state([oid], 20, "verified", verified_at=...)[oid]
     assert row["purged_at"] is None
     while time.time() < row["purge_after"] - 0.5:
-        assert payload_intact(env, oid, data), "purged before the retention passed"
-        assert env.row(oid)["purged_at"] is None
+        # Each look is judged by when it was made and by the purge's own time (a loaded machine
+        # may stall the test past purge_after between two lines).
+        looked_at = time.time()
+        if not payload_intact(env, oid, data):
+            assert looked_at >= row["purge_after"], "purged before the retention passed"
+        purged_at = env.row(oid)["purged_at"]
+        assert purged_at is None or purged_at >= row["purge_after"], "purged too early"
         time.sleep(0.5)
     row = env.wait_state([oid], 15, "purged", purged_at=...)[oid]
     assert row["purged_at"] >= row["purge_after"] >= row["delivered_at"] + 6.0 - 0.01

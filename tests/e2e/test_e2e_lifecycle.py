@@ -11,15 +11,19 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 import requests
 from deliver_support import Deliver, DirectoryReceiver, venv_bin, wait_for
 from e2e_support import REPO, START_TIMEOUT, spawn_daemon
+
+from canner.delivery.liveness import read_heartbeat
 
 pytestmark = pytest.mark.e2e
 
@@ -161,6 +165,19 @@ def test_dev_daemons_sends_each_daemon_one_sigterm(tmp_path: Path, how: str) -> 
     the script) or when one of them ends, and waits for both."""
     rcv = directory_receiver(tmp_path)
     out = tmp_path / "dev.log"
+    started = time.time()
+
+    def deliver_beats(since: float) -> bool:
+        # The first heartbeat is written from the index's thread pool, which starts once the
+        # reactor runs: its signal handlers are installed by then (a SIGTERM before them would
+        # kill deliver without its "Received SIGTERM").
+        try:
+            with closing(sqlite3.connect(rcv.data_dir / "delivery.sqlite", timeout=1)) as db:
+                beat = read_heartbeat(db.cursor())
+        except sqlite3.Error:
+            return False
+        return beat is not None and beat.started_at >= since and beat.stopped_at is None
+
     with open(out, "wb") as f:
         dev = subprocess.Popen(
             [str(REPO / "dev"), "daemons", str(rcv.config_path)],
@@ -178,7 +195,7 @@ def test_dev_daemons_sends_each_daemon_one_sigterm(tmp_path: Path, how: str) -> 
             except requests.RequestException:
                 return False
             text = out.read_text()
-            return healthy and text.count("reactor class") == 2
+            return healthy and text.count("reactor class") == 2 and deliver_beats(started)
 
         wait_for(both_ready, START_TIMEOUT, "both daemons to start", 0.05, out.read_text)
         if how == "ctrl-c":
