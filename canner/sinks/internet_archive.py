@@ -661,25 +661,33 @@ class _Attempt:
             if outcome.ok and sink.journal is not None:
                 # A multipart upload begun before multipart was turned off is of no use now.
                 await sink._run(sink.journal.delete, plan.identifier, plan.remote_name)
-            if outcome.ok:
-                log.info(
-                    "uploaded {object_id} to {identifier}/{remote_name}",
-                    object_id=plan.object_id,
-                    identifier=plan.identifier,
-                    remote_name=plan.remote_name,
-                    size=plan.size,
-                    duration_s=sink._clock.seconds() - self._started,
-                )
-            else:
-                log.warn(
-                    "PUT of {object_id} to {identifier} failed: {error}",
-                    object_id=plan.object_id,
-                    identifier=plan.identifier,
-                    error=sink._redact(outcome.reason),
-                    needs_operator=outcome.needs_operator,
-                )
-            return self._result(outcome, status=status)
+            return self._reported(outcome, status, "PUT", "")
         return self._result(Outcome(Verdict.TRANSIENT, "too many redirects"))
+
+    def _reported(self, outcome: Outcome, status: int | None, how: str, way: str) -> DeliveryResult:
+        """Log the upload's outcome (``how`` it went, ``way`` said after a success) and make the
+        attempt's result."""
+        sink, plan = self._sink, self._plan
+        if outcome.ok:
+            log.info(
+                "uploaded {object_id} to {identifier}/{remote_name}{way}",
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                remote_name=plan.remote_name,
+                way=way,
+                size=plan.size,
+                duration_s=sink._clock.seconds() - self._started,
+            )
+        else:
+            log.warn(
+                "{how} of {object_id} to {identifier} failed: {error}",
+                how=how,
+                object_id=plan.object_id,
+                identifier=plan.identifier,
+                error=sink._redact(outcome.reason),
+                needs_operator=outcome.needs_operator,
+            )
+        return self._result(outcome, status=status)
 
     async def _paced(self) -> DeliveryResult | None:
         """Pass the sink's gate: probe ``check_limit`` and start the PUT while IA's limits allow
@@ -734,24 +742,7 @@ class _Attempt:
             retry_delay=sink.part_retry_delay,
         )
         outcome, status = await upload.run()
-        if outcome.ok:
-            log.info(
-                "uploaded {object_id} to {identifier}/{remote_name} in parts",
-                object_id=plan.object_id,
-                identifier=plan.identifier,
-                remote_name=plan.remote_name,
-                size=plan.size,
-                duration_s=sink._clock.seconds() - self._started,
-            )
-        else:
-            log.warn(
-                "multipart upload of {object_id} to {identifier} failed: {error}",
-                object_id=plan.object_id,
-                identifier=plan.identifier,
-                error=sink._redact(outcome.reason),
-                needs_operator=outcome.needs_operator,
-            )
-        return self._result(outcome, status=status)
+        return self._reported(outcome, status, "multipart upload", " in parts")
 
     def _exchange_d(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | FileRange
