@@ -11,7 +11,7 @@ production HTTP client, a thread runner) sends it as an S3 multipart upload to t
 ``--serve-proxy``, its own process) that aborts the connection carrying the request whenever the
 bytes it has forwarded towards the fake pass the next cut, ``--cut-every`` after the last one
 give or take half (seeded by ``--seed``).  Attempts are
-repeated at once until the file is delivered (canner's scheduler would wait a minute or more
+repeated at once until the file is delivered (canner's outbound service would wait a minute or more
 between attempts; this measures bytes, not backoff).
 
 Reported: bytes canner handed to the connection, part body bytes the fake received (its
