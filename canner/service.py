@@ -6,8 +6,6 @@ modules named after them.  Work that can fail at start-up (directories, the deli
 schema, the manhole's keys) happens here, so a failure aborts the launch with a clear message.
 Services stop in reverse order of addition, the listener first; the thread pools (and deliver's
 heartbeat) only once every other service has stopped, and the index and the lock after them.
-The receiver's status page hears of recent problems through a log observer
-(:class:`~canner.daemon.LogObservers`) added to the process's log publisher while it runs.
 """
 
 from __future__ import annotations
@@ -240,16 +238,10 @@ def receiver_service(
         description=config.listen, factory=parts.site, reactor=reactor, what="listen"
     ).setServiceParent(top)
     sweep = StaleSweep(
-        uploads=uploads,
-        receipts=receipts,
-        journal=parts.journal,
-        ids=config.object_ids,
-        retention=config.partial_upload_retention,
-        run=io,
-        clock=reactor,
-        observer=metrics,
+        uploads=uploads, receipts=receipts, journal=parts.journal, ids=config.object_ids,
+        retention=config.partial_upload_retention, run=io, clock=reactor, observer=metrics,
         promises=parts.intake.promises,
-    )
+    )  # fmt: skip
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
