@@ -132,14 +132,15 @@ def utc_text(when: float) -> str:
 def with_utc(doc: Any) -> Any:
     """``doc`` with ``<key>_utc`` (ISO 8601 UTC, for people) right after every Unix-time field
     ``<key>`` (``*_at``, ``*_after``, ``since``, ``until``), which keeps its number for
-    machines and for scripts written before the text was added."""
+    machines and for scripts written before the text was added.  A receipt is shown as issued:
+    its bytes are immutable, and a field it never had must not seem to be part of it."""
     if isinstance(doc, list):
         return [with_utc(v) for v in doc]
     if not isinstance(doc, dict):
         return doc
     out: dict[str, Any] = {}
     for key, value in doc.items():
-        out[key] = with_utc(value)
+        out[key] = value if key == "receipt" else with_utc(value)
         if (
             _is_time_key(key)
             and isinstance(value, int | float)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from canner.checksum import parse_checksum
-from canner.cli import Io, main
+from canner.cli import Io, main, with_utc
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
@@ -852,6 +852,15 @@ def test_times_are_shown_as_utc_beside_the_unix_time(run: Run, indexed: SyncInde
     doc = json.loads(out)
     assert (doc["taken_at"], doc["taken_at_utc"]) == (NOW, "2026-07-23T00:00:00Z")
     assert '  "taken_at": 1784764800.0,\n  "taken_at_utc": "2026-07-23T00:00:00Z",\n' in out
+
+
+def test_a_receipt_is_shown_as_issued_without_utc_fields() -> None:
+    """The receipt's bytes are immutable: the people's times go beside the row's fields, never
+    into the receipt shown."""
+    receipt = {"id": "receipt:x", "accepted_at": 1784764800}
+    shown = with_utc({"receipt": receipt, "delivered_at": 1784764800.0})
+    assert shown["receipt"] == receipt
+    assert shown["delivered_at_utc"] == "2026-07-23T00:00:00Z"
 
 
 def test_show_says_a_prefix_needs_four_characters(run: Run, indexed: SyncIndex) -> None:
