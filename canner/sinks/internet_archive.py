@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -1060,7 +1061,7 @@ def internet_archive_sink(
             run,
             # One journal directory for all projects: a destination (item and name) is one
             # file at IA, whichever project sends it.
-            journal=None if state_dir is None else PartJournal(state_dir),
+            journal=None if state_dir is None else PartJournal.opened(state_dir, time.time()),
         )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None

@@ -33,7 +33,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.config import MAX_PARTS, MIN_PART_SIZE
-from canner.fs import fsync_dir, replace_file
+from canner.fs import fsync_dir, orphaned_temps, replace_file
 from canner.sinks.base import Outcome, Verdict
 from canner.sinks.plan import ItemPlan
 from canner.sinks.wire import classify, short
@@ -158,6 +158,16 @@ class PartJournal:
     """
 
     directory: Path
+
+    @classmethod
+    def opened(cls, directory: Path, now: float) -> PartJournal:
+        """The journal in ``directory``, rid of the temp files a crash left in the middle of a
+        :meth:`save` (older than an hour: no save takes that long)."""
+        journal = cls(directory)
+        if directory.is_dir():
+            for temp in orphaned_temps(directory, now):
+                temp.unlink(missing_ok=True)
+        return journal
 
     def path_for(self, identifier: str, remote_name: str) -> Path:
         key = hashlib.sha256(f"{identifier}\0{remote_name}".encode()).hexdigest()[:40]

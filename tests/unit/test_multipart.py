@@ -117,6 +117,22 @@ def test_journal_round_trips_and_replaces_durably(tmp_path: Path) -> None:
     assert journal.load("item-1", "x") is None
 
 
+def test_a_save_cut_short_leaves_no_temp_file_behind_once_reopened(tmp_path: Path) -> None:
+    """A crash in the middle of a save leaves a temp file; the journal opened at the next start
+    removes it once it is old enough to be nobody's, and keeps every record."""
+    journal = PartJournal(tmp_path / "j")
+    record = UploadRecord("item-1", "a.warc", "UP1", PART, FileIdentity(10, "m" * 32, 1, 2))
+    journal.save(record)
+    left = tmp_path / "j" / ".tmp-abandoned.json-0123456789ab"
+    left.write_bytes(b'{"partial')
+    now = left.stat().st_mtime
+    assert PartJournal.opened(tmp_path / "j", now + 60).load("item-1", "a.warc") == record
+    assert left.exists(), "a temp file a minute old may be a save still running"
+    reopened = PartJournal.opened(tmp_path / "j", now + 2 * 3600)
+    assert not left.exists()
+    assert reopened.load("item-1", "a.warc") == record
+
+
 def test_part_size_below_the_s3_minimum_is_refused() -> None:
     """multipart_part_size under 5 MiB, or a non-positive threshold, is a config error."""
     from canner.config import _parse_delivery
