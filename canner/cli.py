@@ -73,6 +73,7 @@ from canner.delivery.rescan import ReceiptRescan
 from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
 from canner.go_canner.adopt import AdoptError, adopt
 from canner.go_canner.config_import import convert_config
+from canner.humane import human_bytes, human_duration
 from canner.journal import Journal
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
@@ -92,7 +93,6 @@ from canner.sinks.plan import (
     plan_upload,
     validate_delivery,
 )
-from canner.status_page import human_bytes, human_duration
 from canner.tus.store import UploadStore
 from canner.verdict import CRITICAL, NAMES, assess
 from canner.version import version

@@ -27,11 +27,12 @@ from twisted.web.resource import IResource, Resource
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.connections import ConnectionLimits
+from canner.humane import shorten_ids
 from canner.ids import ObjectIds
 from canner.metrics import Metrics
 from canner.readiness import Readiness
 from canner.routing import OTHER, Kind, Surface
-from canner.status_page import StatusSource, render_status, shorten_ids
+from canner.status_page import StatusSource, render_status
 from canner.tus.channel import BodyRouter, ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.protocol import TusError

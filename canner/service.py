@@ -54,6 +54,7 @@ from canner.objects import ObjectReader
 from canner.origins import AcceptedOrigins
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
+from canner.problems import RecentProblems, watching_start_up
 from canner.promises import Promises
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
@@ -68,7 +69,7 @@ from canner.startup import (
     prepare_data_dir,
     prepare_packages,
 )
-from canner.status_page import RecentProblems, StatusSource, watching_start_up
+from canner.status_page import StatusSource
 from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.channel import ReceiverSite

@@ -5,12 +5,13 @@ heartbeat in ``delivery.sqlite``), and the verdict of ``canner status`` with its
 (:mod:`canner.verdict`: the same words ``/readyz`` uses).  Then what needs doing: deliveries
 waiting for an operator, the latest failures (with their next retry) and what this receiver
 logged while starting; then free space, the deliveries in flight with their progress, 24-hour
-trends drawn as inline SVG, uploads still coming in, accepted and pending bytes per project,
-delivery states, the latest deliveries (an IA item link, or the file's path for a directory
-sink), and this process's recent warnings and errors.  :class:`StatusSource` takes a
-fresh survey in a thread for each request; :func:`render_status` is pure and renders with
-``twisted.web.template``.  The page refreshes itself (``<meta http-equiv="refresh">``) and loads
-nothing else: no scripts, no external styles, no images.
+trends drawn as inline SVG (:mod:`canner.status_charts`), uploads still coming in, accepted and
+pending bytes per project, delivery states, the latest deliveries (an IA item link, or the
+file's path for a directory sink), and this process's recent warnings and errors
+(:mod:`canner.problems`).  :class:`StatusSource` takes a fresh survey in a thread for each
+request; :func:`render_status` is pure and renders with ``twisted.web.template``.  The page
+refreshes itself (``<meta http-equiv="refresh">``) and loads nothing else: no scripts, no
+external styles, no images.
 
 The page is served on the receiver's public port, so upload ids (which let their holder append
 to an upload) are shortened to their first 8 characters, in tables and in log messages alike.
@@ -18,18 +19,13 @@ to an upload) are shortened to their first 8 characters, in tables and in log me
 
 from __future__ import annotations
 
-import re
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, cast
 
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import ILogObserver, LogLevel, LogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.web.template import Tag, flatten, tags
 
@@ -37,9 +33,12 @@ from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
+from canner.humane import human_bytes, human_duration, shorten_ids
 from canner.inventory import IndexSummary, Survey, take_survey
+from canner.problems import Problem, RecentProblems
 from canner.rsync.incoming import count_waiting
 from canner.sinks.directory import expand_path
+from canner.status_charts import Line, trend_chart
 from canner.trends import ALL, WINDOW, levels, per_minute
 from canner.trends import projects as trend_projects
 from canner.verdict import Verdict, assess, upload_refusals
@@ -48,89 +47,7 @@ from canner.version import version
 REFRESH_SECONDS = 10
 # Requests within this many seconds of a survey are answered from it.
 SURVEY_MAX_AGE = 2.0
-RECENT_PROBLEMS = 20
 ACTIVE_UPLOADS_SHOWN = 50
-_PROBLEM_LEVELS = (LogLevel.warn, LogLevel.error, LogLevel.critical)
-_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{8})[0-9a-f]{24}(?![0-9a-f])")
-
-
-@frozen
-class Problem:
-    """One warning or error logged by this process."""
-
-    time: float
-    level: str
-    namespace: str
-    text: str
-
-
-@define(eq=False)
-class RecentProblems:
-    """An ``ILogObserver`` that keeps the latest warnings and errors in memory.
-
-    Made ``starting``, it keeps the first ``size`` logged before :meth:`started` apart (they
-    never rotate out): the errors of a start-up, which the page shows near its top."""
-
-    size: int = RECENT_PROBLEMS
-    starting: bool = False
-    _lines: deque[Problem] = field(init=False)
-    _at_start: list[Problem] = field(init=False, factory=list)
-    _seen: set[tuple[object, ...]] = field(init=False, factory=set)
-
-    def __attrs_post_init__(self) -> None:
-        self._lines = deque(maxlen=self.size)
-
-    def started(self) -> None:
-        """Start-up is over: what is logged from now on is a recent problem."""
-        self.starting = False
-        self._seen.clear()
-
-    def observe(self, event: Mapping[str, Any]) -> None:
-        level = event.get("log_level")
-        if level not in _PROBLEM_LEVELS:
-            return
-        text = formatEvent(dict(event))
-        failure = event.get("log_failure")
-        if failure is not None and hasattr(failure, "getErrorMessage"):
-            text = f"{text}: {failure.type.__name__}: {failure.getErrorMessage()}"
-        when = event.get("log_time")
-        problem = Problem(
-            when if isinstance(when, float) else 0.0,
-            str(getattr(level, "name", level)),
-            str(event.get("log_namespace", "")),
-            text,
-        )
-        if self.starting:
-            # twistd replays what was logged before its log began to every observer: once.
-            key = (when, event.get("log_format"), problem.namespace)
-            if key not in self._seen and len(self._at_start) < self.size:
-                self._seen.add(key)
-                self._at_start.append(problem)
-            return
-        # deque.append is atomic: events logged from worker threads need no lock.
-        self._lines.append(problem)
-
-    def latest(self) -> tuple[Problem, ...]:
-        """Newest first (start-up's problems apart)."""
-        return tuple(reversed(self._lines))
-
-    def at_start(self) -> tuple[Problem, ...]:
-        """What was logged before :meth:`started`, oldest first."""
-        return tuple(self._at_start)
-
-
-@contextmanager
-def watching_start_up(publisher: LogPublisher) -> Iterator[RecentProblems]:
-    """Problems heard from here on (start-up included: an unusable index), for the status page;
-    a start-up that raises stops the watching."""
-    problems = RecentProblems(starting=True)
-    watching = cast(ILogObserver, problems.observe)
-    publisher.addObserver(watching)
-    try:
-        yield problems
-    except BaseException:
-        publisher.removeObserver(watching)
-        raise
 
 
 @frozen
@@ -299,33 +216,6 @@ class StatusSource:
 # -- rendering (pure) --------------------------------------------------------------------------
 
 
-def shorten_ids(text: str) -> str:
-    """``text`` with every 32-hex object id cut to its first 8 characters and an ellipsis."""
-    return _ID.sub(r"\1…", text)
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m {s % 60}s"
-    if s < 172800:
-        return f"{s // 3600}h {s % 3600 // 60}m"
-    return f"{s // 86400}d {s % 86400 // 3600}h"
-
-
 def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
@@ -383,100 +273,7 @@ svg text{font:11px system-ui,sans-serif;fill:#666}
 
 # -- trend charts (inline SVG) ----------------------------------------------------------------
 
-CHART_W, CHART_H, CHART_PAD = 420, 110, 16
-
-
-@frozen
-class Line:
-    """One series of a chart: label, colour and (time, value) points."""
-
-    label: str
-    colour: str
-    points: tuple[tuple[float, float], ...]
-    dashed: bool = False
-
-
-def _svg(name: str, **attrs: str) -> Tag:
-    return Tag(name)(**attrs)
-
-
-def _scale_text(value: float, unit: str) -> str:
-    if unit == "bytes":
-        return human_bytes(int(value))
-    return f"{value:,.0f}"
-
-
-def trend_chart(
-    chart_id: str, title: str, lines: list[Line], now: float, unit: str = "bytes"
-) -> Tag:
-    """A figure with an inline SVG of ``lines`` over the last 24 hours (pure).
-
-    The SVG says how many points it draws (``data-points``), so a test can tell an empty chart
-    from a drawn one; a chart without points says "no samples yet"."""
-    start = now - WINDOW
-    top = max((v for line in lines for _, v in line.points), default=0.0)
-    top = top * 1.1 if top > 0 else 1.0
-    inner_w, inner_h = CHART_W - 2 * CHART_PAD, CHART_H - 2 * CHART_PAD
-    svg = _svg(
-        "svg",
-        xmlns="http://www.w3.org/2000/svg",
-        width=str(CHART_W),
-        height=str(CHART_H),
-        viewBox=f"0 0 {CHART_W} {CHART_H}",
-        role="img",
-        **{"aria-label": title},
-    )
-    svg(
-        _svg(
-            "rect",
-            x=str(CHART_PAD),
-            y=str(CHART_PAD),
-            width=str(inner_w),
-            height=str(inner_h),
-            fill="#fcfcfc",
-            stroke="#ddd",
-        )
-    )
-    drawn = 0
-    for line in lines:
-        coords = []
-        for t, v in line.points:
-            if t < start or t > now + 60:
-                continue
-            x = CHART_PAD + inner_w * (t - start) / WINDOW
-            y = CHART_PAD + inner_h * (1 - v / top)
-            coords.append(f"{x:.1f},{y:.1f}")
-        drawn += len(coords)
-        if not coords:
-            continue
-        if len(coords) == 1:
-            cx, cy = coords[0].split(",")
-            svg(
-                _svg("circle", cx=cx, cy=cy, r="2", fill=line.colour, **{"data-series": line.label})
-            )
-            continue
-        attrs = {
-            "points": " ".join(coords),
-            "fill": "none",
-            "stroke": line.colour,
-            "stroke-width": "1.5",
-            "data-series": line.label,
-        }
-        if line.dashed:
-            attrs["stroke-dasharray"] = "4 3"
-        svg(_svg("polyline", **attrs))
-    svg(_svg("text", x=str(CHART_PAD + 2), y=str(CHART_PAD - 4))(_scale_text(top, unit)))
-    svg(_svg("text", x=str(CHART_PAD), y=str(CHART_H - 3))("24 h ago"))
-    svg(_svg("text", x=str(CHART_W - CHART_PAD - 22), y=str(CHART_H - 3))("now"))
-    if drawn == 0:
-        svg(_svg("text", x=str(CHART_W // 2 - 40), y=str(CHART_H // 2))("no samples yet"))
-    svg.attributes["data-points"] = str(drawn)
-    keys: list[Tag | str] = []
-    for line in lines:
-        keys += [tags.span(class_="key", style=f"background:{line.colour}"), line.label]
-    return tags.figure(svg, tags.figcaption(tags.b(title), *keys), id=chart_id)
-
-
+# The charts' colours.
 _RECEIVED, _DELIVERED, _BACKLOG, _FREE, _FLOOR = "#2a7", "#36c", "#c70", "#555", "#a00"
 
 

@@ -36,9 +36,9 @@ from canner.blocking import run_inline
 from canner.config import Config, parse_config
 from canner.connections import ConnectionLimits
 from canner.metrics import RECEIVER, Metrics
+from canner.problems import RecentProblems
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.service import receiver_parts
-from canner.status_page import RecentProblems
 from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.store import UploadStore

@@ -25,7 +25,8 @@ from canner.delivery.liveness import (
 from canner.ids import ObjectIds
 from canner.inventory import take_survey
 from canner.sinks.base import RemoteCheck
-from canner.status_page import DeliveryTarget, Line, StatusView, render_status, trend_chart
+from canner.status_charts import Line, trend_chart
+from canner.status_page import DeliveryTarget, StatusView, render_status
 from canner.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from tests.fakes import SyncIndex
 from tests.unit.test_scheduler import Harness

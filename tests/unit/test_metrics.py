@@ -23,6 +23,7 @@ from canner.blocking import run_inline
 from canner.daemon import LogObservers, PeriodicService
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
+from canner.humane import human_bytes, human_duration, shorten_ids
 from canner.ids import ObjectIds
 from canner.inventory import Survey, take_survey
 from canner.metrics import (
@@ -36,19 +37,12 @@ from canner.metrics import (
     SurveyCollector,
 )
 from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, UploadObserver
+from canner.problems import RecentProblems
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Receipt, ReceiptStore
 from canner.receiver import MeteredSite, ReceiverRoutes
 from canner.routing import route
-from canner.status_page import (
-    RecentProblems,
-    StatusSource,
-    StatusView,
-    human_bytes,
-    human_duration,
-    render_status,
-    shorten_ids,
-)
+from canner.status_page import StatusSource, StatusView, render_status
 from canner.tus.store import UploadInfo, UploadStore
 from tests.fakes import SyncIndex, succeeded
 

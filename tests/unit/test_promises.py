@@ -20,11 +20,12 @@ from canner.ids import ObjectIds
 from canner.inventory import survey_json, take_survey
 from canner.journal import Journal
 from canner.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
+from canner.problems import RecentProblems
 from canner.promises import Promises, overpromised
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import ReceiptStore
 from canner.receiver import ReceiverRoutes
-from canner.status_page import RecentProblems, StatusSource, StatusView, render_status
+from canner.status_page import StatusSource, StatusView, render_status
 from canner.tus.store import UploadStore
 from canner.tus.sweep import StaleSweep
 from tests.fakes import SyncIndex, succeeded

@@ -19,10 +19,11 @@ from canner.blocking import run_inline
 from canner.ids import ObjectIds
 from canner.inventory import take_survey
 from canner.metrics import RECEIVER, Metrics
+from canner.problems import RecentProblems
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import ReceiptStore
 from canner.receiver import ReceiverRoutes
-from canner.status_page import RecentProblems, StatusSource
+from canner.status_page import StatusSource
 from tests.fakes import SyncIndex, succeeded
 
 

@@ -15,14 +15,9 @@ from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat
 from canner.ids import ObjectIds
 from canner.inventory import IndexSummary, Survey, take_survey
+from canner.problems import RecentProblems
 from canner.readiness import FloorWatch, check_readiness
-from canner.status_page import (
-    DeliveryTarget,
-    RecentProblems,
-    StatusView,
-    delivery_targets,
-    render_status,
-)
+from canner.status_page import DeliveryTarget, StatusView, delivery_targets, render_status
 from canner.verdict import CRITICAL, OK, WARNING, assess
 
 NOW = 1_784_764_800.0
