@@ -247,16 +247,6 @@ def record_written(cur: sqlite3.Cursor, ledger_id: int, values: dict[str, Any], 
     return True
 
 
-def reset_uploads(cur: sqlite3.Cursor, now: float) -> int:
-    """At start-up: uploads a crash cut short are due again, now."""
-    return outbound.reset_delivering(cur, LEDGER, now)
-
-
-def begin_upload(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
-    """Claim the ledger's due upload (counts an attempt); False when it is not due."""
-    return outbound.claim(cur, LEDGER, str(ledger_id), now)
-
-
 def record_uploaded(cur: sqlite3.Cursor, ledger_id: int, identifier: str, now: float) -> bool:
     return outbound.record_delivered(cur, LEDGER, str(ledger_id), identifier, now)
 
@@ -271,13 +261,6 @@ def record_upload_failure(
 ) -> bool:
     return outbound.record_failure(cur, LEDGER, str(ledger_id), error, retry_at,
                                    needs_operator, now)  # fmt: skip
-
-
-def verify_later(
-    cur: sqlite3.Cursor, ledger_id: int, error: str, at: float, needs_operator: bool, now: float
-) -> None:
-    """Not verified yet (not listed, or a lookup or read-back failed): look again ``at``."""
-    outbound.record_check(cur, LEDGER, str(ledger_id), at, error, needs_operator, now)
 
 
 def send_again(

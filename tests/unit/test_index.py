@@ -240,8 +240,10 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
     in every state, written with the previous release's layout (delivery columns on each
     owner's table), read the same through the outbound table after the upgrade; the
     pipelines' queries pick up where they were."""
+    from canner import outbound
     from canner.delivery import index as sql
     from canner.ledger import store as lstore
+    from canner.observe import Outbound
 
     path = tmp_path / "delivery.sqlite"
     conn = _v6_index(path)
@@ -309,7 +311,7 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
         assert rows["n-1"].attempts == 1 and rows["n-1"].last_error == "upload: 503"
         # Written: its upload is due (at its old time); uploaded: its verification is.
         assert [r.name for r in lstore.due_ledgers(cur, 60.0)] == ["n-0", "n-1", "n-2", "n-3"]
-        assert lstore.begin_upload(cur, rows["n-1"].ledger_id, 60.0)
+        assert outbound.claim(cur, Outbound.LEDGER, str(rows["n-1"].ledger_id), 60.0)
         assert lstore.record_uploaded(cur, rows["n-1"].ledger_id, "ledgers-item", 61.0)
         again = lstore.get_ledger(cur, rows["n-1"].ledger_id)
         assert again is not None and (again.state, again.uploaded_at) == ("uploaded", 61.0)
