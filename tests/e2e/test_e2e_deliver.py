@@ -700,12 +700,13 @@ def test_a_damaged_journal_line_costs_only_its_object_in_a_rebuild_and_a_rescan(
     ids = list(_upload_some(env, 3))
     env.wait_state(ids, 25, "delivered, verified and purged", purged_at=...)
     assert_clean_exit(env.deliver, env.deliver.stop())
-    damaged = ids[1]
-    segment, number = next(
-        (path, n)
+    # The delivery record in the middle of a segment (objects are purged in no fixed order).
+    damaged, segment, number = next(
+        (oid, path, n)
         for path in sorted((env.data_dir / "journal").glob("*.jsonl"))
-        for n, line in enumerate(path.read_bytes().splitlines(), start=1)
-        if damaged.encode() in line and b'"delivery"' in line
+        for n, line in enumerate(path.read_bytes().splitlines()[:-1], start=1)
+        for oid in ids
+        if oid.encode() in line and b'"delivery"' in line
     )
     lines = segment.read_bytes().splitlines(keepends=True)
     assert number < len(lines), "not a middle line"
