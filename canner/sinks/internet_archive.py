@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -1040,13 +1039,13 @@ def internet_archive_sink(
     reactor: Any,
     run: BlockingRunner,
     mode: str = "identity",
-    state_dir: Path | None = None,
+    journal: PartJournal | None = None,
     gates: dict[str, PutGate] | None = None,
 ) -> IADeliverySink:
     """One project's IA sink; validates its templates and reads its credentials (blocking).
 
-    ``run`` is the blocking runner that reads payloads off the reactor thread; ``state_dir``
-    (the data directory's ``multipart/``) holds the journals of multipart uploads.  ``gates``,
+    ``run`` is the blocking runner that reads payloads off the reactor thread; ``journal``
+    holds the parts of multipart uploads (the data directory's ``multipart/``).  ``gates``,
     by access key, is shared by every project's sink: IA rations tasks per account, so projects
     that upload with the same keys are paced together.  Raises
     :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
@@ -1059,9 +1058,7 @@ def internet_archive_sink(
             http,
             reactor,
             run,
-            # One journal directory for all projects: a destination (item and name) is one
-            # file at IA, whichever project sends it.
-            journal=None if state_dir is None else PartJournal.opened(state_dir, time.time()),
+            journal=journal,
         )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None

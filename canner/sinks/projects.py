@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from treq.client import HTTPClient
@@ -11,6 +12,7 @@ from canner.config import Config, ConfigError
 from canner.sinks.base import Sink
 from canner.sinks.directory import DirectorySink
 from canner.sinks.internet_archive import internet_archive_sink
+from canner.sinks.multipart import PartJournal
 from canner.sinks.pacing import PutGate
 from canner.sinks.transport import make_http_client
 
@@ -27,6 +29,9 @@ def project_sinks(
     http: HTTPClient | None = None
     # One gate per IA account: its task ration is the account's, whichever project uploads.
     gates: dict[str, PutGate] = {}
+    # One multipart journal for all projects: a destination (item and name) is one file at IA,
+    # whichever project sends it.
+    journal: PartJournal | None = None
     for project_id, project in config.projects.items():
         delivery = project.delivery
         if delivery is None:
@@ -41,6 +46,7 @@ def project_sinks(
             continue
         if http is None:
             http = make_http_client(reactor)
+            journal = PartJournal.opened(config.data_dir / "multipart", time.time())
         sinks[project_id] = internet_archive_sink(
             project_id,
             delivery,
@@ -48,7 +54,7 @@ def project_sinks(
             reactor,
             run,
             project.packaging.mode,
-            state_dir=config.data_dir / "multipart",
+            journal=journal,
             gates=gates,
         )
     return sinks
