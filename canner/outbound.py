@@ -109,19 +109,24 @@ def claim_due(
     cur: sqlite3.Cursor, kind: Outbound, now: float, limit: int, projects: Iterable[str]
 ) -> list[str]:
     """Move up to ``limit`` due rows of ``projects`` to ``delivering``, oldest due first, each
-    counting an attempt; their refs in that order."""
+    counting an attempt; their refs in that order (:func:`claim_due_any` for one kind)."""
+    return [ref for _, ref, _ in claim_due_any(cur, now, limit, {kind: projects})]
+
+
+def _due(
+    cur: sqlite3.Cursor, kind: Outbound, now: float, limit: int, projects: Iterable[str]
+) -> list[tuple[float, str]]:
+    """The ``limit`` oldest due rows of ``kind`` for ``projects``: ``(next_attempt_at, ref)``."""
     names = sorted(projects)
     if limit <= 0 or not names:
         return []
     cur.execute(
-        "UPDATE outbound SET state = 'delivering', attempts = attempts + 1, updated_at = ?"
-        " WHERE kind = ? AND ref IN (SELECT ref FROM outbound WHERE kind = ?"
-        "   AND state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
-        f"   AND project IN ({_marks(names)}) ORDER BY next_attempt_at LIMIT ?)"
-        " AND state IN ('pending', 'retry_wait') RETURNING ref, next_attempt_at",
-        (now, kind.value, kind.value, now, *names, limit),
+        "SELECT next_attempt_at, ref FROM outbound WHERE kind = ?"
+        " AND state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
+        f" AND project IN ({_marks(names)}) ORDER BY next_attempt_at LIMIT ?",
+        (kind.value, now, *names, limit),
     )
-    return [ref for ref, _ in sorted(cur.fetchall(), key=lambda r: (r[1], r[0]))]
+    return [(at, ref) for at, ref in cur.fetchall()]
 
 
 def release_orphans(cur: sqlite3.Cursor, kind: Outbound, running: Iterable[str], now: float) -> int:
@@ -178,7 +183,19 @@ def follow_ups_due(
     busy: Iterable[str] = (),
 ) -> list[str]:
     """Refs of delivered rows of ``projects`` whose verification or owner's delete is due,
-    oldest due first, leaving out the ``busy`` ones.
+    oldest due first, leaving out the ``busy`` ones."""
+    return [ref for _, ref in _checks_due(cur, kind, now, limit, projects, busy)]
+
+
+def _checks_due(
+    cur: sqlite3.Cursor,
+    kind: Outbound,
+    now: float,
+    limit: int,
+    projects: Iterable[str],
+    busy: Iterable[str],
+) -> list[tuple[float, str]]:
+    """``(next_check_at, ref)`` of the rows :func:`follow_ups_due` names.
 
     Filtering here, before the ``LIMIT``, is what keeps a project without a sink (its delivery
     section removed) from filling every slot with rows nobody can check."""
@@ -186,12 +203,12 @@ def follow_ups_due(
     if limit <= 0 or not names:
         return []
     cur.execute(
-        "SELECT ref FROM outbound WHERE kind = ? AND state = 'delivered'"
+        "SELECT next_check_at, ref FROM outbound WHERE kind = ? AND state = 'delivered'"
         f" AND next_check_at <= ? AND project IN ({_marks(names)})"
         f" AND ref NOT IN ({_marks(skip)}) ORDER BY next_check_at LIMIT ?",
         (kind.value, now, *names, *skip, limit),
     )
-    return [row[0] for row in cur.fetchall()]
+    return [(at, ref) for at, ref in cur.fetchall()]
 
 
 def record_verified(
@@ -240,15 +257,17 @@ def settle(cur: sqlite3.Cursor, kind: Outbound, ref: str, now: float) -> bool:
     return cur.rowcount == 1
 
 
-def claim(cur: sqlite3.Cursor, kind: Outbound, ref: str, now: float) -> bool:
-    """Move one row that is due to ``delivering``, counting an attempt (guarded)."""
+def claim(cur: sqlite3.Cursor, kind: Outbound, ref: str, now: float) -> int | None:
+    """Move one row that is due to ``delivering``, counting an attempt (guarded): the attempt's
+    number, or None when the row was not due."""
     cur.execute(
         "UPDATE outbound SET state = 'delivering', attempts = attempts + 1, updated_at = ?"
         " WHERE kind = ? AND ref = ? AND state IN ('pending', 'retry_wait')"
-        " AND next_attempt_at <= ?",
+        " AND next_attempt_at <= ? RETURNING attempts",
         (now, kind.value, ref, now),
     )
-    return cur.rowcount == 1
+    found = cur.fetchone()
+    return None if found is None else int(found[0])
 
 
 def redeliver(
@@ -334,26 +353,16 @@ def claim_due_any(
 
     Each kind's oldest come through its own index, then the oldest of those are claimed (one
     query over every kind would sort every due row of a large backlog)."""
-    due = []
-    for kind, projects in lanes.items():
-        names = sorted(projects)
-        if limit <= 0 or not names:
-            continue
-        cur.execute(
-            "SELECT next_attempt_at, ref FROM outbound WHERE kind = ?"
-            " AND state IN ('pending', 'retry_wait') AND next_attempt_at <= ?"
-            f" AND project IN ({_marks(names)}) ORDER BY next_attempt_at LIMIT ?",
-            (kind.value, now, *names, limit),
-        )
-        due += [(at, kind.value, ref) for at, ref in cur.fetchall()]
+    due = sorted(
+        (at, kind.value, ref)
+        for kind, projects in lanes.items()
+        for at, ref in _due(cur, kind, now, limit, projects)
+    )
     claimed = []
-    for _, kind_value, ref in sorted(due)[: max(limit, 0)]:
+    for _, kind_value, ref in due[: max(limit, 0)]:
         kind = Outbound(kind_value)
-        if claim(cur, kind, ref, now):
-            cur.execute(
-                "SELECT attempts FROM outbound WHERE kind = ? AND ref = ?", (kind_value, ref)
-            )
-            claimed.append((kind, ref, int(cur.fetchone()[0])))
+        if (attempt := claim(cur, kind, ref, now)) is not None:
+            claimed.append((kind, ref, attempt))
     return claimed
 
 
@@ -376,15 +385,12 @@ def follow_ups_due_any(
 ) -> list[tuple[Outbound, str]]:
     """Delivered rows of any kind whose verification or owner's delete is due, oldest due
     first, leaving out the ``busy`` ones (see :func:`follow_ups_due`)."""
-    keys, due = list(busy), []
-    for kind, projects in lanes.items():
-        skip = [ref for k, ref in keys if k is kind]
-        refs = follow_ups_due(cur, kind, now, limit, projects, skip)
-        if refs:
-            cur.execute(
-                "SELECT next_check_at, ref FROM outbound"
-                f" WHERE kind = ? AND ref IN ({_marks(refs)})",
-                (kind.value, *refs),
-            )
-            due += [(at, kind.value, ref) for at, ref in cur.fetchall()]
-    return [(Outbound(kind), ref) for _, kind, ref in sorted(due)[: max(limit, 0)]]
+    keys = list(busy)
+    due = sorted(
+        (at, kind.value, ref)
+        for kind, projects in lanes.items()
+        for at, ref in _checks_due(
+            cur, kind, now, limit, projects, [r for k, r in keys if k is kind]
+        )
+    )
+    return [(Outbound(kind), ref) for _, kind, ref in due[: max(limit, 0)]]
