@@ -59,8 +59,8 @@ class ObjectOwner:
     # Per project: how long a delivered object may stay unlisted before it is delivered again.
     _verify_timeouts: Mapping[str, float]
 
-    def sink(self, project: str) -> Sink | None:
-        return self._sinks.get(project)
+    def sink(self, project: str) -> Sink:
+        return self._sinks[project]
 
     def projects(self) -> Sequence[str]:
         return list(self._sinks)

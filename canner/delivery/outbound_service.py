@@ -104,8 +104,8 @@ class Owner(Protocol):
     @property
     def kind(self) -> Outbound: ...
 
-    def sink(self, project: str) -> Sink | None:
-        """The sink of ``project`` (None: nothing of it is sent)."""
+    def sink(self, project: str) -> Sink:
+        """The sink of ``project``, one of :meth:`projects` (only their rows are claimed)."""
 
     def projects(self) -> Sequence[str]:
         """The projects whose rows this owner can send now."""
@@ -281,8 +281,6 @@ class OutboundService(Service):
         self.observer.attempt_started(owner.kind, shipment.project, attempt)
         sink = owner.sink(shipment.project)
         try:
-            if sink is None:
-                raise DeliveryFailed("the project has no delivery table", needs_operator=True)
             sent = [
                 await self._send(owner.kind, sink, shipment, parcel, attempt)
                 for parcel in shipment.files
@@ -352,7 +350,13 @@ class OutboundService(Service):
             log.failure("delivery attempt on {ref} crashed", failure, ref=ref)
             reason, kind = f"internal error: {failure.value}", "internal"
 
-        return Deferred.fromCoroutine(self._failed(owner, ref, ref, "", attempt, reason, kind))
+        async def record() -> None:
+            # The row's project, so the failure counts where the attempt's other facts did.
+            row = await self._index.run(outbound.row_of, owner.kind, ref)
+            project = row.project if row is not None else ""
+            await self._failed(owner, ref, ref, project, attempt, reason, kind)
+
+        return Deferred.fromCoroutine(record())
 
     # -- after delivery ---------------------------------------------------------------------
 
@@ -366,7 +370,6 @@ class OutboundService(Service):
             await self._settle(owner, copy, now)
             return
         sink = owner.sink(copy.facts.project)
-        assert sink is not None, "follow-ups are claimed for projects with a sink only"
         for parcel in copy.files:
             check = await sink.verify(parcel.plan, parcel.path)
             if check.verified:

@@ -76,7 +76,7 @@ class LedgerOwner:
     # The ledger's guard, shared with the receipt rescan: a manifest appears under it.
     _guard: DeferredLock
 
-    def sink(self, project: str) -> Sink | None:
+    def sink(self, project: str) -> Sink:
         return self._sink
 
     def projects(self) -> Sequence[str]:

@@ -47,8 +47,8 @@ class PackageOwner:
     _sinks: Mapping[str, Sink]
     _run: BlockingRunner
 
-    def sink(self, project: str) -> Sink | None:
-        return self._sinks.get(project)
+    def sink(self, project: str) -> Sink:
+        return self._sinks[project]
 
     def projects(self) -> Sequence[str]:
         return [pid for pid in self._projects if pid in self._sinks]

@@ -15,6 +15,7 @@ from twisted.internet.task import Clock
 from canner import outbound
 from canner.delivery.follow_up import DeliveredCopy
 from canner.delivery.outbound_service import (
+    ATTEMPT_LIMIT,
     Copy,
     OutboundService,
     Parcel,
@@ -42,7 +43,7 @@ class FakeOwner:
     settled: list[str] = field(factory=list)
     broken_disk: bool = False
 
-    def sink(self, project: str) -> Sink | None:
+    def sink(self, project: str) -> Sink:
         return self.sink_
 
     def projects(self) -> Sequence[str]:
@@ -252,3 +253,19 @@ def test_an_unlisted_copy_of_any_kind_is_delivered_again_after_verify_timeout(
     row = world.row(Outbound.LEDGER, "led")
     assert row.redeliveries == 1
     assert "led" in world.sink.pending, "sent again at once"
+
+
+def test_an_attempt_cut_off_counts_under_its_project(world: World) -> None:
+    """An attempt past the 24-hour bound goes back to retry_wait, and its failure is counted
+    under the row's project, like any other failure of that row."""
+    world.add(Outbound.OBJECT, "obj", "example", world.clock.seconds())
+    world.service.tick()
+    assert list(world.sink.pending) == ["obj"]
+    world.clock.advance(ATTEMPT_LIMIT)
+    row = world.row(Outbound.OBJECT, "obj")
+    assert row.state == "retry_wait"
+    failures = world.metrics.registry.get_sample_value(
+        "canner_delivery_failures_total",
+        {"kind": "object", "project": "example", "reason": "timeout", "needs_operator": "false"},
+    )
+    assert failures == 1
