@@ -39,6 +39,7 @@ from canner.ids import ObjectIds
 from canner.ledger import store as ledger_store
 from canner.ledger.files import Archived, ArchivedIds, LedgerDir
 from canner.packaging.dictionaries import DictionaryWait, read_waits
+from canner.promises import open_uploads
 from canner.receipts import ReceiptStore
 from canner.trends import TrendPoint, read_trends
 from canner.tus.store import CorruptInfo, UploadStore
@@ -299,15 +300,9 @@ def scan_uploads(
 ) -> tuple[list[ActiveUpload], int]:
     """Uploads without a receipt (not rejected), and how many sidecars could not be read."""
     active, unreadable = [], 0
-    for upload_id, _mtime in uploads.entries():
-        if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
-            continue
-        try:
-            info = uploads.read_info(upload_id)
-        except CorruptInfo:
+    for upload_id, info in open_uploads(uploads, receipts, ids):
+        if info is None:
             unreadable += 1
-            continue
-        if info is None or info.rejected is not None:
             continue
         offset = uploads.offset(upload_id)
         idle = max(0.0, now - uploads.idle_since(upload_id))

@@ -18,14 +18,14 @@ request can resume it) but still counts until the sweep removes it, so the two v
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from attrs import define, field, frozen
 from twisted.logger import Logger
 
 from canner.ids import ObjectIds
 from canner.receipts import ReceiptStore
-from canner.tus.store import CorruptInfo, UploadStore
+from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -127,20 +127,31 @@ class Promises:
         return promises
 
 
-def promised_on_disk(
+def open_uploads(
     uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
-) -> Iterable[tuple[str, tuple[int, int]]]:
-    """``(upload_id, (size, stored))`` of every upload without a receipt that is not rejected
-    (blocking).  An unreadable sidecar promises nothing (the sweep removes it); an upload
-    marked untrusted has nothing stored that counts."""
+) -> Iterator[tuple[str, UploadInfo | None]]:
+    """Every upload in ``uploads/`` without a receipt and not rejected, with its sidecar (None:
+    unreadable), blocking: the uploads in flight, as the receiver and the survey both count
+    them."""
     for upload_id, _mtime in uploads.entries():
         if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
             continue
         try:
             info = uploads.read_info(upload_id)
         except CorruptInfo:
+            yield upload_id, None
             continue
-        if info is None or info.rejected is not None:
-            continue
-        stored = 0 if info.untrusted is not None else uploads.offset(upload_id)
-        yield upload_id, (info.size, stored)
+        if info is not None and info.rejected is None:
+            yield upload_id, info
+
+
+def promised_on_disk(
+    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
+) -> Iterable[tuple[str, tuple[int, int]]]:
+    """``(upload_id, (size, stored))`` of every upload in flight (blocking).  An unreadable
+    sidecar promises nothing (the sweep removes it); an upload marked untrusted has nothing
+    stored that counts."""
+    for upload_id, info in open_uploads(uploads, receipts, ids):
+        if info is not None:
+            stored = 0 if info.untrusted is not None else uploads.offset(upload_id)
+            yield upload_id, (info.size, stored)
