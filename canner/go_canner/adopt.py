@@ -270,7 +270,9 @@ def _apply_batch(
     fs.fsync_dir(target.uploads)
     fs.fsync_dir(target.receipts.directory)
     crash_point("adopt-go.placed")
-    # 3. Index rows (INSERT OR IGNORE: a second run adds nothing twice).
+    # 3. Index rows (INSERT OR IGNORE: a second run adds nothing twice).  A receipt whose bytes
+    # are gone is indexed flagged, so an operator sees it (canner deliveries --needs-operator)
+    # instead of a delivery failing on a missing payload.
     objects = [
         AcceptedObject(
             s.object_id,
@@ -280,24 +282,12 @@ def _apply_batch(
             s.checksum,
             s.accepted_at,
             delivery=_delivery(s, now) if s.action == DELIVERED else None,
+            problem=f"adopted from the Go canner: {s.note}" if s.action == PROBLEM else None,
         )
         for s in batch
-        if s.action in (DELIVERED, DELIVER) and s.project and s.checksum
-    ]
-    # A receipt whose bytes are gone: indexed flagged, so an operator sees it (canner
-    # deliveries --needs-operator) instead of a delivery failing on a missing payload.
-    objects += [
-        AcceptedObject(
-            s.object_id,
-            s.project,
-            s.filename,
-            s.size_bytes,
-            s.checksum,
-            s.accepted_at,
-            problem=f"adopted from the Go canner: {s.note}",
-        )
-        for s in batch
-        if s.action == PROBLEM and s.has_receipt and s.project and s.checksum
+        if (s.action in (DELIVERED, DELIVER) or (s.action == PROBLEM and s.has_receipt))
+        and s.project
+        and s.checksum
     ]
     conn.execute("BEGIN IMMEDIATE")
     try:
