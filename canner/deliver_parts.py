@@ -203,13 +203,14 @@ def outbound_service(
     base: DeliverBase,
     sinks: Mapping[str, Sink],
     retention: Mapping[str, float],
+    packed: Mapping[str, ProjectConfig],
     packages: PackageStore,
     ledger: LedgerParts | None,
     journal: JournalLog,
 ) -> OutboundService:
-    """The one service that sends, verifies and hands back every owner's files (objects,
-    megawarc packages, ledgers), in ``delivery_concurrency`` slots shared by every kind."""
-    packed = packed_projects(base.config, sinks)
+    """The one service that sends, verifies and hands back every owner's files (objects, the
+    ``packed`` projects' megawarc packages, ledgers), in ``delivery_concurrency`` slots shared
+    by every kind."""
     object_sinks = {pid: s for pid, s in sinks.items() if pid not in packed}
     owners: list[Owner] = [
         object_owner(base, object_sinks, retention, journal),

@@ -320,7 +320,7 @@ def deliver_service(
     ledger = ledger_parts(base, delivery_log)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     receipt_rescan(base, archived, ledger).setServiceParent(top)
-    outbound = outbound_service(base, sinks, retention, packages, ledger, delivery_log)
+    outbound = outbound_service(base, sinks, retention, packed, packages, ledger, delivery_log)
     outbound.setServiceParent(top)
     packaging = package_pipeline(base, packed, packages, archived)
     if packed:
