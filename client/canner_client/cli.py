@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -38,13 +39,51 @@ def parse_size(text: str) -> int:
     return int(number) * _UNITS[unit]
 
 
+# The duration syntax of canner's config (Go's time.ParseDuration, unsigned), kept here so the
+# client depends on nothing of canner's: tests/unit/test_config.py checks that both agree.
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+
+
+def parse_duration(text: str) -> float:
+    """``"1h30m"`` -> 5400.0: a Go duration (``"500ms"``, ``"20s"``, ``"0"``) in seconds, as in
+    canner's config; ``ValueError`` for anything else, signed durations included."""
+    if text == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    while pos < len(text):
+        match = _DURATION_PART.match(text, pos)
+        if match is None:
+            break
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or pos != len(text):
+        raise ValueError(f'{text!r} is not a duration (such as "30s" or "1h30m")')
+    return total
+
+
 def _seconds(text: str) -> float:
+    """A time option: plain seconds (``"90"``, ``"2.5"``) or a duration (``"20s"``, ``"1h30m"``)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("seconds must not be negative")
+        try:
+            return parse_duration(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f'not a duration: {text!r} (seconds, or e.g. "20s", "1h30m")'
+            ) from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (must not be negative)")
     return value
 
 
@@ -52,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="canner-upload",
         description="Upload files to a canner receiver and print one receipt JSON line per file.",
+        epilog='Times (S) are seconds ("90") or durations as in canner\'s config ("20s", "1h30m").',
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument(
