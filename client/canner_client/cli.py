@@ -1,4 +1,5 @@
-"""``canner-upload``: upload files to a canner receiver, one receipt JSON line per file on stdout.
+"""``canner-upload``: upload files to a canner receiver, one receipt JSON line per file on stdout,
+in the order of the files given (a failed file has no line).
 
 Progress goes to stderr: a live display on a terminal, plain periodic lines otherwise, JSON lines
 with ``--json-progress``.  Exit status: 0 every file receipted, 1 some failed (each on stderr with
@@ -20,6 +21,7 @@ from typing import Any, TextIO
 from canner_client import __version__
 from canner_client.client import Client, ProgressEvent, Timeouts
 from canner_client.errors import CannerError
+from canner_client.receipt import Receipt
 from canner_client.retry import RetryPolicy
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -174,37 +176,71 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(client: Client, args: argparse.Namespace, files: list[str], reporter: Reporter) -> int:
-    out_lock = threading.Lock()
-    failures = 0
+    printer = InOrder(len(files))
 
-    def one(path: str) -> bool:
+    def one(index: int, path: str) -> bool:
         try:
             receipt = client.upload(
                 path, args.project, args.filename, progress=reporter.event, restart=args.restart
             )
         except (CannerError, OSError, ValueError) as e:
             reporter.failed(path, str(e))
+            printer.settle(index, None)
             return False
-        with out_lock:
-            # sys.stdout is looked up now: a live display may have redirected it.
-            sys.stdout.write(receipt.to_json() + "\n")
-            sys.stdout.flush()
+        printer.settle(index, receipt)
         return True
 
     reporter.start()
     pool = ThreadPoolExecutor(max_workers=min(args.parallel, len(files)))
     try:
-        for ok in pool.map(one, files):
-            failures += not ok
+        failures = sum(not ok for ok in pool.map(one, range(len(files)), files))
     except KeyboardInterrupt:
         # Resume state is durable before any byte is sent: stop at once, not after the uploads.
+        # A receipt in hand has no resume state left: it is printed now or never.
         reporter.stop()
+        printer.flush()
         sys.stderr.write("canner-upload: interrupted; run the same command again to resume\n")
         sys.stderr.flush()
         os._exit(130)
     pool.shutdown()
     reporter.stop()
     return 1 if failures else 0
+
+
+_PENDING = object()
+
+
+class InOrder:
+    """Receipt lines on stdout in the order of the files given (HQ takes each line as it is, so
+    nothing else goes on a line).  A file's line is written once it and every file before it are
+    settled: receipted, or failed (no line; the failure is on stderr)."""
+
+    def __init__(self, count: int) -> None:
+        self._results: list[object] = [_PENDING] * count
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def settle(self, index: int, receipt: Receipt | None) -> None:
+        """File ``index`` is done: ``receipt``, or None when it failed."""
+        with self._lock:
+            self._results[index] = receipt
+            while self._next < len(self._results) and self._results[self._next] is not _PENDING:
+                self._write(self._results[self._next])
+                self._next += 1
+
+    def flush(self) -> None:
+        """Write every receipt in hand, in order, skipping the files not done (interrupted)."""
+        with self._lock:
+            for result in self._results[self._next :]:
+                self._write(result)
+            self._next = len(self._results)
+
+    @staticmethod
+    def _write(result: object) -> None:
+        if isinstance(result, Receipt):
+            # sys.stdout is looked up now: a live display may have redirected it.
+            sys.stdout.write(result.to_json() + "\n")
+            sys.stdout.flush()
 
 
 # -- progress -------------------------------------------------------------------------------------
