@@ -53,6 +53,23 @@ class ConfigError(ValueError):
         self.problem = problem
 
 
+class MissingKey(ConfigError):
+    """A required key is absent (``problem`` says what it must be)."""
+
+    def __init__(self, key: str, problem: str = "required") -> None:
+        super().__init__(key, problem)
+
+
+class UnknownKey(ConfigError):
+    """``prefix + name``, a key its table does not have; ``meant`` is the nearest known key of
+    the table (dotted, like ``key``), if any: a typo of a required key, which then is missing."""
+
+    def __init__(self, prefix: str, name: str, nearest: str | None) -> None:
+        hint = "" if nearest is None else f" (did you mean {nearest!r}?)"
+        super().__init__(prefix + name, "unknown key" + hint)
+        self.meant = None if nearest is None else prefix + nearest
+
+
 class ConfigErrors(ConfigError):
     """Several problems in one file, all reported at once; ``errors`` lists them, unknown keys
     first.  ``key`` and ``problem`` are the first one's."""
@@ -396,23 +413,21 @@ def known_keys(table: str) -> frozenset[str]:
     return frozenset(_TABLES[table])
 
 
-def _unknown_problem(key: str, allowed: set[str]) -> str:
+def _nearest(key: str, allowed: set[str]) -> str | None:
     near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
-    return f"unknown key (did you mean {near[0]!r}?)" if near else "unknown key"
+    return near[0] if near else None
 
 
-def unknown_keys(raw: Mapping[str, Any]) -> list[ConfigError]:
+def unknown_keys(raw: Mapping[str, Any]) -> list[UnknownKey]:
     """Every unknown key of the file, each with the nearest known key of its table, if any."""
-    errors: list[ConfigError] = []
+    errors: list[UnknownKey] = []
 
     def check(table: Any, schema: str, prefix: str) -> None:
         if isinstance(table, Mapping):
             allowed = _TABLES[schema]
-            errors.extend(
-                ConfigError(prefix + key, _unknown_problem(key, allowed))
-                for key in table
-                if key not in allowed
-            )
+            for key in table:
+                if key not in allowed:
+                    errors.append(UnknownKey(prefix, key, _nearest(key, allowed)))
 
     check(raw, "", "")
     for section in ("metrics", "manhole", "connections", "hq", "ledger", "rsync"):
@@ -430,7 +445,7 @@ def unknown_keys(raw: Mapping[str, Any]) -> list[ConfigError]:
 def _positive_int(mapping: Mapping[str, Any], key: str, default: int | None, name: str) -> int:
     value = mapping.get(key, default)
     if value is None:
-        raise ConfigError(name, "required")
+        raise MissingKey(name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(name, f"must be an integer, not {value!r}")
     if value <= 0:
@@ -441,7 +456,7 @@ def _positive_int(mapping: Mapping[str, Any], key: str, default: int | None, nam
 def _string(mapping: Mapping[str, Any], key: str, name: str, default: str | None = None) -> str:
     value = mapping.get(key, default)
     if value is None:
-        raise ConfigError(name, "required")
+        raise MissingKey(name)
     if not isinstance(value, str):
         raise ConfigError(name, f"must be a string, not {value!r}")
     return value
@@ -450,7 +465,7 @@ def _string(mapping: Mapping[str, Any], key: str, name: str, default: str | None
 def _duration(mapping: Mapping[str, Any], key: str, name: str, default: str | None) -> float:
     value = mapping.get(key, default)
     if value is None:
-        raise ConfigError(name, "required")
+        raise MissingKey(name)
     try:
         return parse_duration(value)
     except ValueError as e:
@@ -723,6 +738,8 @@ def _parse_projects(
     raw: Any, base_dir: Path, errors: list[ConfigError]
 ) -> dict[str, ProjectConfig]:
     """The projects that parse; each one that does not adds its error to ``errors``."""
+    if raw is None:
+        raise MissingKey("projects", "at least one [projects.<id>] table is required")
     if not isinstance(raw, Mapping) or not raw:
         raise ConfigError("projects", "at least one [projects.<id>] table is required")
     projects: dict[str, ProjectConfig] = {}
@@ -942,7 +959,8 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
     Every problem of the file is reported in one go: one :class:`ConfigError`, or a
     :class:`ConfigErrors` listing them all (unknown keys first, each with the nearest known key).
     """
-    errors = unknown_keys(raw)
+    unknown = unknown_keys(raw)
+    errors: list[ConfigError] = list(unknown)
 
     def attempt(parse: Any, fallback: Any, *args: Any) -> Any:
         try:
@@ -990,11 +1008,19 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         "ledger": attempt(_parse_ledger, None, raw.get("ledger"), base_dir, node_prefix),
         "rsync": attempt(_parse_rsync, None, raw.get("rsync"), base_dir, resolved_data_dir),
     }
+    errors = _without_misspelt(errors, unknown)
     if len(errors) == 1:
         raise errors[0]
     if errors:
         raise ConfigErrors(errors)
     return Config(**values)
+
+
+def _without_misspelt(errors: list[ConfigError], unknown: list[UnknownKey]) -> list[ConfigError]:
+    """``errors`` less each missing key that an unknown key of its table names as the nearest:
+    that is one typo, already reported (with the key it meant) by the unknown key's line."""
+    meant = {u.meant for u in unknown if u.meant is not None}
+    return [e for e in errors if not (isinstance(e, MissingKey) and e.key in meant)]
 
 
 def check_data_dir(config: Config) -> Path:

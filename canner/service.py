@@ -59,6 +59,7 @@ from canner.promises import Promises
 from canner.readiness import FloorWatch, check_readiness
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.receiver import receiver_site
+from canner.rsync.incoming import adoption_dir
 from canner.rsync.intake import RsyncIntake
 from canner.seesaw import SeesawDoor, SeesawRoutes
 from canner.sinks.base import Sink
@@ -241,7 +242,7 @@ def receiver_service(
     sweep = StaleSweep(
         uploads=uploads, receipts=receipts, journal=parts.journal, ids=config.object_ids,
         retention=config.partial_upload_retention, run=io, clock=reactor, observer=metrics,
-        promises=parts.intake.promises,
+        promises=parts.intake.promises, adopting=adoption_dir(config.data_dir),
     )  # fmt: skip
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"

@@ -6,6 +6,8 @@ same filesystem as the incoming tree and ``uploads/``, so every move is a rename
 1. ``claim``: ``adopting/{id}.claim`` records the origin (project, downloader, file name) and is
    fsynced; then the file is renamed from the incoming tree to ``adopting/{id}`` and both
    directories are fsynced.  From here the file is canner's: rsync can no longer replace it.
+   (A crash before the claim's rename leaves only its temp file: the receiver's sweep removes
+   it, :func:`canner.tus.sweep.sweep_stale`.)
 2. ``hash``: BLAKE3 over the stored bytes (read back from the file, in the hash pool).
 3. The idempotency rule: a file with the same origin, size and BLAKE3 as an object already
    accepted is that object (a worker that sent the item again); its copy is dropped, nothing new.
@@ -112,8 +114,16 @@ class AdoptionArea:
         """Step 1: record ``claim`` durably, then move the file in.  False (and no claim left)
         when the file is gone from the incoming tree (another round adopted it, or the worker's
         rsync replaced it: it is found again)."""
-        name = self.claim_path(claim.object_id).name
-        fs.replace_file(self.directory, name, claim.to_json(), sync=True)
+        path = self.claim_path(claim.object_id)
+        temp = fs.write_temp(self.directory, path.name, claim.to_json(), sync=True)
+        # A crash here leaves the temp alone in adopting/ (the file is still in the incoming
+        # tree and is found again): the receiver's sweep removes it (canner.tus.sweep).
+        crash_point("rsync.claim_written")
+        try:
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
         fs.fsync_dir(self.directory)
         crash_point("rsync.claimed")
         try:

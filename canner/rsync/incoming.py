@@ -76,7 +76,7 @@ def count_waiting(incoming: Path, projects: Iterable[str], data_dir: Path) -> in
     status`` and the status page): finished files in the incoming tree, plus claimed ones that
     left it (in ``adopting/``, or in ``uploads/`` without a receipt yet).  Each is counted once."""
     waiting = sum(1 for _ in arrivals(incoming, projects))
-    adopting = data_dir / "adopting"
+    adopting = adoption_dir(data_dir)
     try:
         with os.scandir(adopting) as it:
             claims = [e.name[: -len(CLAIM_SUFFIX)] for e in it if e.name.endswith(CLAIM_SUFFIX)]
@@ -92,3 +92,8 @@ def count_waiting(incoming: Path, projects: Iterable[str], data_dir: Path) -> in
 
 
 CLAIM_SUFFIX = ".claim"
+
+
+def adoption_dir(data_dir: Path) -> Path:
+    """``<data_dir>/adopting``: claims and the files they hold (:mod:`canner.rsync.adoption`)."""
+    return data_dir / "adopting"

@@ -34,7 +34,7 @@ from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
 from canner.origins import AcceptedOrigins, OriginKey
 from canner.receipts import Origin, Receipt, ReceiptStore
 from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, NotARegularFile, claim_state
-from canner.rsync.incoming import Arrival, arrivals, is_final_name
+from canner.rsync.incoming import Arrival, adoption_dir, arrivals, is_final_name
 from canner.startup import CannotStart
 from canner.tus.store import UploadStore
 
@@ -50,7 +50,7 @@ class AdoptionAbandoned(Exception):
 def prepare_rsync(config: Config, rsync: RsyncConfig) -> AdoptionArea:
     """Make ``adopting/`` and one incoming directory per project (start-up, blocking), and check
     that they share the data directory's filesystem (every adoption step is a rename)."""
-    area = AdoptionArea(config.data_dir / "adopting")
+    area = AdoptionArea(adoption_dir(config.data_dir))
     try:
         area.directory.mkdir(mode=0o750, exist_ok=True)
         rsync.incoming.mkdir(mode=0o750, exist_ok=True)

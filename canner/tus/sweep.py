@@ -16,6 +16,7 @@ receiver's periodic job that runs it in a thread and reports what went.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from attrs import define, field
 from twisted.internet.defer import Deferred
@@ -59,9 +60,13 @@ def sweep_stale(
     ids: ObjectIds,
     now: float,
     retention: float,
+    adopting: Path | None = None,
 ) -> SweepReport:
     """Remove uploads idle for longer than ``retention`` seconds that have no receipt, and temp
-    files a crash left in ``uploads/``, ``receipts/`` and ``journal/`` (release segments)."""
+    files a crash left in ``uploads/``, ``receipts/``, ``journal/`` (release segments) and
+    ``adopting`` (the rsync adoption area: a claim's temp file).  A temp file goes once it is
+    older than :data:`~canner.fs.TEMP_ORPHAN_AGE` (one being written lives for milliseconds);
+    claims and claimed files are never touched: the rsync intake finishes them."""
     report = SweepReport()
     for upload_id in sorted(_upload_ids(uploads, ids)):
         if receipts.receipt_path(upload_id).exists():
@@ -97,7 +102,10 @@ def sweep_stale(
                 path=str(uploads.info_path(upload_id)),
             )
             report.unreadable.append(upload_id)
-    for directory in (uploads.directory, receipts.directory, journal.directory):
+    directories = [uploads.directory, receipts.directory, journal.directory]
+    if adopting is not None:
+        directories.append(adopting)
+    for directory in directories:
         if not directory.exists():
             continue
         for temp in list(fs.orphaned_temps(directory, now)):
@@ -146,6 +154,8 @@ class StaleSweep:
     _observer: UploadObserver
     # The receiver's promises: an upload swept is owed nothing more.
     _promises: Promises | None = None
+    # The rsync adoption area, whose temp files are swept too (it may outlive an [rsync] door).
+    _adopting: Path | None = None
 
     @property
     def interval(self) -> float:
@@ -161,6 +171,7 @@ class StaleSweep:
             self._ids,
             self._clock.seconds(),
             self._retention,
+            self._adopting,
         )
         return d.addCallback(self._report)
 

@@ -1,4 +1,5 @@
-"""``canner-upload``: upload files to a canner receiver, one receipt JSON line per file on stdout.
+"""``canner-upload``: upload files to a canner receiver, one receipt JSON line per file on stdout,
+in the order of the files given (a failed file has no line).
 
 Progress goes to stderr: a live display on a terminal, plain periodic lines otherwise, JSON lines
 with ``--json-progress``.  Exit status: 0 every file receipted, 1 some failed (each on stderr with
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -19,6 +21,7 @@ from typing import Any, TextIO
 from canner_client import __version__
 from canner_client.client import Client, ProgressEvent, Timeouts
 from canner_client.errors import CannerError
+from canner_client.receipt import Receipt
 from canner_client.retry import RetryPolicy
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -38,13 +41,51 @@ def parse_size(text: str) -> int:
     return int(number) * _UNITS[unit]
 
 
+# The duration syntax of canner's config (Go's time.ParseDuration, unsigned), kept here so the
+# client depends on nothing of canner's: tests/unit/test_config.py checks that both agree.
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+
+
+def parse_duration(text: str) -> float:
+    """``"1h30m"`` -> 5400.0: a Go duration (``"500ms"``, ``"20s"``, ``"0"``) in seconds, as in
+    canner's config; ``ValueError`` for anything else, signed durations included."""
+    if text == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    while pos < len(text):
+        match = _DURATION_PART.match(text, pos)
+        if match is None:
+            break
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or pos != len(text):
+        raise ValueError(f'{text!r} is not a duration (such as "30s" or "1h30m")')
+    return total
+
+
 def _seconds(text: str) -> float:
+    """A time option: plain seconds (``"90"``, ``"2.5"``) or a duration (``"20s"``, ``"1h30m"``)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("seconds must not be negative")
+        try:
+            return parse_duration(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f'not a duration: {text!r} (seconds, or e.g. "20s", "1h30m")'
+            ) from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (must not be negative)")
     return value
 
 
@@ -52,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="canner-upload",
         description="Upload files to a canner receiver and print one receipt JSON line per file.",
+        epilog='Times (S) are seconds ("90") or durations as in canner\'s config ("20s", "1h30m").',
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument(
@@ -134,37 +176,71 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(client: Client, args: argparse.Namespace, files: list[str], reporter: Reporter) -> int:
-    out_lock = threading.Lock()
-    failures = 0
+    printer = InOrder(len(files))
 
-    def one(path: str) -> bool:
+    def one(index: int, path: str) -> bool:
         try:
             receipt = client.upload(
                 path, args.project, args.filename, progress=reporter.event, restart=args.restart
             )
         except (CannerError, OSError, ValueError) as e:
             reporter.failed(path, str(e))
+            printer.settle(index, None)
             return False
-        with out_lock:
-            # sys.stdout is looked up now: a live display may have redirected it.
-            sys.stdout.write(receipt.to_json() + "\n")
-            sys.stdout.flush()
+        printer.settle(index, receipt)
         return True
 
     reporter.start()
     pool = ThreadPoolExecutor(max_workers=min(args.parallel, len(files)))
     try:
-        for ok in pool.map(one, files):
-            failures += not ok
+        failures = sum(not ok for ok in pool.map(one, range(len(files)), files))
     except KeyboardInterrupt:
         # Resume state is durable before any byte is sent: stop at once, not after the uploads.
+        # A receipt in hand has no resume state left: it is printed now or never.
         reporter.stop()
+        printer.flush()
         sys.stderr.write("canner-upload: interrupted; run the same command again to resume\n")
         sys.stderr.flush()
         os._exit(130)
     pool.shutdown()
     reporter.stop()
     return 1 if failures else 0
+
+
+_PENDING = object()
+
+
+class InOrder:
+    """Receipt lines on stdout in the order of the files given (HQ takes each line as it is, so
+    nothing else goes on a line).  A file's line is written once it and every file before it are
+    settled: receipted, or failed (no line; the failure is on stderr)."""
+
+    def __init__(self, count: int) -> None:
+        self._results: list[object] = [_PENDING] * count
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def settle(self, index: int, receipt: Receipt | None) -> None:
+        """File ``index`` is done: ``receipt``, or None when it failed."""
+        with self._lock:
+            self._results[index] = receipt
+            while self._next < len(self._results) and self._results[self._next] is not _PENDING:
+                self._write(self._results[self._next])
+                self._next += 1
+
+    def flush(self) -> None:
+        """Write every receipt in hand, in order, skipping the files not done (interrupted)."""
+        with self._lock:
+            for result in self._results[self._next :]:
+                self._write(result)
+            self._next = len(self._results)
+
+    @staticmethod
+    def _write(result: object) -> None:
+        if isinstance(result, Receipt):
+            # sys.stdout is looked up now: a live display may have redirected it.
+            sys.stdout.write(result.to_json() + "\n")
+            sys.stdout.flush()
 
 
 # -- progress -------------------------------------------------------------------------------------

@@ -130,6 +130,80 @@ def test_cli_uploads_files_in_parallel(receiver: Receiver, tmp_path: Path) -> No
     assert {p["phase"] for p in progress} >= {"hashing", "uploading", "done"}
 
 
+def test_cli_prints_receipts_in_the_order_of_its_arguments(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Several files of different sizes, the first held back by the network so it finishes
+    last: stdout is still one receipt line per receipted file in argument order, each the
+    server's bytes; a file that failed (an empty one, in the middle) has no line."""
+    sizes = [5 * MiB + 1, 1, 0, 3 * MiB, 100_000]
+    paths = [make_file(tmp_path / f"f{i}.bin", size, seed=i) for i, size in enumerate(sizes)]
+    held = proxy.add(Fault("delay", final_patch(sizes[0]), delay=3.0))
+    result = run_cli(
+        "--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state",
+        "-j", "5", "--json-progress", *paths,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert held.reached.is_set()
+    progress = [json.loads(line) for line in result.stderr.splitlines()]
+    finished = [p["file"] for p in progress if p["phase"] == "done"]
+    assert finished[-1] == str(paths[0]), "the first file was not the last to finish"
+    failed = [p for p in progress if p["phase"] == "failed"]
+    assert [p["file"] for p in failed] == [str(paths[2])]
+    assert "empty artifacts cannot be receipted" in failed[0]["message"]
+    lines = result.stdout.splitlines()
+    receipted = [p for p, size in zip(paths, sizes) if size]
+    assert [Receipt.from_json(line).checksum for line in lines] == [
+        checksum_of(p) for p in receipted
+    ]
+    for line, path in zip(lines, receipted):
+        receipt = Receipt.from_json(line)
+        assert line.encode() == receiver.get_receipt(receipt.object_id).content
+        assert_receipted(receiver, receipt, path, tmp_path)
+
+
+def test_ctrl_c_prints_the_receipts_already_in_hand(
+    receiver: Receiver, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Interrupted while the first file's body is stalled, after the second file got its
+    receipt: that receipt is still printed (its resume state is gone, so it is printed now or
+    never), and the first file, unfinished, has no line."""
+    slow = make_file(tmp_path / "slow.bin", 4 * MiB, seed=1)
+    fast = make_file(tmp_path / "fast.bin", 1000, seed=2)
+    stall = proxy.add(Fault("stall", final_patch(4 * MiB), after=MiB))
+    proc = subprocess.Popen(
+        cli_command(
+            "--url", proxy.url, "--project", "example", "--state-dir", tmp_path / "state",
+            "-j", "2", "--json-progress", slow, fast,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        assert stall.reached.wait(30), "the slow file's PATCH never came"
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            doc = json.loads(line)
+            if doc["phase"] == "done":
+                assert doc["file"] == str(fast)
+                break
+        time.sleep(0.5)  # "done" is said just before the upload call returns its receipt
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        stall.release.set()
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130
+    lines = out.splitlines()
+    assert len(lines) == 1
+    receipt = Receipt.from_json(lines[0])
+    assert receipt.checksum == checksum_of(fast)
+    assert lines[0].encode() == receiver.get_receipt(receipt.object_id).content
+
+
 def test_cli_reports_a_refusal_with_the_servers_message(receiver: Receiver, tmp_path: Path) -> None:
     path = make_file(tmp_path / "f.bin", 100)
     ok = make_file(tmp_path / "g.bin", 200)

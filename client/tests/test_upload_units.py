@@ -14,7 +14,14 @@ from upload_support import make_file
 
 from canner_client import Receipt
 from canner_client import hashing as hashing_module
-from canner_client.cli import JsonReporter, PlainReporter, RichReporter, main, parse_size
+from canner_client.cli import (
+    JsonReporter,
+    PlainReporter,
+    RichReporter,
+    build_parser,
+    main,
+    parse_size,
+)
 from canner_client.client import ProgressEvent, _parse_status
 from canner_client.errors import DeadlineExceeded
 from canner_client.hashing import blake3_file
@@ -166,6 +173,29 @@ def test_parse_size() -> None:
     for bad in ("0", "x", "1.5G", "-1"):
         with pytest.raises(Exception, match="not a size"):
             parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["--deadline", "--connect-timeout", "--read-timeout", "--acceptance-timeout", "--log-interval"],
+)
+@pytest.mark.parametrize(
+    "text, seconds", [("20s", 20.0), ("1h30m", 5400.0), ("500ms", 0.5), ("90", 90.0), ("0", 0.0)]
+)
+def test_time_options_take_the_config_duration_syntax(
+    option: str, text: str, seconds: float
+) -> None:
+    """``--deadline 20s``: the durations of canner's config (Go syntax), or plain seconds."""
+    args = build_parser().parse_args(["--project", "p", option, text, "/etc/hostname"])
+    assert getattr(args, option[2:].replace("-", "_")) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["20 s", "1d", "-1s", "s", "", "-5", "1h 30m"])
+def test_a_bad_duration_is_a_usage_error(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--url", "http://127.0.0.1:1", "--project", "p", "--deadline", text, "/etc/hostname"])
+    assert exit_info.value.code == 2
+    assert "--deadline" in capsys.readouterr().err
 
 
 def test_status_document_parts() -> None:

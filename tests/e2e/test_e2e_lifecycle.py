@@ -159,13 +159,36 @@ def test_receiver_ends_on_sigterm_at_any_moment(tmp_path: Path) -> None:
     sigterm_at_random_moments(spawn, ready, log_of_start)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "a daemon ends"])
-def test_dev_daemons_sends_each_daemon_one_sigterm(tmp_path: Path, how: str) -> None:
+def as_from_a_terminal() -> None:
+    """A child's SIGINT back to the default, as a terminal's Ctrl-C finds it: a suite started
+    with SIGINT ignored (``nohup``, ``cmd &`` in a script, some CI runners) would hand the
+    ignore down, and bash cannot trap a signal ignored when it started (the Ctrl-C is lost)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(
+    ("how", "suite_ignores_sigint", "relative"),
+    [
+        ("ctrl-c", False, False),
+        ("ctrl-c", True, False),
+        ("a daemon ends", False, False),
+        ("ctrl-c", False, True),
+    ],
+    ids=["ctrl-c", "ctrl-c, suite started with SIGINT ignored", "a daemon ends",
+         "ctrl-c, CONFIG relative to the caller"],
+)  # fmt: skip
+def test_dev_daemons_sends_each_daemon_one_sigterm(
+    tmp_path: Path, how: str, suite_ignores_sigint: bool, relative: bool
+) -> None:
     """``./dev daemons CONFIG`` stops both daemons with one SIGTERM each, on Ctrl-C (SIGINT to
-    the script) or when one of them ends, and waits for both."""
+    the script) or when one of them ends, and waits for both; the Ctrl-C reaches it also from
+    a suite that runs with SIGINT ignored; a relative CONFIG is the caller's, not the clone's."""
     rcv = directory_receiver(tmp_path)
     out = tmp_path / "dev.log"
     started = time.time()
+    # Relative: from the directory above the test's, so the path has a directory part too.
+    cwd = tmp_path.parent if relative else REPO
+    config = os.path.relpath(rcv.config_path, cwd) if relative else str(rcv.config_path)
 
     def deliver_beats(since: float) -> bool:
         # The first heartbeat is written from the index's thread pool, which starts once the
@@ -178,14 +201,20 @@ def test_dev_daemons_sends_each_daemon_one_sigterm(tmp_path: Path, how: str) -> 
             return False
         return beat is not None and beat.started_at >= since and beat.stopped_at is None
 
-    with open(out, "wb") as f:
-        dev = subprocess.Popen(
-            [str(REPO / "dev"), "daemons", str(rcv.config_path)],
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if suite_ignores_sigint else None
+    try:
+        with open(out, "wb") as f:
+            dev = subprocess.Popen(
+                [str(REPO / "dev"), "daemons", config],
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                preexec_fn=as_from_a_terminal,
+            )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     try:
 
         def both_ready() -> bool:

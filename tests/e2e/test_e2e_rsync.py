@@ -37,7 +37,21 @@ pytestmark = [
 # Receivers here scan every half second as well as listening to inotify: a test that waits for
 # "not adopted" waits several rounds.
 RSYNC_TABLE = {"scan_interval": "500ms"}
-CRASH_POINTS = ["rsync.claimed", "rsync.moved", "rsync.staged", "rsync.stored", "rsync.accepted"]
+CRASH_POINTS = [
+    "rsync.claim_written", "rsync.claimed", "rsync.moved", "rsync.staged", "rsync.stored",
+    "rsync.accepted",
+]  # fmt: skip
+# The files a SIGKILL at each adoption step leaves (``{id}``: the object id the claim chose;
+# ``{temp}``: the random part of a temp file's name), in incoming/, adopting/ and uploads/.
+ITEM = "example/alice/item.warc.gz"
+LEFTOVERS: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "rsync.claim_written": ([ITEM], [".tmp-{id}.claim-{temp}"], []),
+    "rsync.claimed": ([ITEM], ["{id}.claim"], []),
+    "rsync.moved": ([], ["{id}", "{id}.claim"], []),
+    "rsync.staged": ([], ["{id}", "{id}.claim"], ["{id}.info"]),
+    "rsync.stored": ([], ["{id}.claim"], ["{id}", "{id}.info"]),
+    "rsync.accepted": ([], ["{id}.claim"], ["{id}", "{id}.info"]),
+}
 
 
 @dataclass
@@ -91,6 +105,21 @@ def cleanup() -> Iterator[Callable[[Callable[[], Any]], None]]:
             stop()
         except Exception:  # tear everything down, whatever fails
             pass
+
+
+def assert_leftovers(data_dir: Path, expected: tuple[list[str], list[str], list[str]]) -> None:
+    """incoming/, adopting/ and uploads/ hold exactly ``expected`` (see LEFTOVERS)."""
+    found = [files_under(data_dir / d) for d in ("incoming", "adopting", "uploads")]
+    names = [n for listing in found for n in listing]
+    ids = {m.group(1) for n in names if (m := re.search(r"([0-9a-f]{32})", n))}
+    assert len(ids) <= 1, f"two object ids among {found}"
+    oid = ids.pop() if ids else "(none)"
+    for listing, templates in zip(found, expected, strict=True):
+        escaped = (re.escape(t).replace(re.escape("{id}"), oid) for t in templates)
+        patterns = sorted(p.replace(re.escape("{temp}"), "[0-9a-f]{12}") for p in escaped)
+        assert len(listing) == len(patterns), f"{found} is not {expected}"
+        for name, pattern in zip(listing, patterns, strict=True):
+            assert re.fullmatch(pattern, name), f"{found} is not {expected}"
 
 
 def rsync_receiver(root: Path, cleanup: Callable[[Callable[[], Any]], None]) -> Receiver:
@@ -202,11 +231,18 @@ def test_a_receiver_killed_at_each_adoption_step_loses_nothing_and_makes_one_obj
     wait_for(lambda: rcv.proc is not None and rcv.proc.poll() is not None, 20,
              f"the receiver to die at {point}", describe=rcv.log_tail)  # fmt: skip
     assert rcv.proc.returncode == -signal.SIGKILL
-    # Before the restart: the bytes are somewhere canner will look.
+    # Before the restart: the bytes are somewhere canner will look, and the crash left exactly
+    # the files of its step.
     where = files_under(rcv.data_dir / "incoming") + files_under(rcv.data_dir / "adopting")
     where += [f for f in files_under(rcv.data_dir / "uploads") if not f.endswith(".info")]
     assert where, f"the file vanished at {point}"
+    assert_leftovers(rcv.data_dir, LEFTOVERS[point])
     assert rsync_waiting(rcv) == (0 if point == "rsync.accepted" else 1)
+    if point == "rsync.claim_written":
+        # Found an hour after the crash (a temp younger than that may be a live adoption's).
+        temps = [p for p in (rcv.data_dir / "adopting").iterdir() if p.name.startswith(".tmp-")]
+        for temp in temps:
+            os.utime(temp, (time.time() - 2 * 3600,) * 2)
 
     rcv.start()
     wait_for(lambda: objects(rcv.data_dir), 20, "a receipt after the restart",

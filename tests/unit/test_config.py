@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from canner.config import (
     READBACK_ALL,
     ConfigError,
+    ConfigErrors,
     listen_url,
     load_config,
     parse_config,
@@ -234,3 +235,61 @@ def test_example_configs_load_once_the_placeholder_issuer_is_set(tmp_path: Path)
 )
 def test_listen_url_is_what_dev_run_prints(listen: str, url: str | None) -> None:
     assert listen_url(listen) == url
+
+
+def test_a_misspelt_required_key_is_reported_once(tmp_path: Path) -> None:
+    """A typo of a required key is one line, the unknown key naming the key it meant: no second
+    "required" line for the key that is then missing (two typos, two lines)."""
+    raw = {
+        "issuer": "https://canner.test",
+        "min_free_byte": 10,
+        "projects": {"example": {"delivery": {"sinc": "directory", "path": "/srv"}}},
+        "delivery_concurrency": 0,
+    }
+    with pytest.raises(ConfigErrors) as caught:
+        parse_config(raw, tmp_path)
+    assert [str(e) for e in caught.value.errors] == [
+        "config key 'min_free_byte': unknown key (did you mean 'min_free_bytes'?)",
+        "config key 'projects.example.delivery.sinc': unknown key (did you mean 'sink'?)",
+        "config key 'delivery_concurrency': must be positive, not 0",
+    ]
+
+
+def test_a_required_key_missing_without_a_typo_is_still_required(tmp_path: Path) -> None:
+    """Only the key an unknown key names is spared its "required" line: an unknown key that
+    names another key leaves a missing one reported."""
+    raw = {"issuer": "https://canner.test", "acces_log": True, "projects": {"example": {}}}
+    raw["connections"] = {"min_free_bytes": 1}
+    with pytest.raises(ConfigErrors) as caught:
+        parse_config(raw, tmp_path)
+    assert [str(e) for e in caught.value.errors] == [
+        "config key 'acces_log': unknown key (did you mean 'access_log'?)",
+        "config key 'connections.min_free_bytes': unknown key",
+        "config key 'min_free_bytes': required",
+    ]
+
+
+DURATION_EXAMPLES = [
+    "0", "20s", "500ms", "1h30m", "1.5h", ".5s", "1.s", "2us", "3\u00b5s", "4\u03bcs", "7ns",
+    "1h2m3s4ms5us6ns", "100000h", "0s", "0.0s",
+    # refused by both
+    "", "1d", "-1s", "+1s", "1h 30m", " 1s", "1s ", "h", "1.2.3s", "1S", "s1", "1hh", "0x10s",
+    "..s",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", DURATION_EXAMPLES)
+def test_canner_upload_reads_durations_as_the_config_does(text: str) -> None:
+    """canner-upload's own duration parser (the client depends on nothing of canner's) gives
+    what the config's gives, or refuses what it refuses."""
+    from canner_client.cli import parse_duration as client_duration
+
+    try:
+        expected: float | None = parse_duration(text)
+    except ValueError:
+        expected = None
+    try:
+        got: float | None = client_duration(text)
+    except ValueError:
+        got = None
+    assert got == expected

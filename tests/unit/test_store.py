@@ -101,6 +101,33 @@ def _age(uploads: UploadStore, oid: str, mtime: float) -> None:
             os.utime(path, (mtime, mtime))
 
 
+def test_sweep_removes_the_claim_temps_a_crash_left_in_the_adoption_area(tmp_path: Path) -> None:
+    """adopting/: a claim's temp file an hour old goes (a crash between its write and its
+    rename); a fresh one may be a live adoption's and stays; claims and the files they hold
+    are the rsync intake's to finish, however old."""
+    uploads, receipts = stores(tmp_path)
+    adopting = tmp_path / "adopting"
+    adopting.mkdir()
+    now = 100_000.0
+    crashed, live, claimed = IDS.new(), IDS.new(), IDS.new()
+    stale = fs.write_temp(adopting, f"{crashed}.claim", b'{"object_id":', sync=False)
+    fresh = fs.write_temp(adopting, f"{live}.claim", b"{}", sync=False)
+    (adopting / f"{claimed}.claim").write_bytes(b"{}")
+    (adopting / claimed).write_bytes(b"payload")
+    for path, age in ((stale, 7200), (fresh, 60), (adopting / f"{claimed}.claim", 7200),
+                      (adopting / claimed, 7200)):  # fmt: skip
+        os.utime(path, (now - age, now - age))
+
+    report = sweep_stale(
+        uploads, receipts, Journal(tmp_path / "journal"), IDS, now, 1800, adopting=adopting
+    )
+
+    assert report.temps_removed == 1
+    assert sorted(p.name for p in adopting.iterdir()) == sorted(
+        [fresh.name, f"{claimed}.claim", claimed]
+    )
+
+
 def test_sweep_removes_only_idle_unreceipted_unlocked_uploads(tmp_path: Path) -> None:
     """Idle partial uploads go; fresh, receipted and locked ones stay."""
     uploads, receipts = stores(tmp_path)
