@@ -7,6 +7,9 @@ what it had not delivered is."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +26,21 @@ from deliver_support import (
     venv_bin,
     wait_for,
 )
-from e2e_support import Receiver
+from e2e_support import Receiver, free_port
 from go_style_client import GoStyleClient
 
-from tests.go_canner_fixture import STATES, GoDir, write_go_data_dir
+from tests.go_canner_fixture import STATES, GoDir, listing, write_go_data_dir
+
+# The Go canner built for side-by-side runs (its README): the real peer, for what only it can
+# leave behind (a WAL of its own, killed mid-run).
+GO_PEER = Path(os.environ.get("CANNER_GO_PEER", "/work/shared/peers/go-canner"))
+
+
+def adopt_go(config: Path, go_dir: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [venv_bin("canner"), "adopt-go", str(go_dir), *more, "--config", str(config)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -165,3 +179,65 @@ def test_the_shipped_proxy_examples_route_go_ids_to_the_adopting_node(tmp_path: 
         haproxy.stop()
         n1.close()
         n2.close()
+
+
+def test_dry_run_on_a_killed_go_canner_changes_no_byte(tmp_path: Path) -> None:
+    """The real Go canner (GO_PEER/start.sh) accepts two uploads and is SIGKILLed: its index's
+    commits are in delivery.sqlite-wal, beside its -shm.  A dry run lists both objects and
+    leaves every file as it was (size, mtime, SHA-256), -wal and -shm included; --apply then
+    takes both over and retires the Go index with its WAL folded in."""
+    start, client = GO_PEER / "start.sh", GO_PEER / "gocanner"
+    assert start.exists() and client.exists(), f"the Go canner peer is needed at {GO_PEER}"
+    port, root = free_port(), tmp_path / "go-canner"
+    log = (tmp_path / "go.log").open("wb")
+    go = subprocess.Popen([str(start), str(port), str(root)], stdout=log, stderr=log)
+    files = []
+    try:
+        wait_for(lambda: _answers(port), 20, "the Go canner to listen", 0.2)
+        for n, size in enumerate((300_000, 5_000)):
+            path = tmp_path / f"item-{n}.warc.gz"
+            path.write_bytes(os.urandom(size))
+            files.append(path)
+            up = subprocess.run(
+                [str(client), "upload", f"http://127.0.0.1:{port}/", "bench", str(path)],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert up.returncode == 0 and up.stdout.startswith("RECEIPT "), up.stdout + up.stderr
+    finally:
+        go.send_signal(signal.SIGKILL)
+        go.wait(10)
+        log.close()
+    data = root / "data"
+    for name in ("delivery.sqlite-wal", "delivery.sqlite-shm"):
+        assert (data / name).exists(), name
+    receipts = {p.name: p.read_bytes() for p in (data / "receipts").glob("*.json")}
+    assert len(receipts) == 2
+    canner_node = Receiver.in_dir(tmp_path / "canner", node_prefix="n1")
+    before = listing(data)
+    dry = adopt_go(canner_node.config_path, data)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    for name in receipts:
+        line = next(x for x in dry.stdout.splitlines() if x.startswith(name[: -len(".json")]))
+        assert line.split()[1:3] == ["deliver", "bench"], line
+    assert listing(data) == before
+    # The real thing: both taken over, the Go index retired whole (its WAL folded in).
+    done = adopt_go(canner_node.config_path, data, "--apply")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name, content in receipts.items():
+        assert (canner_node.data_dir / "receipts" / name).read_bytes() == content
+    assert not (data / "delivery.sqlite-wal").exists()
+    assert not (data / "delivery.sqlite-shm").exists()
+    retired = data / "delivery.sqlite.adopted-by-canner"
+    conn = sqlite3.connect(f"file:{retired}?mode=ro", uri=True)
+    try:
+        assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 2
+    finally:
+        conn.close()
+
+
+def _answers(port: int) -> bool:
+    try:
+        requests.get(f"http://127.0.0.1:{port}/", timeout=1)
+    except requests.RequestException:
+        return False
+    return True

@@ -19,7 +19,7 @@ import pytest
 from canner.cli import Io, main
 from canner.go_canner.godir import GoDataDir
 from canner.tus.store import UploadStore
-from tests.go_canner_fixture import NOW, STATES, write_go_data_dir
+from tests.go_canner_fixture import NOW, STATES, kill_writer_after, listing, write_go_data_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -295,3 +295,56 @@ def test_another_filesystem_is_copied_then_removed(tmp_path: Path) -> None:
         assert code == 0, out + err
         check_adopted(setup, out)
         assert not list((setup.data_dir / "uploads").glob(".*"))
+
+
+# -- a Go directory left with a WAL: the dry run reads it and changes no byte -------------------
+
+
+def leave_go_wal(setup: Setup, how: str) -> str:
+    """The Go index as a killed Go daemon leaves it (``killed``: the last commit only in -wal,
+    -shm kept), the same without its -shm (``wal_without_shm``), or closed cleanly (``clean``:
+    no -wal).  The commit in the WAL moves the object ``accepted`` to project ``from-the-wal``;
+    returns the project the plan must show for it."""
+    if how == "clean":
+        assert not (setup.go.root / "delivery.sqlite-wal").exists()
+        return "example"
+    kill_writer_after(
+        setup.go.root,
+        "UPDATE artifacts SET project = 'from-the-wal' WHERE object_id = ?",
+        oid(setup, "accepted"),
+    )
+    if how == "wal_without_shm":
+        (setup.go.root / "delivery.sqlite-shm").unlink()
+    return "from-the-wal"
+
+
+@pytest.mark.parametrize("how", ["killed", "wal_without_shm", "clean"])
+def test_dry_run_reads_the_go_wal_and_changes_no_byte(setup: Setup, how: str) -> None:
+    project = leave_go_wal(setup, how)
+    before = listing(setup.go.root)
+    code, out, err = setup("adopt-go", str(setup.go.root))
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith(oid(setup, "accepted")))
+    assert line.split()[1:3] == ["deliver", project], line
+    assert listing(setup.go.root) == before
+    assert not (setup.data_dir / "adopt-go").exists()
+
+
+def test_apply_after_a_killed_go_daemon_takes_the_wal_commits(setup: Setup) -> None:
+    """--apply on the killed daemon's directory: the plan has the WAL's commit, and the retired
+    Go index holds it with no -wal or -shm left beside it."""
+    leave_go_wal(setup, "killed")
+    code, out, err = setup("adopt-go", str(setup.go.root), "--apply")
+    assert code == 0, out + err
+    assert setup.rows()[oid(setup, "accepted")]["project"] == "from-the-wal"
+    go = setup.go.root
+    left = sorted(p.name for p in go.iterdir() if p.name.endswith(("-wal", "-shm")))
+    assert left == [], left
+    retired = sqlite3.connect(f"file:{go / 'delivery.sqlite.adopted-by-canner'}?mode=ro", uri=True)
+    try:
+        [(project,)] = retired.execute(
+            "SELECT project FROM artifacts WHERE object_id = ?", (oid(setup, "accepted"),)
+        ).fetchall()
+    finally:
+        retired.close()
+    assert project == "from-the-wal"
