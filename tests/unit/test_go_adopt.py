@@ -253,48 +253,59 @@ def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:
     assert (setup.data_dir / "receipts" / f"{gone.oid}.json").exists()
     row = setup.rows()[gone.oid]
     assert row["needs_operator"] == 1 and "Go canner" in row["last_error"]
+    # Waiting for an operator, not pending: canner-deliver does not try it at once (its
+    # reason would give way to "the local payload is missing") and HQ reads retry_wait.
+    assert row["state"] == "retry_wait" and row["next_attempt_at"] > NOW, row
+    assert_flagged(setup, gone.oid, "no upload or package file holds its bytes")
+    # canner retry: due now, flag cleared, and told that the bytes must be put back first.
+    code, out, err = setup("retry", gone.oid)
+    assert code == 0, err
+    assert "is due now" in out and f"uploads/{gone.oid} is missing" in out, out
+    row = setup.rows()[gone.oid]
+    assert (row["needs_operator"], row["next_attempt_at"]) == (0, NOW)
 
 
-def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
-    go = GoDataDir(setup.go.root)
-    assert go.upload_ids() == sorted(
-        oid(setup, s)
-        for s in ("accepted", "building", "delivering", "blocked", "partial", "empty", "complete")
-    )
-    artifacts, packages = go.read_index()
-    assert len(artifacts) == 11 and len(packages) == 8
+def assert_flagged(setup: Setup, object_id: str, why: str) -> None:
+    """``canner status`` warns (exit 1) and names the object; ``canner deliveries
+    --needs-operator`` and ``canner show`` give the reason."""
+    code, out, err = setup("status")
+    assert code == 1, out + err
+    assert "warning: 1 deliveries need an operator" in err
+    assert any(object_id in line and why in line for line in out.splitlines()), out
+    code, out, err = setup("deliveries", "--needs-operator")
+    assert code == 0, err
+    [line] = out.splitlines()
+    assert json.loads(line)["object_id"] == object_id and why in json.loads(line)["last_error"]
+    code, out, err = setup("show", object_id)
+    assert code == 0, err
+    delivery = json.loads(out)["delivery"]
+    assert delivery["needs_operator"] == 1
+    assert "adopted from the Go canner" in delivery["last_error"]
 
 
-def test_an_id_canner_already_has_is_left_alone(setup: Setup) -> None:
-    """A Go id that canner already holds (a node without a prefix issues bare ids too) is a
-    problem: neither file is overwritten."""
-    clash = setup.go.of("accepted")
-    mine = b'{"mine":true}'
-    (setup.data_dir / "receipts").mkdir()
-    (setup.data_dir / "receipts" / f"{clash.oid}.json").write_bytes(mine)
+def test_a_receipt_without_a_project_is_flagged(setup: Setup) -> None:
+    """Go lost the artifacts row and the .info of an accepted object: the receipt is kept and
+    served, the row (project unknown) is flagged for an operator, never delivered, and a retry
+    says why it cannot help."""
+    lost = setup.go.of("accepted")
+    (setup.go.root / "uploads" / f"{lost.oid}.info").unlink()
+    db = sqlite3.connect(setup.go.root / "delivery.sqlite")
+    db.execute("DELETE FROM artifacts WHERE object_id = ?", (lost.oid,))
+    db.commit()
+    db.close()
     code, out, _err = setup("adopt-go", str(setup.go.root), "--apply")
-    assert code == 1 and f"problem {clash.oid}: canner already has" in out
-    assert (setup.data_dir / "receipts" / f"{clash.oid}.json").read_bytes() == mine
-    assert (setup.go.root / "receipts" / f"{clash.oid}.json").exists()
-
-
-def test_another_filesystem_is_copied_then_removed(tmp_path: Path) -> None:
-    """The Go directory on another filesystem (tmpfs here): files are copied, fsynced and
-    renamed into place, then removed from the Go side."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("no second filesystem")
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=shm) as other:
-        setup = Setup(tmp_path)
-        moved = Path(other) / "go"
-        subprocess.run(["cp", "-a", str(setup.go.root), str(moved)], check=True)
-        setup.go.root = moved
-        code, out, err = setup("adopt-go", str(moved), "--apply")
-        assert code == 0, out + err
-        check_adopted(setup, out)
-        assert not list((setup.data_dir / "uploads").glob(".*"))
+    assert code == 1
+    assert f"problem {lost.oid}: receipt kept, but no project is known for it" in out, out
+    assert f"its bytes stay at uploads/{lost.oid} in the Go directory" in out, out
+    assert (setup.data_dir / "receipts" / f"{lost.oid}.json").exists()
+    row = setup.rows()[lost.oid]
+    assert (row["state"], row["needs_operator"], row["project"]) == ("retry_wait", 1, "(unknown)")
+    assert_flagged(setup, lost.oid, "no project is known")
+    code, out, err = setup("retry", lost.oid)
+    assert code == 1 and "no project is known" in err, out + err
+    code, out, err = setup("retry", "--needs-operator")
+    assert code == 0 and f"{lost.oid} (project unknown) is not retried" in out, out + err
+    assert setup.rows()[lost.oid]["needs_operator"] == 1
 
 
 # -- a Go directory left with a WAL: the dry run reads it and changes no byte -------------------
@@ -348,3 +359,45 @@ def test_apply_after_a_killed_go_daemon_takes_the_wal_commits(setup: Setup) -> N
     finally:
         retired.close()
     assert project == "from-the-wal"
+
+
+def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
+    go = GoDataDir(setup.go.root)
+    assert go.upload_ids() == sorted(
+        oid(setup, s)
+        for s in ("accepted", "building", "delivering", "blocked", "partial", "empty", "complete")
+    )
+    artifacts, packages = go.read_index()
+    assert len(artifacts) == 11 and len(packages) == 8
+
+
+def test_an_id_canner_already_has_is_left_alone(setup: Setup) -> None:
+    """A Go id that canner already holds (a node without a prefix issues bare ids too) is a
+    problem: neither file is overwritten."""
+    clash = setup.go.of("accepted")
+    mine = b'{"mine":true}'
+    (setup.data_dir / "receipts").mkdir()
+    (setup.data_dir / "receipts" / f"{clash.oid}.json").write_bytes(mine)
+    code, out, _err = setup("adopt-go", str(setup.go.root), "--apply")
+    assert code == 1 and f"problem {clash.oid}: canner already has" in out
+    assert (setup.data_dir / "receipts" / f"{clash.oid}.json").read_bytes() == mine
+    assert (setup.go.root / "receipts" / f"{clash.oid}.json").exists()
+
+
+def test_another_filesystem_is_copied_then_removed(tmp_path: Path) -> None:
+    """The Go directory on another filesystem (tmpfs here): files are copied, fsynced and
+    renamed into place, then removed from the Go side."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        setup = Setup(tmp_path)
+        moved = Path(other) / "go"
+        subprocess.run(["cp", "-a", str(setup.go.root), str(moved)], check=True)
+        setup.go.root = moved
+        code, out, err = setup("adopt-go", str(moved), "--apply")
+        assert code == 0, out + err
+        check_adopted(setup, out)
+        assert not list((setup.data_dir / "uploads").glob(".*"))
