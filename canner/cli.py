@@ -67,7 +67,13 @@ from canner import releases as rel
 from canner.blocking import result_now, run_inline
 from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
-from canner.delivery.index import ConnectionIndex, QueueRow, configure_connection, upgrade_schema
+from canner.delivery.index import (
+    UNKNOWN_PROJECT,
+    ConnectionIndex,
+    QueueRow,
+    configure_connection,
+    upgrade_schema,
+)
 from canner.delivery.queue import State
 from canner.delivery.rescan import ReceiptRescan
 from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
@@ -334,7 +340,8 @@ def check_config(config_path: Path, io: Io) -> int:
 # -- status ------------------------------------------------------------------------------------
 
 
-def _status_text(doc: dict[str, Any], config: Config) -> str:
+def _status_text(doc: dict[str, Any], config: Config, flagged: Sequence[QueueRow] = ()) -> str:
+    """``canner status`` for people; ``flagged``: objects waiting for an operator, named."""
     lines = [f"data directory   {config.data_dir}"]
     mark, retire = doc.get("draining"), doc.get("retirement")
     if mark is not None and retire is not None:
@@ -387,6 +394,7 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     )
     lines.append(f"oldest pending   {human_duration(doc['oldest_pending_age_s'])}")
     lines.append(f"needs operator   {doc['needs_operator']}")
+    lines += [f"  flagged        {r.object_id} ({r.project}): {r.last_error}" for r in flagged]
     lines.append(
         f"purges overdue   {doc['purge_overdue']} (lag {human_duration(doc['purge_lag_s'])})"
     )
@@ -460,8 +468,12 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     doc["reasons"] = reasons
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
+    # The latest failures that wait for an operator, by name (the page lists the same).
+    flagged = [r for r in survey.index.recent_failures if r.needs_operator] if survey.index else []
     io.out.write(
-        json.dumps(with_utc(doc), indent=2) + "\n" if as_json else _status_text(doc, config)
+        json.dumps(with_utc(doc), indent=2) + "\n"
+        if as_json
+        else _status_text(doc, config, flagged)
     )
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
@@ -615,17 +627,22 @@ def _retry_one(
     return None, before, sql.get_row(cur, oid)
 
 
-def _retry_flagged(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
-    # Flagged rows waiting for a retry, and flagged delivered rows not yet verified (a remote
-    # copy that differs, or one the destination kept losing): both are delivered again.
-    ids = sql.flagged_objects(cur, project)
-    done = []
-    for oid in ids:
+def _retry_flagged(
+    cur: sqlite3.Cursor, project: str | None, config: Config, now: float
+) -> tuple[list[QueueRow], list[tuple[QueueRow, str]]]:
+    """Flagged rows waiting for a retry, and flagged delivered rows not yet verified (a remote
+    copy that differs, or one the destination kept losing): both are delivered again (the
+    rows before), but for those canner-deliver would never send (each with why, still
+    flagged)."""
+    done, left = [], []
+    for oid in sql.flagged_objects(cur, project):
         before = sql.get_row(cur, oid)
-        if sql.operator_retry(cur, oid, now):
-            assert before is not None
+        assert before is not None
+        if (why := _undeliverable(before, config)) is not None:
+            left.append((before, why))
+        elif sql.operator_retry(cur, oid, now):
             done.append(before)
-    return done
+    return done, left
 
 
 def _clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
@@ -652,9 +669,12 @@ def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> in
         raise CommandError(f"--project {project!r} is not a configured project")
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
-    rows = _write(data_dir, _retry_flagged, project, io.now())
+    rows, left = _write(data_dir, _retry_flagged, project, config, io.now())
     for row in rows:
         io.out.write(f"{row.object_id} ({row.project}) is due now; last error: {row.last_error}\n")
+    for row, why in left:
+        name = "project unknown" if row.project == UNKNOWN_PROJECT else row.project
+        io.out.write(f"{row.object_id} ({name}) is not retried: {why}\n")
     for row in _write(data_dir, _clear_verified_flags, project, io.now()):
         io.out.write(
             f"{row.object_id} ({row.project}) is delivered and verified: its flag is cleared;"
@@ -727,6 +747,9 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
         _say_file_retried(kind, object_id, before.last_error, io)
         return 0
     oid = _object_id(config, object_id)
+    known = _write(data_dir, sql.get_row, oid)
+    if known is not None and (why := _undeliverable(known, config)) is not None:
+        raise CommandError(f"{oid} is not retried: {why}")
     made_due, before, row = _write(data_dir, _retry_one, oid, io.now())
     if row is None or before is None:
         raise CommandError(f"{oid} is not in the delivery index")
@@ -756,7 +779,30 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
         f"{oid} is due now{again}: canner-deliver starts attempt {row.attempts + 1} within a"
         f" second (last error: {before.last_error or 'none'})\n"
     )
+    # An identity object is sent from its payload (a megawarc member was checked when packed).
+    identity = not config.projects[row.project].packaging.megawarc
+    if identity and row.purged_at is None and not (data_dir / "uploads" / oid).exists():
+        io.out.write(
+            f"note: its payload uploads/{oid} is missing: the attempt fails and flags it again"
+            " unless its bytes (as its receipt describes them) are put there first\n"
+        )
     return 0
+
+
+def _undeliverable(row: QueueRow, config: Config) -> str | None:
+    """Why canner-deliver would never send ``row`` whatever a retry does (None: it would): it
+    claims only rows of configured projects."""
+    if row.project == UNKNOWN_PROJECT:
+        return (
+            "no project is known for it (adopted from the Go canner without one), so canner"
+            " cannot deliver it; its receipt is kept and served"
+        )
+    if row.project not in config.projects:
+        return (
+            f"its project {row.project} is not in the config: add [projects.{row.project}]"
+            " and restart canner-deliver first"
+        )
+    return None
 
 
 # -- release -----------------------------------------------------------------------------------

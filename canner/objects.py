@@ -22,7 +22,12 @@ from typing import Any
 
 from attrs import define, field
 
-from canner.delivery.index import BUSY_TIMEOUT_MS, ORIGIN_MATCHES_MAX, ids_by_origin
+from canner.delivery.index import (
+    BUSY_TIMEOUT_MS,
+    ORIGIN_MATCHES_MAX,
+    UNKNOWN_PROJECT,
+    ids_by_origin,
+)
 from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
@@ -81,7 +86,8 @@ def describe(
         present = True  # the sealed package is the local copy of record
     return {
         **receipt,
-        "project": row["project"],
+        # Nobody recorded one (an adopted Go receipt): null, as for a receipt not indexed yet.
+        "project": None if row["project"] == UNKNOWN_PROJECT else row["project"],
         "filename": row["filename"],
         "downloader": row["downloader"],
         "delivery": {

@@ -95,6 +95,19 @@ def flag(cur: sqlite3.Cursor, kind: Outbound, refs: Iterable[tuple[str, str]], n
     )
 
 
+def hold(
+    cur: sqlite3.Cursor, kind: Outbound, refs: Iterable[tuple[str, str]], until: float, now: float
+) -> None:
+    """``pending`` rows that cannot be sent as they are (``(ref, why)``): waiting for a retry
+    until ``until``, flagged for an operator with why, so an operator's ``canner retry`` is
+    what sends them (rows already past ``pending`` stay as they are)."""
+    cur.executemany(
+        "UPDATE outbound SET state = 'retry_wait', next_attempt_at = ?, needs_operator = 1,"
+        " last_error = ?, updated_at = ? WHERE kind = ? AND ref = ? AND state = 'pending'",
+        [(until, error, now, kind.value, ref) for ref, error in refs],
+    )
+
+
 def reset_delivering(cur: sqlite3.Cursor, kind: Outbound, now: float) -> int:
     """At start-up: ``delivering`` rows (attempts cut short) become ``retry_wait``, due now."""
     cur.execute(

@@ -11,10 +11,14 @@ purged, and the temp files and locks a stop or a crash leaves.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import secrets
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,3 +357,35 @@ def metadata_header(obj: GoObject) -> str:
     return ",".join(
         f"{k} {base64.b64encode(v.encode()).decode()}" for k, v in obj.metadata().items()
     )
+
+
+def kill_writer_after(root: Path, sql: str, *params: object) -> None:
+    """What a Go daemon SIGKILLed after a commit leaves: a process opens ``delivery.sqlite`` in
+    WAL mode without automatic checkpoints, commits ``sql`` and is killed (SIGKILL), so the
+    commit is only in ``delivery.sqlite-wal`` and the ``-shm`` stays behind."""
+    script = (
+        "import os, signal, sqlite3, sys, json\n"
+        "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "db.execute('PRAGMA journal_mode=WAL')\n"
+        "db.execute('PRAGMA wal_autocheckpoint=0')\n"
+        "db.execute(sys.argv[2], json.loads(sys.argv[3]))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(root / "delivery.sqlite"), sql, json.dumps(params)],
+        capture_output=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (root / "delivery.sqlite-wal").stat().st_size > 0
+    assert (root / "delivery.sqlite-shm").exists()
+
+
+def listing(root: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``root``: size, mtime (ns) and SHA-256 of its content."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            st = path.stat()
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns, digest)
+    return found

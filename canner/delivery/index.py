@@ -31,6 +31,10 @@ log = Logger()
 BUSY_TIMEOUT_MS = 10_000
 RETRY_PAUSES = (0.1, 0.5, 2.0, 5.0)
 OBJECT = Outbound.OBJECT
+# The project of an object nobody recorded one for (a Go canner receipt without its artifacts
+# row and .info, adopted): not a project id (PROJECT_ID has no parentheses), so no config
+# names it and canner-deliver never claims its row.
+UNKNOWN_PROJECT = "(unknown)"
 
 
 @frozen

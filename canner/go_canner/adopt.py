@@ -14,7 +14,10 @@ The plan (:func:`make_plan`) decides, per object, one of four steps:
 - ``in_flight``: an upload with no receipt.  Data file and a canner sidecar (no ``Storage``:
   paths derive from the id) move into ``uploads/``, keeping the offset (the file's size), the
   metadata and the idle time, so the worker resumes at the same ``/files/<id>``.
-- ``problem``: what canner cannot take (reported, its files left in place).
+- ``problem``: what canner cannot take (reported, its files left in place).  A receipt still
+  moves, byte for byte, and its object is indexed ``retry_wait`` and flagged for an operator
+  with the step's note (project ``(unknown)`` when none is known): ``canner status`` warns and
+  names it, and canner-deliver does not try it until an operator's ``canner retry``.
 
 Crash safety: ``--apply`` first writes the plan (``adopt-go/plan.json``, fsynced), then runs the
 steps in order, appending each finished one to ``adopt-go/done.jsonl`` (fsynced).  Every step is
@@ -39,14 +42,17 @@ from typing import Any, TextIO
 import blake3
 from attrs import frozen
 
-from canner import fs
+from canner import fs, outbound
 from canner.crashpoints import crash_point
 from canner.delivery.index import (
+    OBJECT,
+    UNKNOWN_PROJECT,
     AcceptedObject,
     configure_connection,
     insert_objects,
     upgrade_schema,
 )
+from canner.delivery.queue import retry_delay
 from canner.go_canner.godir import GoDataDir
 from canner.go_canner.plan import (
     DELIVER,
@@ -267,31 +273,37 @@ def _apply_batch(
             _place_payload(s, go, target)
         elif s.action == IN_FLIGHT:
             _move_upload(s, go, target)
+        elif s.action == PROBLEM and s.has_receipt and s.project:
+            # A rebuilt index still has its row (then pending: deliver flags its missing bytes).
+            target.receipts.record_origin(s.object_id, Origin(s.project, s.filename))
     fs.fsync_dir(target.uploads)
     fs.fsync_dir(target.receipts.directory)
     crash_point("adopt-go.placed")
-    # 3. Index rows (INSERT OR IGNORE: a second run adds nothing twice).  A receipt whose bytes
-    # are gone is indexed flagged, so an operator sees it (canner deliveries --needs-operator)
-    # instead of a delivery failing on a missing payload.
+    # 3. Index rows (INSERT OR IGNORE: a second run adds nothing twice).  A receipt canner
+    # cannot deliver (its bytes or its project are gone) is indexed waiting and flagged, so an
+    # operator sees it (canner status, canner deliveries --needs-operator), with the reason:
+    # pending, deliver would try it at once and a missing payload's error would replace it.
     objects = [
         AcceptedObject(
             s.object_id,
-            s.project,
+            s.project or UNKNOWN_PROJECT,
             s.filename,
             s.size_bytes,
             s.checksum,
             s.accepted_at,
             delivery=_delivery(s, now) if s.action == DELIVERED else None,
-            problem=f"adopted from the Go canner: {s.note}" if s.action == PROBLEM else None,
+            problem=problem_reason(s) if s.action == PROBLEM else None,
         )
         for s in batch
-        if (s.action in (DELIVERED, DELIVER) or (s.action == PROBLEM and s.has_receipt))
-        and s.project
-        and s.checksum
+        if ((s.action in (DELIVERED, DELIVER) and s.project) or _flagged(s)) and s.checksum
     ]
+    held = [(o.object_id, o.problem) for o in objects if o.problem is not None]
     conn.execute("BEGIN IMMEDIATE")
     try:
-        insert_objects(conn.cursor(), objects, now)
+        cur = conn.cursor()
+        insert_objects(cur, objects, now)
+        until = now + retry_delay(1, needs_operator=True)
+        outbound.hold(cur, OBJECT, held, until, now)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -303,6 +315,16 @@ def _apply_batch(
         if n == 2:
             crash_point("adopt-go.receipts")
     fs.fsync_dir(target.receipts.directory)
+
+
+def _flagged(s: Step) -> bool:
+    """A problem whose receipt canner takes over: indexed, flagged for an operator."""
+    return s.action == PROBLEM and s.has_receipt
+
+
+def problem_reason(s: Step) -> str:
+    """The flagged row's ``last_error``: what ``canner show`` and ``deliveries`` say."""
+    return f"adopted from the Go canner: {s.note}"
 
 
 def _indexed(conn: sqlite3.Connection, object_ids: list[str]) -> set[str]:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from attrs import frozen
 
@@ -176,12 +180,49 @@ class GoDataDir:
         path = self.root / INDEX
         if not path.exists():
             return {}, {}
-        conn = sqlite3.connect(path)
-        try:
-            conn.execute("PRAGMA busy_timeout=5000")
+        with read_only(path) as conn:
             return _artifacts(conn), _packages(conn)
-        finally:
-            conn.close()
+
+
+@contextmanager
+def read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection that reads the Go index with every commit in its WAL and writes nothing
+    next to it: not a byte of the database, its ``-wal`` or its ``-shm`` (a dry run changes
+    nothing; a plain connection would fold the WAL in and delete both when it closes).
+
+    - ``-wal`` and ``-shm`` there (a Go daemon running, or killed): ``mode=ro`` with the unix
+      VFS's ``readonly_shm=1``, which opens the ``-shm`` read-only.  ``mode=ro`` alone still
+      writes the ``-shm`` (its recovery and read marks).  Beside a live daemon it reads under
+      the daemon's locks; without one SQLite rebuilds the WAL index in private memory.
+    - no ``-wal`` (Go stopped cleanly: every commit is in the file): ``immutable=1``, which
+      takes no lock and creates no file.  It would ignore a WAL, but there is none: a WAL-mode
+      connection keeps its ``-wal`` while it is open, so no Go process has the index open,
+      and one starting now writes to a new WAL, not to this file, until it checkpoints.
+    - a ``-wal`` without its ``-shm``, or a rollback ``-journal`` (a copied directory): no
+      live process has the index open (each would have its ``-shm``), and SQLite can read
+      neither without writing; the files are copied to a private directory and read there.
+    """
+    side = {suffix: Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal")}
+    if side["-wal"] and side["-shm"] and not side["-journal"]:
+        yield from _connected(f"file:{quote(str(path))}?mode=ro&readonly_shm=1")
+    elif not side["-wal"] and not side["-journal"]:
+        yield from _connected(f"file:{quote(str(path))}?immutable=1")
+    else:
+        with tempfile.TemporaryDirectory(prefix="canner-go-index-") as private:
+            copy = Path(private) / path.name
+            for suffix in ("", "-wal", "-journal"):
+                if suffix == "" or side[suffix]:
+                    shutil.copyfile(f"{path}{suffix}", f"{copy}{suffix}")
+            yield from _connected(str(copy), uri=False)
+
+
+def _connected(database: str, uri: bool = True) -> Iterator[sqlite3.Connection]:
+    conn = sqlite3.connect(database, uri=uri)
+    try:
+        conn.execute("PRAGMA busy_timeout=5000")
+        yield conn
+    finally:
+        conn.close()
 
 
 def _artifacts(conn: sqlite3.Connection) -> dict[str, GoArtifact]:

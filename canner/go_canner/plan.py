@@ -147,8 +147,15 @@ def _plan_one(
         has_receipt=True,
     )
     if project is None:
+        where = (
+            f"; its bytes stay at uploads/{oid} in the Go directory"
+            if go.data_path(oid).exists()
+            else ""
+        )
         return attrs.evolve(
-            base, action=PROBLEM, note="receipt kept, but no project is known for it"
+            base,
+            action=PROBLEM,
+            note=f"receipt kept, but no project is known for it: canner cannot deliver it{where}",
         )
     pkg = packages.get(art.package_id) if art and art.package_id else None
     if pkg is not None and pkg.delivered:

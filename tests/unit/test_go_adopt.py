@@ -19,7 +19,7 @@ import pytest
 from canner.cli import Io, main
 from canner.go_canner.godir import GoDataDir
 from canner.tus.store import UploadStore
-from tests.go_canner_fixture import NOW, STATES, write_go_data_dir
+from tests.go_canner_fixture import NOW, STATES, kill_writer_after, listing, write_go_data_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -253,6 +253,112 @@ def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:
     assert (setup.data_dir / "receipts" / f"{gone.oid}.json").exists()
     row = setup.rows()[gone.oid]
     assert row["needs_operator"] == 1 and "Go canner" in row["last_error"]
+    # Waiting for an operator, not pending: canner-deliver does not try it at once (its
+    # reason would give way to "the local payload is missing") and HQ reads retry_wait.
+    assert row["state"] == "retry_wait" and row["next_attempt_at"] > NOW, row
+    assert_flagged(setup, gone.oid, "no upload or package file holds its bytes")
+    # canner retry: due now, flag cleared, and told that the bytes must be put back first.
+    code, out, err = setup("retry", gone.oid)
+    assert code == 0, err
+    assert "is due now" in out and f"uploads/{gone.oid} is missing" in out, out
+    row = setup.rows()[gone.oid]
+    assert (row["needs_operator"], row["next_attempt_at"]) == (0, NOW)
+
+
+def assert_flagged(setup: Setup, object_id: str, why: str) -> None:
+    """``canner status`` warns (exit 1) and names the object; ``canner deliveries
+    --needs-operator`` and ``canner show`` give the reason."""
+    code, out, err = setup("status")
+    assert code == 1, out + err
+    assert "warning: 1 deliveries need an operator" in err
+    assert any(object_id in line and why in line for line in out.splitlines()), out
+    code, out, err = setup("deliveries", "--needs-operator")
+    assert code == 0, err
+    [line] = out.splitlines()
+    assert json.loads(line)["object_id"] == object_id and why in json.loads(line)["last_error"]
+    code, out, err = setup("show", object_id)
+    assert code == 0, err
+    delivery = json.loads(out)["delivery"]
+    assert delivery["needs_operator"] == 1
+    assert "adopted from the Go canner" in delivery["last_error"]
+
+
+def test_a_receipt_without_a_project_is_flagged(setup: Setup) -> None:
+    """Go lost the artifacts row and the .info of an accepted object: the receipt is kept and
+    served, the row (project unknown) is flagged for an operator, never delivered, and a retry
+    says why it cannot help."""
+    lost = setup.go.of("accepted")
+    (setup.go.root / "uploads" / f"{lost.oid}.info").unlink()
+    db = sqlite3.connect(setup.go.root / "delivery.sqlite")
+    db.execute("DELETE FROM artifacts WHERE object_id = ?", (lost.oid,))
+    db.commit()
+    db.close()
+    code, out, _err = setup("adopt-go", str(setup.go.root), "--apply")
+    assert code == 1
+    assert f"problem {lost.oid}: receipt kept, but no project is known for it" in out, out
+    assert f"its bytes stay at uploads/{lost.oid} in the Go directory" in out, out
+    assert (setup.data_dir / "receipts" / f"{lost.oid}.json").exists()
+    row = setup.rows()[lost.oid]
+    assert (row["state"], row["needs_operator"], row["project"]) == ("retry_wait", 1, "(unknown)")
+    assert_flagged(setup, lost.oid, "no project is known")
+    code, out, err = setup("retry", lost.oid)
+    assert code == 1 and "no project is known" in err, out + err
+    code, out, err = setup("retry", "--needs-operator")
+    assert code == 0 and f"{lost.oid} (project unknown) is not retried" in out, out + err
+    assert setup.rows()[lost.oid]["needs_operator"] == 1
+
+
+# -- a Go directory left with a WAL: the dry run reads it and changes no byte -------------------
+
+
+def leave_go_wal(setup: Setup, how: str) -> str:
+    """The Go index as a killed Go daemon leaves it (``killed``: the last commit only in -wal,
+    -shm kept), the same without its -shm (``wal_without_shm``), or closed cleanly (``clean``:
+    no -wal).  The commit in the WAL moves the object ``accepted`` to project ``from-the-wal``;
+    returns the project the plan must show for it."""
+    if how == "clean":
+        assert not (setup.go.root / "delivery.sqlite-wal").exists()
+        return "example"
+    kill_writer_after(
+        setup.go.root,
+        "UPDATE artifacts SET project = 'from-the-wal' WHERE object_id = ?",
+        oid(setup, "accepted"),
+    )
+    if how == "wal_without_shm":
+        (setup.go.root / "delivery.sqlite-shm").unlink()
+    return "from-the-wal"
+
+
+@pytest.mark.parametrize("how", ["killed", "wal_without_shm", "clean"])
+def test_dry_run_reads_the_go_wal_and_changes_no_byte(setup: Setup, how: str) -> None:
+    project = leave_go_wal(setup, how)
+    before = listing(setup.go.root)
+    code, out, err = setup("adopt-go", str(setup.go.root))
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith(oid(setup, "accepted")))
+    assert line.split()[1:3] == ["deliver", project], line
+    assert listing(setup.go.root) == before
+    assert not (setup.data_dir / "adopt-go").exists()
+
+
+def test_apply_after_a_killed_go_daemon_takes_the_wal_commits(setup: Setup) -> None:
+    """--apply on the killed daemon's directory: the plan has the WAL's commit, and the retired
+    Go index holds it with no -wal or -shm left beside it."""
+    leave_go_wal(setup, "killed")
+    code, out, err = setup("adopt-go", str(setup.go.root), "--apply")
+    assert code == 0, out + err
+    assert setup.rows()[oid(setup, "accepted")]["project"] == "from-the-wal"
+    go = setup.go.root
+    left = sorted(p.name for p in go.iterdir() if p.name.endswith(("-wal", "-shm")))
+    assert left == [], left
+    retired = sqlite3.connect(f"file:{go / 'delivery.sqlite.adopted-by-canner'}?mode=ro", uri=True)
+    try:
+        [(project,)] = retired.execute(
+            "SELECT project FROM artifacts WHERE object_id = ?", (oid(setup, "accepted"),)
+        ).fetchall()
+    finally:
+        retired.close()
+    assert project == "from-the-wal"
 
 
 def test_go_reader_derives_paths_from_ids(setup: Setup) -> None:
