@@ -31,10 +31,7 @@ from e2e_support import Receiver, free_port
 from go_style_client import GoStyleClient
 
 from tests.go_canner_fixture import STATES, GoDir, listing, write_go_data_dir
-
-# The Go canner built for side-by-side runs (its README): the real peer, for what only it can
-# leave behind (a WAL of its own, killed mid-run).
-GO_PEER = Path(os.environ.get("CANNER_GO_PEER", "/work/shared/peers/go-canner"))
+from tests.go_peer import GO_PEER
 
 
 def adopt_go(config: Path, go_dir: Path, *more: str) -> subprocess.CompletedProcess[str]:
