@@ -227,11 +227,12 @@ class UploadIntake:
         return self._run(discard).addCallbacks(cut_short, _failure_status)
 
     def stop(self) -> Deferred[None]:
-        """The receiver stops: drop the connection of every request writing an upload, so each
-        records its offset durably while the thread pools still run (a PATCH cut by shutdown
-        ends like one whose connection was lost).  Fires once all have let go of their lock,
-        at most :data:`TAKEOVER_WAIT` later."""
-        writers = list(self._writers.values())
+        """The receiver stops: drop the connection of every request writing an upload it does
+        not complete, so each records its offset durably while the thread pools still run (a
+        PATCH cut by shutdown ends like one whose connection was lost; one completing its
+        upload goes on to acceptance, which fsyncs).  Fires once those have let go of their
+        lock, at most :data:`TAKEOVER_WAIT` later."""
+        writers = [w for w in self._writers.values() if not w.completes]
         for writer in writers:
             writer.end()
         if not writers:
