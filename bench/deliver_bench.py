@@ -92,7 +92,7 @@ def write_object(
     info = UploadInfo(
         oid, size, {"project": PROJECT, "checksum": checksum, "filename": filename}, now
     )
-    fs.replace_file(uploads.directory, f"{oid}.info", info.to_json(size), sync=False)
+    fs.replace_file(uploads.directory, f"{oid}.info", info.to_json(), sync=False)
     origin = Origin(PROJECT, filename)
     receipt = Receipt(oid, ISSUER, parse_checksum(checksum), size, now)
     if hasattr(receipts, "record_origin"):  # the origin record is written before the receipt

@@ -135,13 +135,14 @@ def quiet_repeated_stop_signals(reactor: Any) -> None:
 
 @define(eq=False)
 class ShutdownHook(Service):
-    """Calls ``on_stop`` when the process begins to stop (add it last: it stops first)."""
+    """Calls ``on_stop`` when the process begins to stop (add it last: it stops first); the
+    thread pools stop only once the Deferred it may return has fired."""
 
-    _on_stop: Callable[[], None]
+    _on_stop: Callable[[], Deferred[None] | None]
 
-    def stopService(self) -> None:
+    def stopService(self) -> Deferred[None] | None:
         super().stopService()
-        self._on_stop()
+        return self._on_stop()
 
 
 class Listening(MultiService):

@@ -75,6 +75,7 @@ from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
+from canner.tus.recovery import cut_to_durable_offsets
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import StaleSweep
@@ -128,7 +129,9 @@ def receiver_parts(
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners.  The promises to uploads in flight are rebuilt from
-    ``uploads/`` here (blocking, before anything listens)."""
+    ``uploads/`` here (blocking, before anything listens), once every upload in flight is cut
+    back to its durable offset."""
+    cut_to_durable_offsets(uploads, receipts, config.object_ids)
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
     origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
@@ -253,6 +256,7 @@ def receiver_service(
             uploads=uploads, receipts=receipts, io=io, hashing=hashing, reactor=reactor,
             observer=metrics,
         ).setServiceParent(top)  # fmt: skip
+    ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
     SystemdNotifier(reactor).setServiceParent(top)

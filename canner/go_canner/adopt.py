@@ -355,7 +355,7 @@ def _sidecar(s: Step, created_at: int) -> bytes:
         meta["checksum"] = s.checksum
     if s.filename:
         meta["filename"] = s.filename
-    return UploadInfo(s.object_id, s.size_bytes, meta, created_at).to_json(0)
+    return UploadInfo(s.object_id, s.size_bytes, meta, created_at).to_json()
 
 
 def _place_payload(s: Step, go: GoDataDir, target: Target) -> None:

@@ -174,7 +174,7 @@ class AdoptionArea:
     def stage(self, info: UploadInfo, uploads: UploadStore) -> None:
         """Step 4: the sidecar, then the bytes into ``uploads/``: a complete upload, which the
         acceptance makes durable (it fsyncs data, sidecar and ``uploads/``)."""
-        fs.replace_file(uploads.directory, f"{info.upload_id}.info", info.to_json(info.size),
+        fs.replace_file(uploads.directory, f"{info.upload_id}.info", info.to_json(),
                         sync=False)  # fmt: skip
         crash_point("rsync.staged")
         os.rename(self.data_path(info.upload_id), uploads.data_path(info.upload_id))

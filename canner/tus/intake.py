@@ -226,6 +226,21 @@ class UploadIntake:
 
         return self._run(discard).addCallbacks(cut_short, _failure_status)
 
+    def stop(self) -> Deferred[None]:
+        """The receiver stops: drop the connection of every request writing an upload it does
+        not complete, so each records its offset durably while the thread pools still run (a
+        PATCH cut by shutdown ends like one whose connection was lost; one completing its
+        upload goes on to acceptance, which fsyncs).  Fires once those have let go of their
+        lock, at most :data:`TAKEOVER_WAIT` later."""
+        writers = [w for w in self._writers.values() if not w.completes]
+        for writer in writers:
+            writer.end()
+        if not writers:
+            return succeed(None)
+        released = defer.DeferredList([w.released() for w in writers])
+        released.addTimeout(TAKEOVER_WAIT, self._clock)
+        return released.addBoth(lambda _: None)
+
     def _hold(self, upload_id: str, stream: BodyStream) -> None:
         """Remember which request writes ``upload_id`` until it lets go of the lock."""
         self._writers[upload_id] = stream
@@ -287,6 +302,7 @@ class UploadIntake:
             size=creation.length,
             metadata=dict(creation.metadata),
             created_at=int(self._clock.seconds()),
+            durable=0,
         )
         # Everything the answer needs is checked before anything exists on disk.
         location = self._location(headers, info.upload_id)
@@ -510,7 +526,9 @@ class UploadIntake:
                 object_id=info.upload_id,
                 offset=offset,
             )
-        return self._run(upload.close).addCallbacks(
+        # The offset answered (or found by the next HEAD) is durable before the lock goes: a
+        # power cut after the 204 keeps it (see canner.tus.store, durable offset).
+        return self._run(self._uploads.let_go, upload).addCallbacks(
             lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
             _failure_status,
         )

@@ -6,6 +6,19 @@ reset (see below).  The offset of an upload is the size of its data file: nothin
 authoritative, so a restart reads only the disk.  Paths are derived from the (validated) id, never
 read from the sidecar.
 
+Durable offset: a power cut can bring a data file back at the length the kernel had reached with
+the bytes it had not written back as zeros (ext4 commits the size before the data).  So ``Offset``
+holds the offset whose bytes are durable, marked by ``OffsetIsDurable: true`` (sidecars written
+before it existed carry ``Offset: 0`` whatever is stored: without the mark the offset is unknown,
+:attr:`UploadInfo.durable` is None, and such an upload is never cut).
+:meth:`UploadStore.checkpoint` fsyncs the data, then records the offset (the sidecar fsynced,
+then ``uploads/``): at the end of every PATCH that does not complete its upload, before its 204
+(or 503), and every :data:`CHECKPOINT_BYTES` of a long body.  A body that completes its upload
+is not checkpointed: acceptance fsyncs it and records its origin right after, which is what
+marks its whole length as durable.  While the receiver runs, the data file's size is the offset
+(the page cache holds the bytes); at start, :func:`canner.tus.recovery.cut_to_durable_offsets`
+cuts every upload in flight back to its durable offset before anything reads it.
+
 One writer per upload: :meth:`UploadStore.open_locked` takes a flock on the data file that holds
 across processes, and never creates the file (only :meth:`UploadStore.create` does).
 
@@ -37,6 +50,10 @@ from canner.receipts import Origin
 
 # Bytes a streaming upload writes before they are handed to the kernel's writeback.
 WRITE_BEHIND_WINDOW = 32 << 20
+# A long body's offset is made durable (fsync, then the sidecar) every this many bytes: what a
+# power cut in its middle can cost the worker to send again.  Four write-behind windows: by then
+# all but the last window or two are written back already, so the fsync waits for little.
+CHECKPOINT_BYTES = 4 * WRITE_BEHIND_WINDOW
 # Uploads at least this big are hashed as they are written (LockedUpload.digest): reading a
 # big file again at acceptance is what the worker would wait for, hundreds of milliseconds per
 # GiB from the page cache and disk speed once it no longer fits.  Smaller ones are hashed at
@@ -96,6 +113,9 @@ class UploadInfo:
     rejected: str | None = None
     # Set (durably) after a storage error, until the data file has been reset to empty.
     untrusted: str | None = None
+    # The offset whose bytes are durable (fsynced); None in a sidecar written before canner
+    # recorded it (then the data file's size counts, as it did).
+    durable: int | None = None
 
     @property
     def project(self) -> str:
@@ -138,12 +158,12 @@ class UploadInfo:
     def origin(self) -> Origin:
         return Origin(self.project, self.filename, self.downloader)
 
-    def to_json(self, offset: int) -> bytes:
+    def to_json(self) -> bytes:
         doc: dict[str, Any] = {
             "ID": self.upload_id,
             "Size": self.size,
             "SizeIsDeferred": False,
-            "Offset": offset,
+            "Offset": 0 if self.durable is None else self.durable,
             "MetaData": dict(self.metadata),
             "IsPartial": False,
             "IsFinal": False,
@@ -154,6 +174,8 @@ class UploadInfo:
             doc["Rejected"] = self.rejected
         if self.untrusted is not None:
             doc["Untrusted"] = self.untrusted
+        if self.durable is not None:
+            doc["OffsetIsDurable"] = True
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
@@ -179,7 +201,12 @@ def parse_info(upload_id: str, data: bytes) -> UploadInfo:
         rejected, untrusted = raw.get("Rejected"), raw.get("Untrusted")
         if not all(v is None or isinstance(v, str) for v in (rejected, untrusted)):
             raise ValueError("Rejected and Untrusted are strings")
-        return UploadInfo(upload_id, size, metadata, created, rejected, untrusted)
+        durable = None
+        if raw.get("OffsetIsDurable") is True:
+            durable = raw.get("Offset")
+            if type(durable) is not int or not 0 <= durable <= size:
+                raise ValueError("a durable Offset is an integer from 0 to Size")
+        return UploadInfo(upload_id, size, metadata, created, rejected, untrusted, durable)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptInfo(f"info sidecar of {upload_id} is unreadable: {e}") from None
 
@@ -287,7 +314,8 @@ class UploadStore:
         return self.directory / f"{upload_id}.info"
 
     def create(self, info: UploadInfo) -> None:
-        """Create an empty upload.  Not fsynced: acceptance syncs everything it relies on.
+        """Create an empty upload (a tus upload's ``info`` records its durable offset as 0).
+        Not fsynced: acceptance syncs everything it relies on, a checkpoint what it records.
 
         All or nothing: on an ``OSError`` whatever was created is removed again (as far as the
         storage lets it) before the error propagates.  A power cut soon after may leave the data
@@ -302,7 +330,7 @@ class UploadStore:
         )
         try:
             os.close(fd)
-            fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=False)
+            fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(), sync=False)
         except OSError:
             with contextlib.suppress(OSError):
                 self.remove(info.upload_id)
@@ -398,11 +426,71 @@ class UploadStore:
         the upload (:meth:`distrust`) and raises :class:`StorageFault`.
         """
         try:
-            return upload.write(chunks)
+            offset = upload.write(chunks)
         except OutOfSpace:
             raise
         except OSError as e:
             raise self.distrust(upload, "writing failed", e) from None
+        info = upload.info
+        if (
+            not info.whole_file
+            and offset < info.size
+            and offset - (info.durable or 0) >= CHECKPOINT_BYTES
+        ):
+            self.checkpoint(upload)
+        return offset
+
+    def checkpoint(self, upload: LockedUpload) -> None:
+        """Make the upload's offset durable: fsync the data, then record the offset in the
+        sidecar (fsynced, then ``uploads/``).  Nothing is done when the offset recorded is
+        already this one.
+
+        :class:`OutOfSpace` when the sidecar cannot be written for lack of space: the bytes
+        stay (the durable offset recorded before still holds); any other storage error resets
+        the upload (:meth:`distrust`) and raises :class:`StorageFault`.
+        """
+        info = upload.info
+        if info.durable == upload.offset:
+            return
+        try:
+            os.fsync(upload.fd)
+        except OSError as e:
+            raise self.distrust(upload, "fsync failed", e) from None
+        durable = evolve(info, durable=upload.offset)
+        try:
+            self._write_info(durable)
+        except OSError as e:
+            if e.errno in NO_SPACE_ERRNOS:
+                raise OutOfSpace(f"no space left to record the offset of {info.upload_id}") from e
+            raise self.distrust(upload, "recording the offset failed", e) from None
+        upload.info = durable
+
+    def let_go(self, upload: LockedUpload) -> None:
+        """End a PATCH that leaves its upload incomplete: :meth:`checkpoint`, then release the
+        lock (also when the checkpoint fails)."""
+        try:
+            self.checkpoint(upload)
+        finally:
+            upload.close()
+
+    def cut_back(self, upload_id: str, keep: int) -> int | None:
+        """Truncate the data file to ``keep`` bytes, durably, if it is longer (under its lock);
+        the length it had, or None when nothing was cut (or the file is gone).  Start-up only:
+        :class:`fs.Locked` while a writer holds it."""
+        try:
+            fd = os.open(self.data_path(upload_id), os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fs.lock_fd(fd)
+            length = os.fstat(fd).st_size
+            if length <= keep:
+                return None
+            os.ftruncate(fd, keep)
+            os.fsync(fd)
+            return length
+        finally:
+            os.close(fd)
 
     def sync_upload(self, upload: LockedUpload) -> None:
         """fsync the data file, the info sidecar and ``uploads/`` (step 2 of acceptance).
@@ -446,12 +534,12 @@ class UploadStore:
         """Truncate an untrusted upload to zero bytes, durably, then clear its mark."""
         upload.truncate(0)
         os.fsync(upload.fd)
-        upload.info = evolve(upload.info, untrusted=None)
+        upload.info = evolve(upload.info, untrusted=None, durable=0)
         self._write_info(upload.info)
         self._distrusted.discard(upload.info.upload_id)
 
     def _write_info(self, info: UploadInfo) -> None:
-        fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(0), sync=True)
+        fs.replace_file(self.directory, f"{info.upload_id}.info", info.to_json(), sync=True)
         fs.fsync_dir(self.directory)
 
     def reject(self, upload: LockedUpload, reason: str) -> UploadInfo:

@@ -284,9 +284,7 @@ def test_recovery_finishes_a_claim_from_each_state(tmp_path: Path) -> None:
             info = claim.upload_info(len(data), b3(data), int(START))
             if step == "staged":
                 # The sidecar is written, the bytes not moved yet.
-                (node.data / "uploads" / f"{claim.object_id}.info").write_bytes(
-                    info.to_json(len(data))
-                )
+                (node.data / "uploads" / f"{claim.object_id}.info").write_bytes(info.to_json())
             else:
                 area.stage(info, node.uploads)
                 expected = ClaimState.STORED
