@@ -39,6 +39,7 @@ from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner, PoolStopped
 from canner.checksum import Checksum, HashCancelled, TrailingHash, stored_digests
+from canner.crashpoints import crash_point
 from canner.fs import fsync_dir
 from canner.observe import UNOBSERVED, UploadObserver
 from canner.origins import AcceptedOrigins, OriginKey
@@ -190,6 +191,7 @@ class Acceptance:
             project=origin.project,
             hash_s=hash_seconds,
         )
+        crash_point("accepted")  # committed: no index row, no answer, nothing remembered yet
         self.observer.upload_accepted(
             origin.project, receipt.size_bytes, hash_seconds, self._clock.seconds() - started
         )

@@ -20,17 +20,32 @@ receiver inserts rows through ``IndexFeed`` after the commit point, batched and 
 
 Files with the same key handled at the same time in this process are serialised: the second
 waits for the first's commit, then finds it.  One receiver serves a data directory, so no other
-process commits keys meanwhile.  What is not covered: a receiver killed after a commit point
-and before that object's index row was written forgets it until canner-deliver's rescan (at
-its start and hourly) inserts the row; a copy sent again in that window becomes a second
-object with the same bytes (delivered twice, never lost).  A failing index lookup is logged
-and counts as no match, for the same reason: a duplicate is safe, a refused upload is not.
+process commits keys meanwhile.
+
+Across a restart: before the receiver answers its first request, :func:`index_at_start` runs
+canner-deliver's receipt rescan once, inline, so every receipt the index lacks gets its row: a
+receiver killed between a commit point and that object's row (or whose insert failed) finds
+the object in the index after its start, and the lookup stays one path.  The pass walks the
+names in ``receipts/`` and asks the index which of each batch of 500 it lacks; only those are
+read, with the facts journal (measured, warm cache: 0.03 s for 10,000 receipts, 0.3-0.4 s for
+100,000; a row missing adds the journal's read, about 1.3 s per 100,000 lines).  It skips
+receipts without an origin record: an object loses it only at its purge, which needs its row,
+so every commit the receiver may have left unindexed has one; purged and archived objects are
+left to canner-deliver's rescan, which runs under the ledger's guard.
+
+What is not covered: a receiver whose index is unusable (then only this process's own commits
+are found), and a start-up pass that fails (logged; copies of objects it would have indexed
+become second objects until canner-deliver's rescan, at its start and hourly, inserts the
+rows: delivered twice, never lost).  A failing index lookup is logged and counts as no match,
+for the same reason: a duplicate is safe, a refused upload is not.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
@@ -39,12 +54,17 @@ from twisted.logger import Logger
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum
 from canner.delivery.index import Index, ids_by_origin
+from canner.delivery.rescan import rescan_now
+from canner.ids import ObjectIds
+from canner.journal import Journal
 from canner.receipts import Receipt, ReceiptStore
+from canner.tus.store import UploadStore
 
 log = Logger()
 
 # Keys of this process's own commits kept in memory; the index has their rows within a
-# second or two, so this only has to outlast its lag (at thousands of acceptances a second).
+# second or two (or, after a kill, from the next start's index_at_start), so this only has to
+# outlast its lag (at thousands of acceptances a second).
 RECENT_MAX = 20_000
 
 
@@ -156,3 +176,52 @@ class AcceptedOrigins:
             if receipt is not None and key.matches(receipt):
                 return receipt
         return None
+
+
+def index_at_start(
+    path: Path,
+    *,
+    receipts: ReceiptStore,
+    uploads: UploadStore,
+    journal: Journal,
+    archived: Callable[[str], bool],
+    object_ids: ObjectIds,
+    now: Callable[[], float],
+) -> int | None:
+    """Insert into the index at ``path`` a row for every receipt it lacks that has its origin
+    record and no verified ledger owns (``archived``): run before the receiver serves, so
+    :class:`AcceptedOrigins` finds every object committed before this start (see the module
+    docstring).  Blocking.  Returns the rows added; None when the pass failed (logged, never
+    fatal: the receiver still accepts uploads)."""
+
+    def not_ours(object_id: str) -> bool:
+        # What a kill or a failed insert may have left unindexed has its origin record (written
+        # before the commit point, removed only by a purge, which needs the row).  Purged and
+        # archived objects are left to canner-deliver's rescan, under the ledger's guard.
+        return not receipts.origin_path(object_id).exists() or archived(object_id)
+
+    started = time.monotonic()
+    try:
+        done = rescan_now(
+            path,
+            receipts=receipts,
+            uploads=uploads,
+            journal=journal,
+            skip=not_ours,
+            object_ids=object_ids,
+            now=now,
+        )
+    except Exception as e:
+        log.error(
+            "indexing the receipts the delivery index lacks failed at start ({error}): a copy"
+            " of an object accepted before this start may become a second object until"
+            " canner-deliver's rescan adds its row",
+            error=str(e),
+        )
+        return None
+    log.info(
+        "delivery index checked against receipts/ at start: {added} rows added in {seconds} s",
+        added=done.added,
+        seconds=round(time.monotonic() - started, 3),
+    )
+    return done.added

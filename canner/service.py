@@ -51,7 +51,7 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.manhole import daemon_manhole
 from canner.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.objects import ObjectReader
-from canner.origins import AcceptedOrigins
+from canner.origins import AcceptedOrigins, index_at_start
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
 from canner.problems import RecentProblems, watching_start_up
@@ -203,6 +203,17 @@ def receiver_service(
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
+    if index is not None:
+        # Before anything listens: a kill after a commit point may have left its row unwritten.
+        index_at_start(
+            config.data_dir / "delivery.sqlite",
+            receipts=receipts,
+            uploads=uploads,
+            journal=Journal(config.data_dir / "journal"),
+            archived=ArchivedIds(LedgerDir(config.data_dir / "ledger")).contains,
+            object_ids=config.object_ids,
+            now=reactor.seconds,
+        )
     # The index closes once every service and thread pool has stopped.
     top = DaemonRoot(pool.close if pool is not None else lambda: None)
     top.outlive(io)

@@ -293,8 +293,9 @@ class IndexFeed:
     """Best-effort, batched inserts of newly accepted objects (acceptance step 5).
 
     Acceptances that finish while an insert runs are written together in the next transaction, so
-    one WAL fsync serves many.  A failure is logged and never reaches the worker: the deliver
-    process rescans ``receipts/`` and inserts whatever is missing.
+    one WAL fsync serves many.  A failure is logged and never reaches the worker: the receiver's
+    next start (:func:`canner.origins.index_at_start`) and the deliver process's rescans insert
+    whatever is missing.
     """
 
     _index: DeliveryIndex
@@ -316,8 +317,8 @@ class IndexFeed:
 
         def failed(failure: Any) -> None:
             log.error(
-                "delivery index insert of {count} objects failed (the deliver rescan will add"
-                " them): {error}",
+                "delivery index insert of {count} objects failed (the receiver's next start or"
+                " the deliver rescan will add them): {error}",
                 count=len(batch),
                 error=str(failure.value),
             )

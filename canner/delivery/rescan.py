@@ -19,6 +19,7 @@ thread); :class:`ReceiptRescan` sends them through a :class:`~canner.blocking.Bl
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,8 +27,15 @@ from attrs import define, evolve, field, frozen
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from canner.blocking import BlockingRunner
-from canner.delivery.index import AcceptedObject, Index, insert_objects, known_among
+from canner.blocking import BlockingRunner, result_now, run_inline
+from canner.delivery.index import (
+    AcceptedObject,
+    ConnectionIndex,
+    Index,
+    configure_connection,
+    insert_objects,
+    known_among,
+)
 from canner.ids import ObjectIds
 from canner.journal import Damage, Journal, JournalLookup
 from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
@@ -155,6 +163,36 @@ class Rescanned:
 
 def _always() -> bool:
     return True
+
+
+def rescan_now(
+    path: Path,
+    *,
+    receipts: ReceiptStore,
+    uploads: UploadStore,
+    journal: Journal,
+    skip: Callable[[str], bool],
+    object_ids: ObjectIds,
+    now: Callable[[], float],
+) -> Rescanned:
+    """One :class:`ReceiptRescan` pass run at once on its own connection to the index at
+    ``path``, for a caller without a reactor (blocking); ``skip`` as its ``archived``."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        configure_connection(conn)
+        rescan = ReceiptRescan(
+            index=ConnectionIndex(conn),
+            receipts=receipts,
+            uploads=uploads,
+            journal=journal,
+            archived=skip,
+            object_ids=object_ids,
+            run=run_inline,
+            now=now,
+        )
+        return result_now(rescan.run())
+    finally:
+        conn.close()
 
 
 @define(eq=False, kw_only=True)

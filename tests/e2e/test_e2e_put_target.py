@@ -8,6 +8,8 @@
 * refusals at the free space floor and while draining -> curl fails, and the relay saw no more
   than the request head pass (the body was never sent);
 * a PUT cut mid-body -> no object, nothing left in ``uploads/``;
+* a receiver SIGKILLed at the commit point, restarted without canner-deliver, then seesaw's
+  retry -> the first object's receipt (200), one object;
 * a 2 GiB PUT (a sparse file) with the receiver's peak memory flat.
 
 The relay only copies bytes between curl and the receiver (and counts them, or cuts the
@@ -319,6 +321,41 @@ def test_a_lost_answer_then_the_retry_makes_one_object(make_node: Callable[..., 
     wait_for(lambda: node.delivered(oid).exists(), 60, "the delivery", 0.2)
     assert node.delivered(oid).read_bytes() == data
     assert [p.name for p in node.archive.iterdir()] == [f"{PROJECT}-{oid}"]
+    assert list(deliveries(node.receiver.config_path)) == [oid]
+
+
+def test_a_receiver_killed_at_the_commit_point_then_the_retry_makes_one_object(
+    make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL right after the commit point (``accepted``: the receipt is durable, its index row
+    not written, no answer sent), then a restart with canner-deliver not running, so no rescan
+    helps: seesaw's retry gets 200 with the first receipt, and one object exists."""
+    monkeypatch.setenv("CANNER_CRASH_AT", "accepted")
+    node = make_node(deliver=False)
+    monkeypatch.delenv("CANNER_CRASH_AT")
+    path, data = node.item(2 * MiB)
+    killed = seesaw_curl(path, node.target())
+    assert killed.returncode != 0, "the receiver answered instead of dying at the commit point"
+    proc = node.receiver.proc
+    assert proc is not None
+    wait_for(lambda: proc.poll() is not None, 20, "the receiver to die at accepted")
+    assert proc.returncode == -signal.SIGKILL
+    [oid] = node.receipts()
+    assert deliveries(node.receiver.config_path) == {}, "the index row was written before the kill"
+
+    node.receiver.start()
+    dumped = node.files.parent / "headers.txt"
+    retry = seesaw_curl(path, node.target(), "--dump-header", str(dumped))
+    assert retry.returncode == 0, retry.stderr
+    status, headers = _headers(dumped)
+    receipt = _receipt(headers["artifact-receipt"])
+    assert (status, receipt["object_id"]) == (200, oid), node.receiver.log_tail()
+    assert receipt["checksum"] == blake3_hex(data) and receipt["size_bytes"] == len(data)
+    assert node.receipts() == [oid]
+    assert {e for e in node.uploads_left() if not e.endswith(".info")} == {oid}
+    # The receiver's start put the missing row in the index: HQ finds the object by origin.
+    row = deliveries(node.receiver.config_path)[oid]
+    assert (row["project"], row["filename"], row["downloader"]) == (PROJECT, ITEM, DOWNLOADER)
     assert list(deliveries(node.receiver.config_path)) == [oid]
 
 

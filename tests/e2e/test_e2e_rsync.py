@@ -5,7 +5,8 @@
   a receipt with the origin -> delivered by canner-deliver into a directory sink; the same file
   sent again by the same worker is the same object, by another worker a new one.
 * A receiver SIGKILLed at each adoption step (``CANNER_CRASH_AT``) and restarted: nothing is
-  lost, never two objects, and a copy sent again after the crash is still the same object.
+  lost, never two objects, and a copy sent again after the crash is still the same object;
+  also when the kill lost the index row of a receipt (the receiver's start restores it).
 * A file rsync is still writing (its temporary ``.<name>.XXXXXX``) is never adopted.
 * ``--inplace``, ``--append`` and ``--partial`` are refused by the shipped module config.
 """
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -260,6 +262,38 @@ def test_a_receiver_killed_at_each_adoption_step_loses_nothing_and_makes_one_obj
     assert again.returncode == 0, again.stderr.decode()
     wait_for(lambda: adopted_all(rcv), 10, "the copy to be adopted", describe=rcv.log_tail)
     assert [s.object_id for s in objects(rcv.data_dir)] == [oid]
+
+
+def test_a_receipt_whose_index_row_a_kill_lost_is_still_the_object_after_a_restart(
+    tmp_path: Path, cleanup: Callable[[Callable[[], Any]], None]
+) -> None:
+    """A SIGKILL after the claim went but before the index row was written leaves a receipt the
+    index lacks; after a restart (canner-deliver not running, so no rescan helps) the same file
+    sent again by the same worker is still that object, and the index has its row."""
+    rcv = rsync_receiver(tmp_path / "node", cleanup)
+    rcv.start()
+    daemon = rsync_daemon(rcv, cleanup)
+    src = tmp_path / "item"
+    sent = make_files(src, {"item.warc.gz": 200_000})
+    assert seesaw_rsync(src, sent, daemon.target("example", "alice")).returncode == 0
+    [stored] = wait_for(lambda: objects(rcv.data_dir), 20, "the receipt", describe=rcv.log_tail)
+    oid = stored.object_id
+    wait_for(lambda: adopted_all(rcv) and oid in deliveries(rcv.config_path), 20, "the row")
+    assert rcv.kill() == -signal.SIGKILL
+    # The disk as that kill leaves it: the receipt and its origin record, no claim, no row.
+    with sqlite3.connect(rcv.data_dir / "delivery.sqlite", isolation_level=None) as db:
+        db.execute("DELETE FROM outbound WHERE kind = 'object' AND ref = ?", (oid,))
+        db.execute("DELETE FROM objects WHERE object_id = ?", (oid,))
+    db.close()
+    assert deliveries(rcv.config_path) == {}
+
+    rcv.start()
+    again = seesaw_rsync(src, sent, daemon.target("example", "alice"))
+    assert again.returncode == 0, again.stderr.decode()
+    wait_for(lambda: adopted_all(rcv), 10, "the copy to be adopted", describe=rcv.log_tail)
+    assert [s.object_id for s in objects(rcv.data_dir)] == [oid], rcv.log_tail()
+    assert files_under(rcv.data_dir / "uploads") == sorted([oid, f"{oid}.info"])
+    assert deliveries(rcv.config_path)[oid]["downloader"] == "alice"
 
 
 def test_a_file_rsync_is_still_writing_is_not_adopted(

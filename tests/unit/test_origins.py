@@ -1,5 +1,6 @@
-"""Objects by origin: the downloader in receipts' side files and the index, and the idempotency
-lookup (``canner.origins``) over real receipt files and a real SQLite index."""
+"""Objects by origin: the downloader in receipts' side files and the index, the idempotency
+lookup (``canner.origins``) over real receipt files and a real SQLite index, and what the
+receiver's start gives the index (``index_at_start``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import pytest
 from twisted.internet.defer import Deferred, succeed
+from twisted.logger import LogLevel, capturedLogs, formatEvent
 
 from canner.blocking import run_inline
 from canner.checksum import parse_checksum
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.rescan import read_accepted
+from canner.ids import ObjectIds
 from canner.journal import Journal, JournalLookup
-from canner.origins import AcceptedOrigins, OriginKey
+from canner.origins import AcceptedOrigins, OriginKey, index_at_start
 from canner.receipts import (
     Origin,
     Receipt,
@@ -25,6 +28,7 @@ from canner.receipts import (
     origin_of,
     parse_origin,
 )
+from canner.releases import release_record
 from canner.tus.store import UploadStore
 from tests.fakes import SyncIndex, succeeded
 
@@ -248,3 +252,122 @@ def test_without_an_index_only_this_process_commits_are_found(tmp_path: Path) ->
     assert succeeded(node.origins.find(key())) is None
     created = succeeded(node.origins.once(key(size=5), lambda: node.commit(2, size=5)))
     assert succeeded(node.origins.find(key(size=5))) == created[0]
+
+
+# -- what the receiver's start gives the index ---------------------------------------------
+
+
+class Restarted:
+    """A data directory as a killed receiver leaves it, and the start that follows: the index
+    at start (:func:`index_at_start`), then a fresh origin memory over it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.receipts = ReceiptStore(root / "receipts")
+        self.receipts.directory.mkdir()
+        (root / "uploads").mkdir()
+        self.path = root / "delivery.sqlite"
+        self.index = SyncIndex(self.path)
+        self.journal = Journal(root / "journal")
+        self.archived: set[str] = set()
+
+    def commit(self, n: int, origin: Origin, indexed: bool = False) -> Receipt:
+        """A commit as acceptance makes it: origin record, then receipt (the commit point);
+        its index row only when ``indexed`` (a kill came before it otherwise)."""
+        receipt = Receipt(oid(n), ISSUER, CHECKSUM, 10, n)
+        self.receipts.record_origin(oid(n), origin)
+        self.receipts.commit(receipt)
+        if indexed:
+            succeeded(self.index.run(sql.insert_objects, [AcceptedObject.of(receipt, origin)], 1))
+        return receipt
+
+    def start(self) -> int | None:
+        return index_at_start(
+            self.path,
+            receipts=self.receipts,
+            uploads=UploadStore(self.root / "uploads"),
+            journal=self.journal,
+            archived=self.archived.__contains__,
+            object_ids=ObjectIds(),
+            now=lambda: 100.0,
+        )
+
+    def origins(self) -> AcceptedOrigins:
+        return AcceptedOrigins(receipts=self.receipts, run=run_inline, index=self.index)
+
+    def rows(self) -> list[str]:
+        return [row[0] for row in self.index.query("SELECT object_id FROM objects ORDER BY 1")]
+
+
+@pytest.fixture
+def restarted(tmp_path: Path) -> Iterator[Restarted]:
+    found = Restarted(tmp_path)
+    yield found
+    found.index.close()
+
+
+def test_a_commit_a_kill_left_unindexed_is_found_after_the_start(restarted: Restarted) -> None:
+    """The kill came between the commit point and the index row: the start inserts the row,
+    and the copy sent again answers the first receipt instead of committing."""
+    first = restarted.commit(1, Origin("urls", "item.warc.zst", "alice"))
+    assert succeeded(restarted.origins().find(key())) is None  # what today's start knew
+    assert restarted.start() == 1
+    row = succeeded(restarted.index.run(sql.get_row, oid(1)))
+    assert (row.project, row.filename, row.downloader, row.state) == (
+        "urls", "item.warc.zst", "alice", "pending"
+    )  # fmt: skip
+    commits: list[int] = []
+
+    def commit_again() -> Deferred[Receipt]:
+        commits.append(2)
+        return succeed(restarted.commit(2, Origin("urls", "item.warc.zst", "alice")))
+
+    assert succeeded(restarted.origins().once(key(), commit_again)) == (first, False)
+    assert commits == []
+
+
+def test_the_start_adds_only_what_the_index_lacks(restarted: Restarted) -> None:
+    """Indexed rows stay as they are; a second start adds nothing."""
+    restarted.commit(1, Origin("urls", "a.warc.zst", "alice"), indexed=True)
+    restarted.commit(2, Origin("urls", "b.warc.zst", "alice"))
+    before = succeeded(restarted.index.run(sql.get_row, oid(1)))
+    assert before.updated_at == 1
+    assert restarted.start() == 1
+    assert restarted.rows() == [oid(1), oid(2)]
+    assert succeeded(restarted.index.run(sql.get_row, oid(1))) == before
+    assert restarted.start() == 0
+
+
+def test_the_start_leaves_purged_and_archived_receipts_to_the_deliver_rescan(
+    restarted: Restarted,
+) -> None:
+    """A receipt without its origin record (its payload was purged) or owned by a verified
+    ledger gets no row from the receiver: those are canner-deliver's, under the ledger's
+    guard; neither can be a commit the receiver left unindexed."""
+    restarted.commit(1, Origin("urls", "a.warc.zst", "alice"))
+    restarted.receipts.origin_path(oid(1)).unlink()
+    restarted.commit(2, Origin("urls", "b.warc.zst", "alice"))
+    restarted.archived.add(oid(2))
+    restarted.commit(3, Origin("urls", "c.warc.zst", "alice"))
+    assert restarted.start() == 1
+    assert restarted.rows() == [oid(3)]
+
+
+def test_the_start_builds_rows_as_the_rescan_does(restarted: Restarted) -> None:
+    """A receipt released before its row existed comes back with its release from the journal
+    (the row is the rescan's, not a bare pending one)."""
+    restarted.commit(1, Origin("urls", "a.warc.zst", "alice"))
+    restarted.journal.append([release_record(oid(1), 42.0, "hq")])
+    assert restarted.start() == 1
+    assert succeeded(restarted.index.run(sql.get_row, oid(1))).released_at == 42.0
+
+
+def test_a_start_whose_pass_fails_logs_and_goes_on(restarted: Restarted) -> None:
+    """An index the pass cannot use is an error in the log, never a receiver that refuses to
+    start: the receipts are all still there for canner-deliver's rescan."""
+    restarted.commit(1, Origin("urls", "a.warc.zst", "alice"))
+    restarted.path = restarted.root / "missing" / "delivery.sqlite"
+    with capturedLogs() as events:
+        assert restarted.start() is None
+    [error] = [e for e in events if e["log_level"] == LogLevel.error]
+    assert "canner-deliver's rescan" in formatEvent(error)
