@@ -19,7 +19,8 @@
                               bytes, item, files, times)
     canner rebuild-index      add every receipt missing from delivery.sqlite, and every package
                               in the packages directory (canner-deliver must be stopped: it
-                              refuses while deliver.lock is held)
+                              refuses while deliver.lock is held); refuses a damaged index,
+                              which --replace-damaged first moves aside
     canner adopt-go DATA_DIR [--apply]
                               take a Go canner's data directory over (both systems' daemons
                               stopped): a dry run prints the plan per object
@@ -1010,7 +1011,10 @@ class _CountedReceipts(ReceiptStore):
             yield object_id
 
 
-def rebuild_index(config_path: Path, io: Io) -> int:
+def rebuild_index(config_path: Path, io: Io, replace_damaged: bool = False) -> int:
+    """``canner rebuild-index [--replace-damaged]``, with deliver.lock held: a damaged index is
+    refused, or with ``replace_damaged`` moved aside (never deleted), then the index is
+    rebuilt from receipts."""
     config = load_config(config_path)
     data_dir = _data_dir(config)
     become_data_dir_owner(data_dir)
@@ -1023,9 +1027,28 @@ def rebuild_index(config_path: Path, io: Io) -> int:
             " stop it first (systemctl stop canner-deliver)"
         ) from None
     try:
+        _replace_if_damaged(data_dir / inventory.INDEX_NAME, replace_damaged, io)
         return _rebuild(config, data_dir, io)
     finally:
         lock.release()
+
+
+def _replace_if_damaged(path: Path, replace: bool, io: Io) -> None:
+    """Refuse a damaged index at ``path`` naming ``--replace-damaged``; with ``replace``, move
+    it aside and say where (and say so when there was nothing to move)."""
+    damage = sql.index_damage(path)
+    if damage is None:
+        if replace and path.exists():
+            io.out.write(f"rebuild-index: {path} is not damaged: nothing moved aside\n")
+        return
+    if not replace:
+        raise CommandError(
+            f"delivery index {path} is damaged ({damage}): with deliver and the receiver"
+            " stopped, canner rebuild-index --replace-damaged moves delivery.sqlite* aside and"
+            " rebuilds it from receipts (docs/operator-guide.md, Recover)"
+        )
+    for old, new in sql.move_aside(path, io.now()):
+        io.out.write(f"rebuild-index: damaged ({damage}): moved {old} aside to {new}\n")
 
 
 def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
@@ -1241,7 +1264,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     again.add_argument("--project", help="with --needs-operator: only this project's")
     command("packages", "one JSON line per megawarc batch and package")
-    command("rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)")
+    command(
+        "rebuild-index", "add receipts missing from delivery.sqlite (deliver stopped)"
+    ).add_argument(
+        "--replace-damaged",
+        action="store_true",
+        help="first move a delivery.sqlite that is no readable database aside (with its -wal"
+        " and -shm, to delivery-damaged-TIME.sqlite*; nothing is deleted)",
+    )
     command(
         "drain", "take no new uploads (uploads in progress and deliveries go on); durable"
     ).add_argument("--reason", default="", help="a note shown by /readyz and canner status")
@@ -1303,7 +1333,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         "deliveries": listing,
         "retry": again,
         "packages": lambda: packages(args.config, io),
-        "rebuild-index": lambda: rebuild_index(args.config, io),
+        "rebuild-index": lambda: rebuild_index(args.config, io, args.replace_damaged),
         "drain": lambda: drain(args.config, args.reason, io),
         "undrain": lambda: undrain(args.config, io),
         "adopt-go": lambda: adopt_go(args.config, args.go_dir, args.apply, io),

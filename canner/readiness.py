@@ -3,8 +3,10 @@
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
 accepted now: the node not draining (``canner drain``), free space at or above
 ``min_free_bytes`` (and known) and not all promised to uploads in flight
-(:mod:`canner.promises`), the data directory's ``uploads/`` and ``receipts/`` writable,
-``delivery.sqlite`` readable.  A load balancer that
+(:mod:`canner.promises`), the data directory's ``uploads/`` and ``receipts/`` writable.  An
+unreadable ``delivery.sqlite`` is not among them: the receiver still accepts and receipts
+uploads (receipts are the commit point, the index is rebuilt from them), so it is the status
+verdict's and ``canner_index_readable``'s to report.  A load balancer that
 polls ``/readyz`` stops sending work while it answers 503.  :class:`FloorWatch` logs crossing the
 floor and recovering once each, however many requests see it.  Everything here that touches the
 disk blocks: call it through the blocking runner.
@@ -12,7 +14,6 @@ disk blocks: call it through the blocking runner.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.drain import read_drain
-from canner.inventory import INDEX_NAME, read_index, unusable_dirs
+from canner.inventory import unusable_dirs
 from canner.promises import Promises, overpromised
 from canner.verdict import draining_reason, upload_refusals
 
@@ -83,11 +84,6 @@ class Readiness:
         }
 
 
-def _index_readable(cur: sqlite3.Cursor) -> None:
-    cur.execute("SELECT max(version) FROM schema_version")
-    cur.fetchone()
-
-
 def check_readiness(
     data_dir: Path, min_free_bytes: int, watch: FloorWatch, promises: Promises | None = None
 ) -> Readiness:
@@ -99,22 +95,17 @@ def check_readiness(
     if draining is not None:
         reasons.append(draining_reason(draining))
     free: int | None = None
-    free_error = index_error = None
+    free_error = None
     try:
         free = fs.free_bytes(data_dir)
     except OSError as e:
         free_error = e.strerror or str(e)
     watch.observe(free)
-    try:
-        read_index(data_dir / INDEX_NAME, _index_readable)
-    except (OSError, sqlite3.Error) as e:
-        index_error = str(e)
     reasons += upload_refusals(
         free_bytes=free,
         free_error=free_error,
         min_free_bytes=min_free_bytes,
         unusable=unusable_dirs(data_dir),
-        index_error=index_error,
     )
     if free is not None and free >= min_free_bytes and promises is not None:
         # Not even one more byte could be promised: every creation would be refused.

@@ -18,7 +18,8 @@ from attrs import frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import LogPublisher, globalLogPublisher
+from twisted.logger import Logger, LogPublisher, globalLogPublisher
+from twisted.python.failure import Failure
 
 from canner.acceptance import Acceptance
 from canner.blocking import BlockingRunner, ThreadPoolRunner
@@ -42,7 +43,13 @@ from canner.deliver_parts import (
     packed_projects,
     receipt_rescan,
 )
-from canner.delivery.index import DeliveryIndex, open_pool, receiver_feed, upgrade_schema
+from canner.delivery.index import (
+    DeliveryIndex,
+    damaged_index,
+    is_damaged,
+    open_pool,
+    receiver_feed,
+)
 from canner.delivery.liveness import HeartbeatService, InFlight, index_answers
 from canner.fs import DataDirLock
 from canner.hq import HQRoutes, Lookups, Releases, hq_tokens
@@ -69,6 +76,7 @@ from canner.startup import (
     lock_data_dir,
     prepare_data_dir,
     prepare_packages,
+    upgrade_index,
 )
 from canner.status_page import StatusSource
 from canner.systemd import SystemdNotifier
@@ -80,15 +88,26 @@ from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import StaleSweep
 
+log = Logger()
+
 IO_THREADS = 16
 HASH_THREADS = 2
 
 
 def _trend_sampler(config: Config, index: DeliveryIndex, reactor: Any) -> IService:
-    """Records a trend sample in ``delivery.sqlite`` every minute (both daemons do)."""
+    """Records a trend sample in ``delivery.sqlite`` every minute (both daemons do).  An index
+    damaged while the daemon runs is one line naming the recovery a minute, not a traceback."""
+    path = config.data_dir / "delivery.sqlite"
+
+    def damaged(failure: Failure) -> Failure | None:
+        if not is_damaged(failure.value):
+            return failure
+        log.error("trend sample not recorded: {damage}", damage=damaged_index(path, failure.value))
+        return None
 
     def sample() -> Deferred[Any]:
-        return index.run(record_sample, config.data_dir, reactor.seconds())
+        d = index.run(record_sample, config.data_dir, reactor.seconds())
+        return d.addErrback(damaged)
 
     return PeriodicService(
         clock=reactor, interval=SAMPLE_INTERVAL, job=sample, label="trend sample"
@@ -283,7 +302,7 @@ def _deliver_root(
 ) -> tuple[DaemonRoot, DeliveryIndex, JournalLog]:
     """canner-deliver's root, which ``pools`` outlive, over its index (schema upgraded now) and
     its delivery records; once all has stopped it closes both and releases ``lock``."""
-    upgrade_schema(config.data_dir / "delivery.sqlite")
+    upgrade_index(config.data_dir / "delivery.sqlite")
     pool = open_pool(config.data_dir / "delivery.sqlite")
     # canner-deliver's delivery records; its ledger prunes the journal around the open segment.
     delivery_log = JournalLog(Journal(config.data_dir / "journal"))

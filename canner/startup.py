@@ -2,7 +2,8 @@
 
 Each daemon refuses to start, in one line naming the path, its user and the fix
 (:class:`CannotStart`), when it cannot write what it writes in the data directory, and
-canner-deliver when another one owns the directory (:class:`DeliverLocked`).  The checks run in
+canner-deliver when another one owns the directory (:class:`DeliverLocked`) or its delivery
+index is damaged (:func:`upgrade_index`).  The checks run in
 ``makeService``, so a refusal aborts the launch before anything listens.
 """
 
@@ -12,11 +13,13 @@ import errno
 import grp
 import os
 import pwd
+import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
 from canner import fs
 from canner.config import Config, check_data_dir
+from canner.delivery.index import damaged_index, is_damaged, upgrade_schema
 from canner.fs import DataDirLock, Locked
 from canner.packaging.store import PackageStore
 from canner.receipts import ReceiptStore
@@ -119,3 +122,15 @@ def prepare_packages(packages: PackageStore) -> None:
         fs.check_writable(packages.root)
     except OSError as e:
         raise unwritable(packages.root, packages.root, e) from None
+
+
+def upgrade_index(path: Path) -> None:
+    """Bring the delivery index at ``path`` to the newest schema (blocking), or refuse with
+    :class:`CannotStart` naming the recovery when the file is damaged: a daemon restarted on it
+    (systemd's ``Restart=on-failure``) then logs that one line each time, never a traceback."""
+    try:
+        upgrade_schema(path)
+    except sqlite3.DatabaseError as e:
+        if not is_damaged(e):
+            raise
+        raise CannotStart(damaged_index(path, e)) from None

@@ -433,7 +433,6 @@ def _storage(view: StatusView) -> Tag:
         free_error=survey.free_error,
         min_free_bytes=view.min_free_bytes,
         unusable=survey.unusable,
-        index_error=None,
     )
     if refusals:
         verdict = tags.span("; ".join(refusals), class_="bad")

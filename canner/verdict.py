@@ -4,9 +4,10 @@
 word their reasons here, so the three never disagree.  :func:`upload_refusals` says why
 uploads would be refused now for lack of storage (``/readyz`` answers 503 with these, and with
 :func:`draining_reason` on a drained node, which is no warning); :func:`assess` adds
-what a survey knows about delivery (canner-deliver not running, rows needing an operator,
-overdue purges, zstd dictionaries that cannot be had) and grades each reason.  Pure: the facts
-come from a :class:`~canner.inventory.Survey` or from :func:`canner.readiness.check_readiness`.
+what a survey knows about delivery (the index unreadable, canner-deliver not running, rows
+needing an operator, overdue purges, zstd dictionaries that cannot be had) and grades each
+reason.  Pure: the facts come from a :class:`~canner.inventory.Survey` or from
+:func:`canner.readiness.check_readiness`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from attrs import frozen
 
+from canner.delivery.index import RECOVERY
 from canner.delivery.liveness import judge
 from canner.drain import DrainMark
 from canner.inventory import Survey
@@ -48,11 +50,11 @@ def upload_refusals(
     free_error: str | None,
     min_free_bytes: int,
     unusable: Sequence[Path],
-    index_error: str | None,
 ) -> list[str]:
     """Why an upload would be refused now for lack of storage (empty: none); the drain is
     worded by :func:`draining_reason`.  ``unusable``: data directories this process cannot
-    write."""
+    write.  An unreadable delivery index is none of these: receipts are the commit point and
+    the index is rebuilt from them, so uploads go on (:func:`index_unreadable` words it)."""
     reasons = []
     if free_bytes is None:
         reasons.append(f"free space cannot be determined: {free_error or 'unknown error'}")
@@ -63,9 +65,13 @@ def upload_refusals(
         )
     for path in unusable:
         reasons.append(f"data directory unusable: {path} is missing or not writable")
-    if index_error is not None:
-        reasons.append(f"delivery index unreadable: {index_error}")
     return reasons
+
+
+def index_unreadable(index_error: str) -> str:
+    """The critical reason of a node whose delivery index cannot be read: nothing is delivered
+    (canner-deliver refuses to start on a damaged one) until an operator rebuilds it."""
+    return f"delivery index unreadable: {index_error}: {RECOVERY}"
 
 
 def assess(
@@ -73,17 +79,18 @@ def assess(
 ) -> Verdict:
     """The verdict on the node ``survey`` looked at.
 
-    Critical: uploads refused for lack of storage, or canner-deliver not running while some
-    project delivers.  Warning: deliveries needing an operator, overdue
-    purges, zstd dictionaries that cannot be had, and (the status page only: the receiver's
-    own log) ``errors_at_start`` errors logged while the receiver started."""
+    Critical: uploads refused for lack of storage, the delivery index unreadable, or
+    canner-deliver not running while some project delivers.  Warning: deliveries needing an
+    operator, overdue purges, zstd dictionaries that cannot be had, and (the status page only:
+    the receiver's own log) ``errors_at_start`` errors logged while the receiver started."""
     critical = upload_refusals(
         free_bytes=survey.free_bytes,
         free_error=survey.free_error,
         min_free_bytes=min_free_bytes,
         unusable=survey.unusable,
-        index_error=survey.index_error if survey.index is None else None,
     )
+    if survey.index is None:
+        critical.append(index_unreadable(survey.index_error or "unknown error"))
     # A drained node is the operator's own doing: /readyz names it (a load balancer must
     # know), the page shows its banner and ``canner status`` its retirement, but it is no warning.
     warning = []

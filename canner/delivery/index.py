@@ -22,7 +22,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from canner import outbound
+from canner import fs, outbound
 from canner.observe import Outbound
 from canner.receipts import DeliveryRecord, Origin, Receipt
 
@@ -102,6 +102,76 @@ def _use_wal(conn: sqlite3.Connection) -> None:
             if "locked" not in str(e) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
+
+
+# What to do about a damaged index (docs/operator-guide.md, "Recover"), in the words of every
+# daemon and command that meets one: the index is rebuilt from receipts, never repaired.
+RECOVERY = (
+    "stop both daemons, run canner rebuild-index --replace-damaged (it moves delivery.sqlite*"
+    " aside and rebuilds the index from receipts), start both (docs/operator-guide.md, Recover)"
+)
+_DAMAGE_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def is_damaged(error: BaseException | None) -> bool:
+    """True when ``error`` says the index file is no sound SQLite database ("file is not a
+    database", "database disk image is malformed"): it will not heal, as "database is locked",
+    a full disk or an I/O error may."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return (
+        isinstance(error, sqlite3.DatabaseError)
+        and code is not None
+        and code & 0xFF in (_DAMAGE_CODES)
+    )
+
+
+def damaged_index(path: Path, error: object) -> str:
+    """The one line that says the index at ``path`` is damaged and what to do."""
+    return f"delivery index {path} is damaged ({error}): {RECOVERY}"
+
+
+def index_damage(path: Path) -> str | None:
+    """What is wrong with the index at ``path`` when it is no readable database (SQLite's error,
+    or the first finding of ``PRAGMA quick_check``); None when it is sound or missing.  Reads it
+    read-only (blocking; the whole file), so a damaged file stays exactly as it was.  Errors
+    that do not say the file is damaged (a lock, an unreadable file) propagate."""
+    if not path.exists():
+        return None
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        findings = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as e:
+        if is_damaged(e):
+            return str(e)
+        raise
+    finally:
+        conn.close()
+    return None if findings == ["ok"] else str(findings[0])
+
+
+def move_aside(path: Path, now: float) -> list[tuple[Path, Path]]:
+    """Rename the index at ``path`` and its ``-wal`` and ``-shm`` files (those present) to
+    ``delivery-damaged-YYYYmmddTHHMMSSZ.sqlite[-wal|-shm]`` beside it (blocking, durable); return
+    each ``(old, new)``.  Nothing is deleted: ``FileExistsError`` when a new name is taken.
+
+    The WAL goes first: a cut before the database moves leaves the damaged database without its
+    WAL (still damaged, moved by the next run), never a new database beside a stale WAL that
+    SQLite would replay into it."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    base = path.with_name(f"delivery-damaged-{stamp}.sqlite")
+    moves = [
+        (path.with_name(path.name + suffix), base.with_name(base.name + suffix))
+        for suffix in ("-wal", "-shm", "")
+    ]
+    moves = [(old, new) for old, new in moves if old.exists()]
+    for _old, new in moves:
+        if new.exists():
+            raise FileExistsError(f"{new} exists already: move it away first")
+    for old, new in moves:
+        old.rename(new)
+    fs.fsync_dir(path.parent)
+    return moves
 
 
 def _migrations() -> list[tuple[int, str]]:
@@ -295,10 +365,11 @@ class IndexFeed:
     Acceptances that finish while an insert runs are written together in the next transaction, so
     one WAL fsync serves many.  A failure is logged and never reaches the worker: the receiver's
     next start (:func:`canner.origins.index_at_start`) and the deliver process's rescans insert
-    whatever is missing.
+    whatever is missing (a damaged index first needs an operator: the log line says what to do).
     """
 
     _index: DeliveryIndex
+    _path: Path  # the index's file, for the operator
     _pending: list[AcceptedObject] = field(factory=list)
     _running: Deferred[int] | None = None
 
@@ -316,6 +387,14 @@ class IndexFeed:
                 self._flush()
 
         def failed(failure: Any) -> None:
+            if is_damaged(failure.value):
+                log.error(
+                    "delivery index insert of {count} objects failed: {damage}",
+                    count=len(batch),
+                    damage=damaged_index(self._path, failure.value),
+                    error=str(failure.value),
+                )
+                return
             log.error(
                 "delivery index insert of {count} objects failed (the receiver's next start or"
                 " the deliver rescan will add them): {error}",
@@ -334,10 +413,20 @@ def receiver_feed(
     """The receiver's best-effort enqueue for acceptance into the index at ``path``, with the
     pool and the index behind it.  An index whose schema cannot be brought up to date is logged,
     never fatal: the enqueue then does nothing (and pool and index are None), and canner-deliver's
-    rescan picks the receipts up."""
+    rescan picks the receipts up (once an operator has rebuilt a damaged index: canner-deliver
+    refuses to start on one, and the line logged says so)."""
     try:
         upgrade_schema(path)
     except Exception as e:
+        if is_damaged(e):
+            # Receipts are the commit point and the index is rebuilt from them: uploads go on.
+            log.error(
+                "{damage}; meanwhile uploads are accepted and receipted, and nothing is delivered",
+                damage=damaged_index(path, e),
+                path=str(path),
+                error=str(e),
+            )
+            return (lambda receipt, origin: None), None, None
         log.error(
             "delivery index {path} unusable, receipts will be picked up by the deliver rescan:"
             " {error}",
@@ -347,7 +436,7 @@ def receiver_feed(
         return (lambda receipt, origin: None), None, None
     pool = open_pool(path)
     index = DeliveryIndex(pool, reactor)
-    return IndexFeed(index).enqueue, pool, index
+    return IndexFeed(index, path).enqueue, pool, index
 
 
 # -- the delivery queue ----------------------------------------------------------------------

@@ -13,8 +13,10 @@ file is reported by path and its object skipped (retried at the next rescan), ne
 damaged journal line costs only the record it held: its object, when its id is legible there,
 comes back flagged for an operator (``needs_operator``, with the segment and line).  A payload
 the journal records purged but that is still in ``uploads/`` (a crash between the record and
-the unlink) comes back unpurged, so it is purged again.  The functions block (run them in a
-thread); :class:`ReceiptRescan` sends them through a :class:`~canner.blocking.BlockingRunner`.
+the unlink) comes back unpurged, so it is purged again; one whose data file is gone but whose
+sidecar is left (a crash between the purge's two unlinks) comes back purged, its sidecar
+removed.  The functions block (run them in a thread); :class:`ReceiptRescan` sends them through
+a :class:`~canner.blocking.BlockingRunner`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ from canner.delivery.index import (
 )
 from canner.ids import ObjectIds
 from canner.journal import Damage, Journal, JournalLookup
-from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
+from canner.receipts import (
+    DELIVERY,
+    ORIGIN,
+    DeliveryRecord,
+    Origin,
+    ReceiptStore,
+    delivery_of,
+    origin_of,
+)
 from canner.releases import RELEASE, released_at_of
 from canner.tus.store import CorruptInfo, UploadStore
 
@@ -87,6 +97,39 @@ def _origin(
     return origin
 
 
+def _after_cut_purge(
+    uploads: UploadStore, object_id: str, delivery: DeliveryRecord
+) -> DeliveryRecord:
+    """The delivery record of an object the journal records purged, as its row should say it,
+    given what a crash inside the purge may have left in ``uploads/``.
+
+    The purge unlinks the data file, then the sidecar.  A data file still here (a crash between
+    the record and the first unlink) is a payload: the row comes back unpurged, so it is purged
+    again, idempotently.  A sidecar alone (a crash between the two unlinks) is no payload: the
+    row comes back purged at once and the sidecar is removed, finishing that purge (nothing else
+    removes a sidecar whose upload has a receipt).  The origin is durable elsewhere by then: the
+    purge journals it first, and :func:`_origin` records one it read from the sidecar."""
+    data = uploads.data_path(object_id)
+    if data.exists():
+        log.warn(
+            "{object_id}: the journal records its payload purged, but {path} is still on"
+            " disk: it will be purged again",
+            object_id=object_id,
+            path=str(data),
+        )
+        return evolve(delivery, purged_at=None)
+    info = uploads.info_path(object_id)
+    if info.exists():
+        log.info(
+            "{object_id}: the journal records its payload purged and its data file is gone:"
+            " removing {path}, which the cut purge left",
+            object_id=object_id,
+            path=str(info),
+        )
+        uploads.remove(object_id)
+    return delivery
+
+
 def read_accepted(
     receipts: ReceiptStore, uploads: UploadStore, journal: JournalLookup, object_ids: list[str]
 ) -> Found:
@@ -124,16 +167,8 @@ def read_accepted(
             log.error("rescan skipped {object_id}: {error}", object_id=object_id, error=problem)
             found.problems.append(problem)
             continue
-        if delivery is not None and delivery.purged_at is not None and uploads.present(object_id):
-            # A crash between the purge's record and its unlink: the payload is still here, and
-            # only a row that says so gets it purged (again, idempotently).
-            log.warn(
-                "{object_id}: the journal records its payload purged, but {path} is still on"
-                " disk: it will be purged again",
-                object_id=object_id,
-                path=str(uploads.data_path(object_id)),
-            )
-            delivery = evolve(delivery, purged_at=None)
+        if delivery is not None and delivery.purged_at is not None:
+            delivery = _after_cut_purge(uploads, object_id, delivery)
         flag = None
         if damage is not None:
             flag = (

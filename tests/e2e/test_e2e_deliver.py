@@ -689,6 +689,50 @@ def test_rebuild_purges_again_a_payload_a_crash_left_after_its_purge_record(
     assert env.row(other)["purged_at"] is None
 
 
+def test_rebuild_shows_purged_a_payload_whose_purge_was_cut_between_its_unlinks(
+    env_factory: Callable[..., Env],
+) -> None:
+    """A cut between a purge's two unlinks (the data file, then its sidecar) leaves the journal's
+    records, the sidecar and the origin file: ``canner rebuild-index`` (deliver stopped) brings
+    the row back delivered and purged at the recorded time at once, and finishes the purge (the
+    sidecar goes); the other object is left alone."""
+    env = env_factory(metadata_lag=0.0, retention="1h")
+    payloads = _upload_some(env, 2)
+    cut, other = list(payloads)
+    row = env.wait_state([cut, other], 20, "delivered and verified", verified_at=...)[cut]
+    assert_clean_exit(env.deliver, env.deliver.stop())
+    now = time.time()
+    # The disk as delete_payload leaves it after its first unlink: records, then the data gone.
+    _append_segment(
+        env.data_dir,
+        [
+            {"kind": "origin", "object_id": cut, "project": PROJECT, "filename": row["filename"]},
+            {
+                "kind": "delivery",
+                "object_id": cut,
+                "identifier": row["remote_identifier"],
+                "remote_name": row["remote_name"],
+                "content_md5": row["content_md5"],
+                "delivered_at": row["delivered_at"],
+                "verified_at": row["verified_at"],
+                "purge_after": now - 1,
+                "purged_at": now,
+            },
+        ],
+    )
+    (env.data_dir / "uploads" / cut).unlink()
+    assert data_files(env.data_dir, cut) == {"payload": False, "info": True, "receipt": True}
+    assert "delivery.sqlite" in remove_index(env.data_dir)
+
+    rebuilt = canner(env, "rebuild-index")
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    rows = env.rows()
+    assert rows[cut]["state"] == "delivered" and rows[cut]["purged_at"] == now, rows[cut]
+    assert rows[cut]["remote_identifier"] == row["remote_identifier"]
+    assert data_files(env.data_dir, cut) == {"payload": False, "info": False, "receipt": True}
+    assert rows[other]["purged_at"] is None and payload_intact(env, other, payloads[other])
+
+
 def test_a_damaged_journal_line_costs_only_its_object_in_a_rebuild_and_a_rescan(
     env_factory: Callable[..., Env],
 ) -> None:

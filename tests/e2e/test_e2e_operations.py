@@ -782,9 +782,10 @@ def test_status_page_verdict_healthy_needs_operator_and_deliver_down(tmp_path: P
 
 def test_status_page_verdict_unready_with_an_error_at_start(tmp_path: Path, nobody: Nobody) -> None:
     """The issue's case: a receiver (run as nobody) that logged an error at start (its index
-    unreadable), then its uploads/ and receipts/ made unwritable.  /readyz answers 503, and the
-    page says critical with those very reasons (and ``canner status`` the same), its storage
-    state is not "ok", and what start-up logged is shown above the charts."""
+    unreadable), then its uploads/ and receipts/ made unwritable.  /readyz answers 503 for the
+    directories (an unreadable index refuses no upload), and the page says critical with those
+    very reasons and the index's (and ``canner status`` the same), its storage state is not
+    "ok", and what start-up logged is shown above the charts."""
     rcv = Receiver.in_dir(nobody.folder / "node")
     (rcv.data_dir / "delivery.sqlite").write_bytes(b"not a database at all" * 100)
     for sub in ("", "uploads", "receipts", "delivery.sqlite"):
@@ -802,14 +803,16 @@ def test_status_page_verdict_unready_with_an_error_at_start(tmp_path: Path, nobo
         ready = rcv.session.get(rcv.base_url + "/readyz", timeout=10)
         assert ready.status_code == 503
         refusals = ready.json()["reasons"]
-        assert len(refusals) == 3, refusals
+        assert len(refusals) == 2, refusals
         page = PageDom(page_dom(url, profile))
         screenshot(url, tmp_path / "3-unready.png", profile)
         code, reasons = status_reasons(rcv.config_path)
     finally:
         rcv.close()
     assert page.status == "critical" and code == 2
-    assert [f"critical: {r}" for r in refusals] == page.reasons[:3] == reasons[:3]
+    assert [f"critical: {r}" for r in refusals] == page.reasons[:2] == reasons[:2]
+    assert page.reasons[2] == reasons[2]
+    assert reasons[2].startswith("critical: delivery index unreadable: file is not a database")
     # The page alone knows what this receiver logged while starting.
     assert page.reasons[3:] == ["warning: the receiver logged 1 error while starting"]
     assert reasons[3:] == []

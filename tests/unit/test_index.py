@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ from canner.delivery.index import (
     AcceptedObject,
     _migrations,
     configure_connection,
+    index_damage,
     insert_objects,
+    is_damaged,
+    move_aside,
     upgrade_schema,
 )
 
@@ -317,3 +321,52 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
         assert again is not None and (again.state, again.uploaded_at) == ("uploaded", 61.0)
     finally:
         conn.close()
+
+
+def test_index_damage_tells_a_damaged_file_from_a_sound_or_missing_one(tmp_path: Path) -> None:
+    """Random bytes and a database with a malformed page are damaged (and left as they were); a
+    sound index and a missing one are not."""
+    path = tmp_path / "delivery.sqlite"
+    assert index_damage(path) is None
+    upgrade_schema(path)
+    assert index_damage(path) is None
+    garbage = os.urandom(8192)
+    path.write_bytes(garbage)
+    assert index_damage(path) == "file is not a database"
+    assert path.read_bytes() == garbage
+    upgrade_schema(sound := tmp_path / "sound.sqlite")
+    data = bytearray(sound.read_bytes())
+    page = 4096
+    data[2 * page : 3 * page] = os.urandom(page)  # a table's page, past the header
+    broken = tmp_path / "broken.sqlite"
+    broken.write_bytes(bytes(data))
+    assert index_damage(broken) is not None
+
+
+def test_errors_that_may_pass_are_no_damage() -> None:
+    """A busy database or an I/O error is not damage: only corruption and "not a database"."""
+    assert not is_damaged(sqlite3.OperationalError("database is locked"))
+    assert not is_damaged(ValueError("file is not a database"))
+    assert not is_damaged(None)
+
+
+def test_move_aside_keeps_every_file_and_never_overwrites(tmp_path: Path) -> None:
+    """The index and its WAL and SHM get one timestamped name each, bytes unchanged; a name
+    already taken refuses the whole move."""
+    path = tmp_path / "delivery.sqlite"
+    contents = {"": b"db", "-wal": b"wal", "-shm": b"shm"}
+    for suffix, data in contents.items():
+        (tmp_path / f"delivery.sqlite{suffix}").write_bytes(data)
+    moves = move_aside(path, 1_800_000_000.0)
+    assert [new.name for _, new in moves] == [
+        "delivery-damaged-20270115T080000Z.sqlite-wal",
+        "delivery-damaged-20270115T080000Z.sqlite-shm",
+        "delivery-damaged-20270115T080000Z.sqlite",
+    ]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {
+        f"delivery-damaged-20270115T080000Z.sqlite{s}": d for s, d in contents.items()
+    }
+    path.write_bytes(b"again")
+    with pytest.raises(FileExistsError):
+        move_aside(path, 1_800_000_000.0)
+    assert path.read_bytes() == b"again"

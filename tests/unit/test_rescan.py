@@ -18,7 +18,14 @@ from canner.delivery.rescan import ReceiptRescan, Rescanned
 from canner.ids import ObjectIds
 from canner.journal import Journal
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest, id_record
-from canner.receipts import Origin, Receipt, ReceiptStore
+from canner.receipts import (
+    DeliveryRecord,
+    Origin,
+    Receipt,
+    ReceiptStore,
+    delivery_journal_record,
+    origin_journal_record,
+)
 from canner.tus.store import UploadStore
 from tests.fakes import SyncIndex, succeeded
 
@@ -157,3 +164,40 @@ def test_a_damaged_receipt_is_named_and_skipped_and_the_rest_are_added(data: Dat
     [problem] = done.problems
     assert problem.startswith(str(bad))
     assert set(data.states()) == {oid(1), oid(3)}
+
+
+@pytest.mark.parametrize(
+    ("left", "purged", "after"),
+    [
+        # A crash between the purge's record and its first unlink: purged again later.
+        ({"data", "info"}, False, {"data", "info"}),
+        # Not a purge's cut (it unlinks the data first), but a payload: purged again later.
+        ({"data"}, False, {"data"}),
+        # A crash between the purge's two unlinks: purged now, the purge finished.
+        ({"info"}, True, set()),
+        ({""}, True, set()),
+    ],
+)
+def test_a_journaled_purge_is_shown_as_the_disk_leaves_it(
+    data: DataDir, left: set[str], purged: bool, after: set[str]
+) -> None:
+    """An object whose journal records it delivered and purged comes back purged (at the
+    recorded time) exactly when its data file is gone, a sidecar left behind then removed; a data
+    file still on disk comes back unpurged, so it is purged again."""
+    data.receipt(1)
+    uploads = data.root / "uploads"
+    paths = {"data": uploads / oid(1), "info": uploads / f"{oid(1)}.info"}
+    for name in left - {""}:
+        paths[name].write_bytes(b"x")
+    record = DeliveryRecord("item", "f1.warc", "00" * 16, NOW - 30, NOW - 20, NOW - 10, NOW - 5)
+    Journal(data.root / "journal").append(
+        [
+            origin_journal_record(oid(1), Origin("example", "f1.warc")),
+            delivery_journal_record(oid(1), record),
+        ]
+    )
+    done = succeeded(data.rescan().run())
+    assert (done.added, done.problems) == (1, [])
+    [(state, purged_at)] = data.index.query("SELECT state, purged_at FROM object_delivery")
+    assert (state, purged_at) == ("delivered", NOW - 5 if purged else None)
+    assert {name for name, path in paths.items() if path.exists()} == after

@@ -66,22 +66,28 @@ def test_ok_warning_critical_and_their_reasons() -> None:
 
 def test_storage_reasons_are_readyz_reasons_word_for_word(tmp_path: Path) -> None:
     """A data directory without receipts/ and with an unreadable index: ``/readyz``'s reasons
-    (:func:`check_readiness`) are exactly the verdict's critical reasons."""
+    (:func:`check_readiness`) are exactly the verdict's first critical reasons; the verdict adds
+    the index, which refuses no upload, with what to do about it."""
     for sub in ("uploads", "receipts"):
         (tmp_path / sub).mkdir()
     os.rmdir(tmp_path / "receipts")
     (tmp_path / "delivery.sqlite").write_bytes(b"not a database at all" * 100)
     ready = check_readiness(tmp_path, 1, FloorWatch(1))
     found = assess(take_survey(tmp_path, IDS, NOW), min_free_bytes=1, delivers=True)
-    assert not ready.ready and len(ready.reasons) == 2
-    assert found.reasons == tuple(f"critical: {r}" for r in ready.reasons)
+    assert not ready.ready and len(ready.reasons) == 1
+    assert found.reasons[:1] == tuple(f"critical: {r}" for r in ready.reasons)
     assert "receipts is missing or not writable" in ready.reasons[0]
+    assert found.reasons[1:] == (
+        "critical: delivery index unreadable: file is not a database: stop both daemons, run"
+        " canner rebuild-index --replace-damaged (it moves delivery.sqlite* aside and rebuilds"
+        " the index from receipts), start both (docs/operator-guide.md, Recover)",
+    )
     floor = 10**18
     under = assess(take_survey(tmp_path, IDS, NOW), min_free_bytes=floor, delivers=True)
     ready = check_readiness(tmp_path, floor, FloorWatch(floor))
     # Free space is read twice, while other processes write to the same filesystem: the
     # sentences must be the same, the byte counts in them may have moved.
-    assert _without_byte_counts(under.reasons) == _without_byte_counts(
+    assert _without_byte_counts(under.reasons[:2]) == _without_byte_counts(
         tuple(f"critical: {r}" for r in ready.reasons)
     )
     assert "free space under the floor" in under.reasons[0]
