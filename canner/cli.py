@@ -94,7 +94,7 @@ from canner.sinks.plan import (
     validate_delivery,
 )
 from canner.tus.store import UploadStore
-from canner.verdict import CRITICAL, NAMES, assess
+from canner.verdict import CRITICAL, Verdict, assess
 from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
@@ -411,12 +411,11 @@ def _status_text(doc: dict[str, Any], config: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[str]]:
-    """The exit status of ``canner status`` (0 ok, 1 warning, 2 critical) and its reasons: the
-    verdict the status page shows and whose storage reasons ``/readyz`` gives."""
+def judge_survey(survey: inventory.Survey, config: Config) -> Verdict:
+    """The verdict of ``canner status`` (its code the exit status: 0 ok or draining, 1 warning,
+    2 critical): the one the status page shows and whose storage reasons ``/readyz`` gives."""
     delivers = any(p.delivery is not None for p in config.projects.values())
-    found = assess(survey, min_free_bytes=config.min_free_bytes, delivers=delivers)
-    return found.code, list(found.reasons)
+    return assess(survey, min_free_bytes=config.min_free_bytes, delivers=delivers)
 
 
 def unreadable_data_dir(data_dir: Path) -> str | None:
@@ -455,9 +454,9 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     # A heartbeat marked stopped is not a stop while a deliver process still holds the lock.
     survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
     doc = inventory.survey_json(survey, config.min_free_bytes)
-    code, reasons = judge_survey(survey, config)
-    doc["status"] = NAMES[code]
-    doc["reasons"] = reasons
+    verdict = judge_survey(survey, config)
+    doc["status"] = verdict.status
+    doc["reasons"] = reasons = list(verdict.reasons)
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
     io.out.write(
@@ -465,7 +464,7 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     )
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
-    return code
+    return verdict.code
 
 
 # -- drain, undrain ----------------------------------------------------------------------------
