@@ -5,7 +5,8 @@
 
     canner check-config       validate, print the resolved config and example IA destinations
     canner status [--json]    deliver's state, objects by delivery state, bytes pending, free
-                              space; exit 0 ok, 1 warning, 2 critical (reasons on stderr)
+                              space; exit 0 ok (or draining), 1 warning, 2 critical (reasons
+                              on stderr)
     canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
     canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
                               one JSON line per object in the delivery index
@@ -93,6 +94,7 @@ from canner.sinks.plan import (
     plan_upload,
     validate_delivery,
 )
+from canner.startup import DELIVER_WRITES, CannotStart, check_writes
 from canner.tus.store import UploadStore
 from canner.verdict import CRITICAL, Verdict, assess
 from canner.version import version
@@ -184,6 +186,59 @@ def become_data_dir_owner(data_dir: Path) -> None:
     os.setgroups([])
     os.setgid(owner.st_gid)
     os.setuid(owner.st_uid)
+
+
+# Who the packaged units run the daemons as (debian/canner.canner-*.service: ``User=canner``).
+DAEMON_ACCOUNT = "canner"
+
+
+@frozen
+class Account:
+    """A user to act as: uid, primary gid and supplementary groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def daemon_account(data_dir: Path) -> Account | None:
+    """Run as root, the user the daemons run as: the ``canner`` account when it exists (the
+    packaged units' ``User=``), else the owner of ``data_dir`` (whom every other command runs
+    as); None when not root, or when that user is root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        user = pwd.getpwnam(DAEMON_ACCOUNT)
+    except KeyError:
+        owner = data_dir.stat()
+        try:
+            user = pwd.getpwuid(owner.st_uid)
+        except KeyError:  # an owner without a name: its ids alone
+            return Account(owner.st_uid, owner.st_gid, ()) if owner.st_uid != 0 else None
+    if user.pw_uid == 0:
+        return None
+    groups = tuple(os.getgrouplist(user.pw_name, user.pw_gid))
+    return Account(user.pw_uid, user.pw_gid, groups)
+
+
+@contextlib.contextmanager
+def acting_as(account: Account | None) -> Iterator[None]:
+    """Within the block, this process's effective user, group and groups are ``account``'s (so
+    the kernel lets it write exactly what that user may write); root's again after it.  None:
+    unchanged."""
+    if account is None:
+        yield
+        return
+    egid, groups = os.getegid(), os.getgroups()
+    os.setgroups(list(account.groups))
+    os.setegid(account.gid)
+    os.seteuid(account.uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(egid)
+        os.setgroups(groups)
 
 
 # -- check-config ------------------------------------------------------------------------------
@@ -309,11 +364,18 @@ def _listen_problem(description: str) -> str | None:
 
 
 def check_config(config_path: Path, io: Io) -> int:
+    """Validate as the daemons do at start (config, listen endpoint, the data directory as
+    their user: :func:`daemon_account`), then print the resolved config, example destinations
+    and warnings."""
     config = load_config(config_path)
     problem = _listen_problem(config.listen)
     if problem is not None:
         raise ConfigError("listen", problem)
     check_data_dir(config)
+    # The daemons' own start-up check, as their user: a data directory they would refuse to
+    # start on fails here with their line (the path, the user and the fix).
+    with acting_as(daemon_account(config.data_dir)):
+        check_writes(config, DELIVER_WRITES)
     now = io.now()
     examples = {pid: delivery_example(config, pid, now) for pid in config.projects}
     warnings = _credential_warnings(config)
@@ -1276,7 +1338,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         return runs[args.command]()
     except BrokenPipeError:
         return 0
-    except (ConfigError, CommandError, FileNotFoundError) as e:
+    except (ConfigError, CommandError, CannotStart, FileNotFoundError) as e:
         io.err.write(f"canner: {e}\n")
     except (sqlite3.Error, OSError) as e:
         io.err.write(f"canner: {type(e).__name__}: {e}\n")
