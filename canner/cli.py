@@ -5,7 +5,8 @@
 
     canner check-config       validate, print the resolved config and example IA destinations
     canner status [--json]    deliver's state, objects by delivery state, bytes pending, free
-                              space; exit 0 ok, 1 warning, 2 critical (reasons on stderr)
+                              space; exit 0 ok (or draining), 1 warning, 2 critical (reasons
+                              on stderr)
     canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
     canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
                               one JSON line per object in the delivery index
@@ -100,8 +101,9 @@ from canner.sinks.plan import (
     plan_upload,
     validate_delivery,
 )
+from canner.startup import DELIVER_WRITES, CannotStart, check_writes
 from canner.tus.store import UploadStore
-from canner.verdict import CRITICAL, NAMES, assess
+from canner.verdict import CRITICAL, Verdict, assess
 from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")
@@ -191,6 +193,59 @@ def become_data_dir_owner(data_dir: Path) -> None:
     os.setgroups([])
     os.setgid(owner.st_gid)
     os.setuid(owner.st_uid)
+
+
+# Who the packaged units run the daemons as (debian/canner.canner-*.service: ``User=canner``).
+DAEMON_ACCOUNT = "canner"
+
+
+@frozen
+class Account:
+    """A user to act as: uid, primary gid and supplementary groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def daemon_account(data_dir: Path) -> Account | None:
+    """Run as root, the user the daemons run as: the ``canner`` account when it exists (the
+    packaged units' ``User=``), else the owner of ``data_dir`` (whom every other command runs
+    as); None when not root, or when that user is root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        user = pwd.getpwnam(DAEMON_ACCOUNT)
+    except KeyError:
+        owner = data_dir.stat()
+        try:
+            user = pwd.getpwuid(owner.st_uid)
+        except KeyError:  # an owner without a name: its ids alone
+            return Account(owner.st_uid, owner.st_gid, ()) if owner.st_uid != 0 else None
+    if user.pw_uid == 0:
+        return None
+    groups = tuple(os.getgrouplist(user.pw_name, user.pw_gid))
+    return Account(user.pw_uid, user.pw_gid, groups)
+
+
+@contextlib.contextmanager
+def acting_as(account: Account | None) -> Iterator[None]:
+    """Within the block, this process's effective user, group and groups are ``account``'s (so
+    the kernel lets it write exactly what that user may write); root's again after it.  None:
+    unchanged."""
+    if account is None:
+        yield
+        return
+    egid, groups = os.getegid(), os.getgroups()
+    os.setgroups(list(account.groups))
+    os.setegid(account.gid)
+    os.seteuid(account.uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(egid)
+        os.setgroups(groups)
 
 
 # -- check-config ------------------------------------------------------------------------------
@@ -316,11 +371,18 @@ def _listen_problem(description: str) -> str | None:
 
 
 def check_config(config_path: Path, io: Io) -> int:
+    """Validate as the daemons do at start (config, listen endpoint, the data directory as
+    their user: :func:`daemon_account`), then print the resolved config, example destinations
+    and warnings."""
     config = load_config(config_path)
     problem = _listen_problem(config.listen)
     if problem is not None:
         raise ConfigError("listen", problem)
     check_data_dir(config)
+    # The daemons' own start-up check, as their user: a data directory they would refuse to
+    # start on fails here with their line (the path, the user and the fix).
+    with acting_as(daemon_account(config.data_dir)):
+        check_writes(config, DELIVER_WRITES)
     now = io.now()
     examples = {pid: delivery_example(config, pid, now) for pid in config.projects}
     warnings = _credential_warnings(config)
@@ -420,12 +482,11 @@ def _status_text(doc: dict[str, Any], config: Config, flagged: Sequence[QueueRow
     return "\n".join(lines) + "\n"
 
 
-def judge_survey(survey: inventory.Survey, config: Config) -> tuple[int, list[str]]:
-    """The exit status of ``canner status`` (0 ok, 1 warning, 2 critical) and its reasons: the
-    verdict the status page shows and whose storage reasons ``/readyz`` gives."""
+def judge_survey(survey: inventory.Survey, config: Config) -> Verdict:
+    """The verdict of ``canner status`` (its code the exit status: 0 ok or draining, 1 warning,
+    2 critical): the one the status page shows and whose storage reasons ``/readyz`` gives."""
     delivers = any(p.delivery is not None for p in config.projects.values())
-    found = assess(survey, min_free_bytes=config.min_free_bytes, delivers=delivers)
-    return found.code, list(found.reasons)
+    return assess(survey, min_free_bytes=config.min_free_bytes, delivers=delivers)
 
 
 def unreadable_data_dir(data_dir: Path) -> str | None:
@@ -464,9 +525,9 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     # A heartbeat marked stopped is not a stop while a deliver process still holds the lock.
     survey = attrs.evolve(survey, deliver_lock_held=lock_held(data_dir / "deliver.lock"))
     doc = inventory.survey_json(survey, config.min_free_bytes)
-    code, reasons = judge_survey(survey, config)
-    doc["status"] = NAMES[code]
-    doc["reasons"] = reasons
+    verdict = judge_survey(survey, config)
+    doc["status"] = verdict.status
+    doc["reasons"] = reasons = list(verdict.reasons)
     if config.rsync is not None:
         doc["rsync_waiting"] = count_waiting(config.rsync.incoming, config.projects, data_dir)
     # The latest failures that wait for an operator, by name (the page lists the same).
@@ -478,7 +539,7 @@ def status(config_path: Path, as_json: bool, io: Io) -> int:
     )
     for reason in reasons:
         io.err.write(f"canner: {reason}\n")
-    return code
+    return verdict.code
 
 
 # -- drain, undrain ----------------------------------------------------------------------------
@@ -1353,7 +1414,7 @@ def main(argv: Sequence[str] | None = None, io: Io | None = None) -> int:
         return runs[args.command]()
     except BrokenPipeError:
         return 0
-    except (ConfigError, CommandError, FileNotFoundError) as e:
+    except (ConfigError, CommandError, CannotStart, FileNotFoundError) as e:
         io.err.write(f"canner: {e}\n")
     except (sqlite3.Error, OSError) as e:
         io.err.write(f"canner: {type(e).__name__}: {e}\n")

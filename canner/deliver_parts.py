@@ -18,7 +18,6 @@ from attrs import frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
-from twisted.web.server import Site
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import READBACK_ALL, Config, ConfigError, ProjectConfig
@@ -32,7 +31,7 @@ from canner.journal import Journal, JournalLog
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.ledger_owner import LedgerOwner
 from canner.ledger.service import LedgerService, validate_ledger
-from canner.metrics import Metrics, MetricsPage, SurveyCache
+from canner.metrics import Metrics, SurveyCache, metrics_site
 from canner.packaging.dictionaries import DictionaryStore
 from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
 from canner.packaging.package_owner import PackageOwner
@@ -311,9 +310,10 @@ def deliver_metrics(base: DeliverBase, survey_cache: SurveyCache) -> list[IServi
         job=survey_cache.refresh,
         label="metrics survey",
     )
-    site = Site(MetricsPage(base.metrics).app.resource())
-    site.displayTracebacks = False
     listener = Listening(
-        description=listen, factory=site, reactor=base.reactor, what="metrics.deliver_listen"
+        description=listen,
+        factory=metrics_site(base.metrics),
+        reactor=base.reactor,
+        what="metrics.deliver_listen",
     )
     return [survey, listener]

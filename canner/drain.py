@@ -105,6 +105,12 @@ class Retirement:
     retirable: bool
     remaining: tuple[str, ...]
 
+    def describe(self) -> str:
+        """One line for the verdict of a drained node (``canner status``, the status page)."""
+        if self.retirable:
+            return "retirable: nothing here is undelivered"
+        return "not retirable yet: " + "; ".join(self.remaining)
+
     def as_dict(self) -> dict[str, object]:
         return {"retirable": self.retirable, "remaining": list(self.remaining)}
 

@@ -42,6 +42,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
+from twisted.web.server import Request, Site
 
 from canner.blocking import BlockingRunner
 from canner.config import Config
@@ -49,6 +50,7 @@ from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
 from canner.inventory import Survey, take_survey
 from canner.observe import Destination, Outbound
+from canner.routing import BAD_HOST_MESSAGE, bindable_host
 from canner.version import version
 
 log = Logger()
@@ -596,6 +598,30 @@ class MetricsPage:
     def metrics(self, request: IRequest) -> bytes:
         request.setHeader("Content-Type", CONTENT_TYPE_LATEST)
         return self._metrics.render()
+
+
+class _MetricsRequest(Request):
+    """A request to canner-deliver's metrics listener: one whose Host no route could be served
+    with (:func:`~canner.routing.bindable_host`) is answered 400 before Klein sees it, as the
+    receiver's requests are (``canner.tus.channel.ReceiverRequest``)."""
+
+    def process(self) -> None:
+        if bindable_host(self.getRequestHostname()):
+            super().process()
+            return
+        body = BAD_HOST_MESSAGE.encode() + b"\n"
+        self.setResponseCode(400)
+        self.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+        self.setHeader(b"Content-Length", b"%d" % len(body))
+        self.write(body)
+        self.finish()
+
+
+def metrics_site(metrics: Metrics) -> Site:
+    """The site of canner-deliver's metrics listener: :class:`MetricsPage`."""
+    site = Site(MetricsPage(metrics).app.resource(), requestFactory=_MetricsRequest)
+    site.displayTracebacks = False
+    return site
 
 
 def process_metrics(

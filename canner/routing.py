@@ -1,4 +1,5 @@
-"""What a request to the receiver is, decided once, from its method and path.
+"""What a request to the receiver is, decided once, from its method and path (and whether its
+host can be served at all: :func:`bindable_host`).
 
 :func:`route` is pure and is the only place that matches receiver paths outside the Klein apps:
 the streaming seam asks it, as soon as a request's head is in, whether the body goes to an upload
@@ -94,3 +95,25 @@ def route(method: bytes, path: bytes) -> Route:
 
 def _segment(raw: bytes) -> str:
     return unquote_to_bytes(raw).decode("utf-8", "replace")
+
+
+# The answer (400) to a request whose host is not :func:`bindable_host`.
+BAD_HOST_MESSAGE = "bad Host header: not a host name"
+
+
+def bindable_host(hostname: bytes) -> bool:
+    """True when ``hostname`` (the request's host as twisted.web reads it from ``Host``, without
+    its port and IPv6 brackets: ``Request.getRequestHostname``) can be served.
+
+    Klein binds werkzeug's URL map with it, and werkzeug fails (an exception from outside every
+    route, so a 500 and a critical traceback, or Klein's own 400 with a logged traceback) for a
+    name that is not UTF-8 or not IDNA-encodable: an empty label (``a..b``, ``.example``) or one
+    over 63 characters.  This is the same test (werkzeug encodes the name up to its first colon,
+    the port Klein appends or the rest of an IPv6 literal being left out), so a request it
+    refuses is answered 400 before any app sees it; every other name is served as before."""
+    try:
+        name = hostname.decode("utf-8").lower().partition(":")[0]
+        name.encode("idna")
+    except UnicodeError:
+        return False
+    return True

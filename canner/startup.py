@@ -72,23 +72,35 @@ def unwritable(path: Path, tree: Path, error: OSError) -> CannotStart:
     return CannotStart(f"cannot write {path} as user {user}: {reason}; {fix}")
 
 
-def prepare_data_dir(config: Config, writes: Iterable[str]) -> tuple[UploadStore, ReceiptStore]:
-    """``uploads/`` and ``receipts/`` in the existing data directory (:class:`ConfigError` when
-    it is missing), and every path in ``writes`` writable by this process (:class:`CannotStart`
-    naming the first that is not)."""
+def check_writes(config: Config, writes: Iterable[str]) -> Path:
+    """The data directory, once it exists (:class:`ConfigError` otherwise) and this process
+    could write it and every path in ``writes`` (:class:`CannotStart` naming the first it could
+    not; a missing path passes: it is created in a directory checked first).  Creates nothing:
+    ``canner check-config`` runs it too, as the daemons' user."""
     data_dir = check_data_dir(config)
     path = data_dir
     try:
         fs.check_writable(data_dir)
+        for name in writes:
+            path = data_dir / name
+            fs.check_writable(path)
+    except OSError as e:
+        raise unwritable(path, data_dir, e) from None
+    return data_dir
+
+
+def prepare_data_dir(config: Config, writes: Iterable[str]) -> tuple[UploadStore, ReceiptStore]:
+    """``uploads/`` and ``receipts/`` in the existing data directory, once :func:`check_writes`
+    passed for ``writes`` (which name them)."""
+    data_dir = check_writes(config, writes)
+    path = data_dir
+    try:
         for sub in ("uploads", "receipts"):
             path = data_dir / sub
             path.mkdir(exist_ok=True)
             # A crash between linking a receipt and fsyncing its directory leaves a name that a
             # power cut could still erase: make every name durable before anything serves it.
             fs.fsync_dir(path)
-        for name in writes:
-            path = data_dir / name
-            fs.check_writable(path)
     except OSError as e:
         raise unwritable(path, data_dir, e) from None
     return UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")

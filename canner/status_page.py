@@ -268,6 +268,7 @@ svg text{font:11px system-ui,sans-serif;fill:#666}
 .verdict h2{margin:.1em 0 .3em}.verdict ul{margin:.2em 0;padding-left:1.2em}
 .verdict.warning{border-color:#a60;background:#fff5e0}
 .verdict.critical{border-color:#a00;background:#fee}
+.verdict.draining{border-color:#36c;background:#eef3fc}.lvl-draining{color:#247}
 """
 
 
@@ -378,21 +379,9 @@ def _header(view: StatusView) -> list[Tag]:
         tags.a("readiness", href="/readyz"),
         class_="meta",
     )
+    # A drained node says so in its verdict ("Draining", with the drain and its retirement
+    # among the reasons): the operator's own doing, no red banner.
     parts = [tags.h1("canner"), meta, _verdict(view)]
-    if survey.draining is not None:
-        retire = survey.retirement
-        parts.append(
-            tags.p(
-                survey.draining.describe() + ": no new uploads are taken here. ",
-                "Retirable: nothing here is undelivered."
-                if retire is not None and retire.retirable
-                else "Not retirable yet: "
-                + "; ".join(retire.remaining if retire is not None else ())
-                + ".",
-                class_="banner",
-                id="drain-banner",
-            )
-        )
     if not liveness.ok:
         parts.append(
             tags.p(
@@ -404,7 +393,7 @@ def _header(view: StatusView) -> list[Tag]:
     return parts
 
 
-_LABELS = {"ok": "OK", "warning": "Warning", "critical": "Critical"}
+_LABELS = {"ok": "OK", "warning": "Warning", "critical": "Critical", "draining": "Draining"}
 
 
 def _verdict(view: StatusView) -> Tag:

@@ -1,4 +1,4 @@
-"""The one verdict on a node: ok, warning or critical, and every reason for it.
+"""The one verdict on a node: ok, warning, critical or draining, and every reason for it.
 
 ``canner status`` (its exit status and stderr), the status page's header and ``/readyz`` all
 word their reasons here, so the three never disagree.  :func:`upload_refusals` says why
@@ -6,7 +6,10 @@ uploads would be refused now for lack of storage (``/readyz`` answers 503 with t
 :func:`draining_reason` on a drained node, which is no warning); :func:`assess` adds
 what a survey knows about delivery (the index unreadable, canner-deliver not running, rows
 needing an operator, overdue purges, zstd dictionaries that cannot be had) and grades each
-reason.  Pure: the facts come from a :class:`~canner.inventory.Survey` or from
+reason.  A drained node is neither ok nor an alarm: the operator's own doing, its verdict is
+``draining`` (exit status 0, no alarm) unless something is worse, and the drain is always among
+its reasons, worded as ``/readyz`` words it, with whether the node can be retired.  Pure: the
+facts come from a :class:`~canner.inventory.Survey` or from
 :func:`canner.readiness.check_readiness`.
 """
 
@@ -19,29 +22,44 @@ from attrs import frozen
 
 from canner.delivery.index import RECOVERY
 from canner.delivery.liveness import judge
-from canner.drain import DrainMark
+from canner.drain import DrainMark, Retirement
 from canner.inventory import Survey
 
 OK, WARNING, CRITICAL = 0, 1, 2
 NAMES = ("ok", "warning", "critical")
 
 
+DRAINING = "draining"
+
+
 @frozen
 class Verdict:
-    """``code`` is the exit status of ``canner status``; each reason starts with its level
-    (``critical: ...``, ``warning: ...``), the critical ones first."""
+    """``code`` is the exit status of ``canner status`` (the alarm: 0 none, 1 warning, 2
+    critical); each reason starts with its level (``critical: ...``, ``warning: ...``,
+    ``draining: ...``), the critical ones first and the drain last.  ``draining``: the node is
+    drained."""
 
     code: int
     reasons: tuple[str, ...]
+    draining: bool = False
 
     @property
     def status(self) -> str:
-        """``ok``, ``warning`` or ``critical``."""
+        """``ok``, ``warning`` or ``critical``; ``draining`` for a drained node with nothing
+        worse (no alarm, yet not ok: it takes no uploads)."""
+        if self.code == OK and self.draining:
+            return DRAINING
         return NAMES[self.code]
 
 
 def draining_reason(draining: DrainMark) -> str:
     return f"{draining.describe()} (new uploads go to other nodes)"
+
+
+def _drained(draining: DrainMark, retirement: Retirement | None) -> str:
+    """The drain as a reason: ``/readyz``'s words, then whether the node can be retired."""
+    reason = draining_reason(draining)
+    return reason if retirement is None else f"{reason}; {retirement.describe()}"
 
 
 def upload_refusals(
@@ -82,7 +100,8 @@ def assess(
     Critical: uploads refused for lack of storage, the delivery index unreadable, or
     canner-deliver not running while some project delivers.  Warning: deliveries needing an
     operator, overdue purges, zstd dictionaries that cannot be had, and (the status page only:
-    the receiver's own log) ``errors_at_start`` errors logged while the receiver started."""
+    the receiver's own log) ``errors_at_start`` errors logged while the receiver started.
+    Draining (no alarm): the node's drain marker, with its retirement."""
     critical = upload_refusals(
         free_bytes=survey.free_bytes,
         free_error=survey.free_error,
@@ -92,7 +111,7 @@ def assess(
     if survey.index is None:
         critical.append(index_unreadable(survey.index_error or "unknown error"))
     # A drained node is the operator's own doing: /readyz names it (a load balancer must
-    # know), the page shows its banner and ``canner status`` its retirement, but it is no warning.
+    # know), and the verdict says "draining" with its retirement, but it is no warning.
     warning = []
     index = survey.index
     if index is not None:
@@ -110,5 +129,7 @@ def assess(
         errors = "1 error" if errors_at_start == 1 else f"{errors_at_start} errors"
         warning.append(f"the receiver logged {errors} while starting")
     reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
+    if survey.draining is not None:
+        reasons.append(f"{DRAINING}: {_drained(survey.draining, survey.retirement)}")
     code = CRITICAL if critical else WARNING if warning else OK
-    return Verdict(code, tuple(reasons))
+    return Verdict(code, tuple(reasons), draining=survey.draining is not None)

@@ -38,7 +38,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
 from canner.connections import ConnectionLimits
-from canner.routing import OTHER, Route, route
+from canner.routing import BAD_HOST_MESSAGE, OTHER, Route, bindable_host, route
 from canner.tus.answer import (
     BAD_REQUEST,
     CONTINUE,
@@ -335,6 +335,9 @@ class ReceiverRequest(Request):
         self._body_length = length
         if line is not None:
             self.route = route(method_override(line.method, self.requestHeaders), line.path)
+        if not bindable_host(self.getRequestHostname()):
+            self._refuse_host()
+            return
         sink = None
         if self.route.streams_body:
             try:
@@ -353,6 +356,15 @@ class ReceiverRequest(Request):
             self.content = BytesIO()
         else:
             super().gotLength(length)
+
+    def _refuse_host(self) -> None:
+        """A Host no route could be served with (:func:`~canner.routing.bindable_host`): 400 on
+        every route, before any body is opened; answered at once (closing the connection) when
+        a body follows, else once the request is in."""
+        error = TusError(400, BAD_HOST_MESSAGE)
+        self._refusal = Answer.of(error)
+        self.content = BytesIO()
+        self.answer_now(error)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_sink is not None:

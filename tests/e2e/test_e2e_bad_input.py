@@ -172,6 +172,25 @@ def test_a_request_head_over_the_limit_gets_431(rcv: Receiver) -> None:
         assert b"tus-resumable: 1.0.0" in answer.lower(), what
 
 
+@pytest.mark.parametrize("host", ["a" * 64 + ".example", "a..b"], ids=["64-char-label", "a..b"])
+def test_readyz_with_a_host_that_cannot_be_bound_is_400_without_a_traceback(
+    rcv: Receiver, host: str
+) -> None:
+    """A probe whose Host werkzeug cannot bind gets 400 and a one-line reason, not a 500 that
+    reads the node as broken, and the receiver logs no traceback for it (anyone could fill the
+    log); an ordinary Host, with a port or an IPv6 literal, is still served."""
+    logged = len(rcv.log_text())
+    for _ in range(3):
+        r = rcv.raw("GET", "/readyz", [("Host", host)], skip_host=True)
+        assert r.status == 400, (r.status, r.body[:300])
+        assert r.body == b"bad Host header: not a host name\n", r.body[:300]
+    for good in ("canner.test", f"127.0.0.1:{rcv.port}", "[::1]:8080"):
+        r = rcv.raw("GET", "/readyz", [("Host", good)], skip_host=True)
+        assert r.status == 200, (good, r.status, r.body[:300])
+    new_log = rcv.log_text()[logged:]
+    assert "Traceback" not in new_log and "BadHost" not in new_log, new_log[-3000:]
+
+
 def test_data_dir_holds_only_uploads_receipts_and_index(rcv: Receiver) -> None:
     """After start-up and all the refusals, the data directory holds only what it should."""
     names = {p.name for p in Path(rcv.data_dir).iterdir()}

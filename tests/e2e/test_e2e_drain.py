@@ -71,6 +71,10 @@ def test_drained_node_finishes_its_uploads_delivers_and_becomes_retirable(
 
     doc = status(env)
     assert doc["draining"]["reason"] == "retiring this volume"
+    # Neither ok nor an alarm: the command and the page both say draining.
+    assert doc["status"] == "draining", doc["reasons"]
+    page = rcv.session.get(rcv.base_url + "/", timeout=10).text
+    assert 'data-status="draining"' in page and "Nothing needs attention" not in page
     assert doc["retirement"]["retirable"] is False
     assert any("1 uploads in progress" in r for r in doc["retirement"]["remaining"])
 

@@ -5,9 +5,11 @@ while running, with the daemons run as an unprivileged user)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import random
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +17,10 @@ from urllib.parse import urljoin
 
 import pytest
 import requests
+from deliver_support import venv_bin
 from e2e_support import (
     OBJECT_ID,
+    REPO,
     Nobody,
     Receiver,
     blake3_hex,
@@ -211,6 +215,52 @@ def test_a_data_dir_its_user_cannot_write_stops_both_daemons_in_one_line(nobody:
     assert lines == [
         f"canner-receiver: cannot write {uploads} as user nobody: Permission denied; {fix}"
     ]
+
+
+def _check_config(config: Path) -> subprocess.CompletedProcess[str]:
+    """``canner check-config`` run as this test runs (root)."""
+    return subprocess.run(
+        [venv_bin("canner"), "check-config", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_check_config_as_root_refuses_a_data_dir_the_daemons_refuse(nobody: Nobody) -> None:
+    """Run as root, ``canner check-config`` runs the daemons' start-up check as their user (the
+    data directory's owner, nobody, where no ``canner`` account exists): a data directory both
+    daemons refuse to start on fails it with the daemons' own line, naming the path and the
+    fix; once fixed, it passes; it creates nothing."""
+    open_tmp = nobody.folder
+    rcv = Receiver.in_dir(open_tmp / "node")
+    data = rcv.data_dir
+    os.chown(data, NOBODY.pw_uid, NOBODY.pw_gid)
+    for sub in ("uploads", "receipts"):  # as a run as root leaves them
+        (data / sub).mkdir()
+    fix = f"fix the ownership: chown -R nobody:nogroup {data}"
+    cases = {
+        "uploads owned by root": (data / "uploads", lambda: None),
+        "data_dir 0500": (data, lambda: data.chmod(0o500)),
+    }
+    for n, (what, (path, spoil)) in enumerate(cases.items()):
+        spoil()
+        refusal = f"cannot write {path} as user nobody: Permission denied; {fix}"
+        for role in ("receiver", "deliver"):
+            lines = _refusal(role, rcv, open_tmp / f"{role}-{n}.log", nobody)
+            assert lines == [f"canner-{role}: {refusal}"], (what, lines)
+        before = sorted(os.listdir(data))
+        done = _check_config(rcv.config_path)
+        assert (done.returncode, done.stdout, done.stderr) == (1, "", f"canner: {refusal}\n"), what
+        assert sorted(os.listdir(data)) == before, what
+    data.chmod(0o750)
+    for path in (data, *data.rglob("*")):
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    done = _check_config(rcv.config_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["config"]["data_dir"] == str(data)
 
 
 def _storage_trouble(r: requests.Response, what: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -754,6 +755,35 @@ def test_check_config_refuses_a_missing_data_dir(run: Run) -> None:
     code, _, err = run("check-config")
     assert code == 1 and err.startswith("canner: config key 'data_dir'") and "mount" in err
     assert not run.data_dir.exists()
+
+
+def test_check_config_as_root_checks_as_the_canner_account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as root where a ``canner`` account exists (the packaged units' ``User=``; here it
+    stands for nobody), check-config runs the daemons' start-up check as that account, even on
+    a data directory root owns (a new volume, a restore as root): it fails with the daemons'
+    line, then, the directory given to the account, passes; root stays root."""
+    nobody = pwd.getpwnam("nobody")
+    real = pwd.getpwnam
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: nobody if name == "canner" else real(name))
+    root = Path(tempfile.mkdtemp(prefix="canner-cli-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        run = Run(root)
+        data = run.data_dir
+        code, out, err = run("check-config")
+        assert (code, out) == (1, ""), err
+        assert err == (
+            f"canner: cannot write {data} as user nobody: Permission denied; fix the ownership:"
+            f" chown -R nobody:nogroup {data}\n"
+        )
+        assert (os.geteuid(), os.getegid()) == (0, 0)
+        for path in (data, *data.rglob("*")):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        code, out, err = run("check-config")
+        assert code == 0 and "cannot write" not in err, err
+        assert (os.geteuid(), os.getegid()) == (0, 0)
+    finally:
+        shutil.rmtree(root)
 
 
 def test_retry_sends_a_flagged_package_or_ledger_again(run: Run, indexed: SyncIndex) -> None:

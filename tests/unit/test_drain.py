@@ -148,9 +148,17 @@ def test_drain_status_and_undrain_through_the_command(run: Run) -> None:
     code, out, _ = run("drain")
     assert code == 0 and out.startswith("already draining")
 
-    code, out, _ = run("status", "--json")
+    code, out, err = run("status", "--json")
     doc = json.loads(out)
     assert code == 0, "draining by itself is no warning"
+    # ... nor ok: its own status, worded as /readyz words it, with what keeps it from retiring.
+    assert doc["status"] == "draining", doc["status"]
+    assert doc["reasons"] == [
+        "draining: node draining since 2026-07-23T00:00:00Z: retiring (new uploads go to other"
+        " nodes); not retirable yet: 2 receipts not yet in the delivery index (canner-deliver's"
+        " rescan adds them)"
+    ]
+    assert err == f"canner: {doc['reasons'][0]}\n"
     assert doc["draining"] == {
         "since": NOW,
         "since_utc": "2026-07-23T00:00:00Z",
@@ -167,8 +175,15 @@ def test_drain_status_and_undrain_through_the_command(run: Run) -> None:
     assert "2 objects not yet delivered and verified" in out
 
     _deliver_everything(run, verified=True)
-    code, out, _ = run("status")
+    code, out, err = run("status")
     assert "retirable: nothing here is undelivered" in out
+    assert (
+        code == 0
+        and err.startswith("canner: draining: node draining since")
+        and err.endswith(
+            "(new uploads go to other nodes); retirable: nothing here is undelivered\n"
+        )
+    ), err
     assert json.loads(run("status", "--json")[1])["retirement"] == {
         "retirable": True,
         "remaining": [],
@@ -182,7 +197,8 @@ def test_drain_status_and_undrain_through_the_command(run: Run) -> None:
 
     code, out, _ = run("undrain")
     assert code == 0 and "no longer draining" in out
-    assert json.loads(run("status", "--json")[1])["draining"] is None
+    doc = json.loads(run("status", "--json")[1])
+    assert doc["draining"] is None and doc["status"] == "ok"
     assert run("undrain")[1] == "not draining: nothing to do\n"
 
 
@@ -195,7 +211,7 @@ def test_drain_refuses_a_missing_data_dir(run: Run) -> None:
 
 
 def test_status_page_and_gauges_say_draining_and_retirable(tmp_path: Path) -> None:
-    """The status page shows a drain banner naming what is left; ``canner_draining`` and
+    """The status page's verdict names the drain and what is left; ``canner_draining`` and
     ``canner_retirable`` follow the marker and the index."""
     for sub in ("uploads", "receipts"):
         (tmp_path / sub).mkdir()
@@ -216,16 +232,53 @@ def test_status_page_and_gauges_say_draining_and_retirable(tmp_path: Path) -> No
         survey = take_survey(tmp_path, ObjectIds(), NOW)
         return render_status(StatusView("i", survey, 1, ())).decode()
 
-    assert gauges() == (0, 0) and 'id="drain-banner"' not in page()
+    assert gauges() == (0, 0) and "node draining" not in page()
     drain.start_draining(tmp_path, NOW, "disk swap")
     assert gauges() == (1, 0)
     assert re.search(
-        r'id="drain-banner">node draining since [^<]*disk swap.*not yet delivered', page()
+        r'data-level="draining">draining: node draining since [^<]*disk swap[^<]*not yet'
+        r" delivered",
+        page(),
     )
     index.query(
         "UPDATE outbound SET state = 'delivered', verified_at = ? WHERE kind = 'object'",
         NOW,
     )
     assert gauges() == (1, 1)
-    assert "Retirable: nothing here is undelivered." in page()
+    assert "; retirable: nothing here is undelivered</li>" in page()
+    index.close()
+
+
+def test_the_status_page_of_a_drained_node_says_draining_not_ok(tmp_path: Path) -> None:
+    """A drained node's page does not open with a green "OK, nothing needs attention" above its
+    drain banner: its verdict is "Draining", with the drain's reason and whether the node is
+    retirable; a warning on a drained node is still a warning, with the drain among its
+    reasons."""
+    for sub in ("uploads", "receipts"):
+        (tmp_path / sub).mkdir()
+    index = SyncIndex(tmp_path / "delivery.sqlite")
+    index.run(sql.insert_objects, [AcceptedObject(oid(1), "example", None, 10, CHECKSUM, 500)], NOW)
+
+    def verdict() -> str:
+        survey = take_survey(tmp_path, ObjectIds(), NOW)
+        page = render_status(StatusView("i", survey, 1, ())).decode()
+        found = re.search(r'<section id="verdict".*?</section>', page, re.S)
+        assert found is not None, page[:2000]
+        return found.group(0)
+
+    assert 'data-status="ok"' in verdict()
+    drain.start_draining(tmp_path, NOW, "disk swap")
+    section = verdict()
+    assert 'data-status="draining"' in section, section
+    assert ">Draining</h2>" in section and ">OK<" not in section, section
+    assert "Nothing needs attention" not in section, section
+    assert "node draining since 2026-07-23T00:00:00Z: disk swap" in section, section
+    assert "not retirable yet: 1 objects not yet delivered and verified" in section, section
+    index.query(
+        "UPDATE outbound SET state = 'delivered', verified_at = ? WHERE kind = 'object'", NOW
+    )
+    assert "retirable: nothing here is undelivered" in verdict()
+    index.query("UPDATE outbound SET needs_operator = 1 WHERE kind = 'object'")
+    section = verdict()
+    assert 'data-status="warning"' in section and "node draining since" in section, section
     index.close()

@@ -11,9 +11,13 @@ import blake3
 import pytest
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.logger import Logger, LogLevel, LogPublisher, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
@@ -35,6 +39,7 @@ from canner.metrics import (
     MetricsPage,
     SurveyCache,
     SurveyCollector,
+    metrics_site,
 )
 from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, UploadObserver
 from canner.problems import RecentProblems
@@ -490,6 +495,45 @@ def test_deliver_metrics_page_serves_the_exposition_format() -> None:
     assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
     body = succeeded(response.text())
     assert 'canner_delivery_attempts_total{kind="object",project="example"} 0.0' in body
+
+
+def _get_metrics(site: Any, host: bytes) -> bytes:
+    """What ``site`` writes back for ``GET /metrics`` with ``Host: host``, over an in-memory
+    connection."""
+    peer = IPv4Address("TCP", "127.0.0.1", 40001)
+    channel = site.buildProtocol(peer)
+    transport = StringTransport(peerAddress=peer)
+    channel.makeConnection(transport)
+    channel.dataReceived(b"GET /metrics HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+    data: bytes = transport.value()
+    channel.connectionLost(Failure(ConnectionDone()))
+    return data
+
+
+@pytest.mark.parametrize("host", [b"a" * 64 + b".example", b"a..b", b"\xff.example"])
+def test_deliver_metrics_page_answers_a_host_that_cannot_be_bound_with_400(host: bytes) -> None:
+    """canner-deliver's metrics listener answers a Host werkzeug cannot bind with 400 and a
+    short reason, without logging a traceback; an ordinary Host (with a port, an IPv6 literal)
+    is served."""
+    site = metrics_site(Metrics(DELIVER, ["example"]))
+    failures: list[Any] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if "log_failure" in event or event.get("log_level", LogLevel.info) >= LogLevel.warn:
+            failures.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    try:
+        answer = _get_metrics(site, host)
+    finally:
+        globalLogPublisher.removeObserver(observe)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert answer.endswith(b"\r\n\r\nbad Host header: not a host name\n"), answer[-300:]
+    assert failures == []
+    for good in (b"127.0.0.1:9464", b"[::1]:9464", b"metrics.example"):
+        answer = _get_metrics(site, good)
+        assert answer.startswith(b"HTTP/1.1 200 "), (good, answer[:300])
+        assert b"canner_delivery_attempts_total" in answer
 
 
 def test_metrics_use_a_private_registry() -> None:

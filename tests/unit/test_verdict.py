@@ -13,12 +13,13 @@ from twisted.logger import Logger, LogPublisher
 from canner.config import parse_config
 from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat
+from canner.drain import DrainMark, Retirement
 from canner.ids import ObjectIds
 from canner.inventory import IndexSummary, Survey, take_survey
 from canner.problems import RecentProblems
 from canner.readiness import FloorWatch, check_readiness
 from canner.status_page import DeliveryTarget, StatusView, delivery_targets, render_status
-from canner.verdict import CRITICAL, OK, WARNING, assess
+from canner.verdict import CRITICAL, OK, WARNING, assess, draining_reason
 
 NOW = 1_784_764_800.0
 IDS = ObjectIds()
@@ -62,6 +63,22 @@ def test_ok_warning_critical_and_their_reasons() -> None:
     found = assess(down, min_free_bytes=1, delivers=True)
     assert found.code == CRITICAL and found.reasons[0].startswith("critical: canner-deliver")
     assert found.reasons[1] == "warning: 1 deliveries need an operator"
+
+
+def test_a_drained_node_is_draining_neither_ok_nor_an_alarm() -> None:
+    """Draining is its own status with exit status 0 (no alarm); its reason is /readyz's words
+    and the retirement; anything worse keeps its level, the drain still named last."""
+    mark = DrainMark(NOW, "disk swap")
+    drained = survey(draining=mark, retirement=Retirement(False, ("2 uploads in progress",)))
+    found = assess(drained, min_free_bytes=1, delivers=True)
+    assert (found.code, found.status) == (OK, "draining")
+    assert found.reasons == (
+        f"draining: {draining_reason(mark)}; not retirable yet: 2 uploads in progress",
+    )
+    worse = assess(attrs.evolve(drained, free_bytes=0), min_free_bytes=1, delivers=True)
+    assert (worse.code, worse.status) == (CRITICAL, "critical")
+    assert worse.reasons[-1] == found.reasons[0]
+    assert assess(survey(), min_free_bytes=1, delivers=True).status == "ok"
 
 
 def test_storage_reasons_are_readyz_reasons_word_for_word(tmp_path: Path) -> None:
