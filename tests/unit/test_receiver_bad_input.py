@@ -689,9 +689,8 @@ def test_a_host_that_cannot_be_bound_is_400_on_every_route(
     ],
 )
 def test_ordinary_hosts_are_served(rcv: InMemoryReceiver, host: bytes) -> None:
-    """A host name, with or without a port, an IPv4 or IPv6 literal are served as usual (the
-    in-memory receiver has no delivery index: /readyz is 503 for that, whatever the Host)."""
-    expected = {"/healthz": 200, "/readyz": 503, "/metrics": 200, "/": 200}
+    """A host name, with or without a port, an IPv4 or IPv6 literal are served as usual."""
+    expected = {"/healthz": 200, "/readyz": 200, "/metrics": 200, "/": 200}
     expected[f"/api/v1/receipts/{OID}"] = 404
     for path, status in expected.items():
         r = rcv.exchange("GET", path, [("Host", host)], host=False)
