@@ -83,7 +83,7 @@ from canner.systemd import SystemdNotifier
 from canner.trends import SAMPLE_INTERVAL, record_sample
 from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
-from canner.tus.recovery import cut_to_durable_offsets
+from canner.tus.recovery import current_boot_id, cut_after_restart
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
 from canner.tus.sweep import StaleSweep
@@ -150,7 +150,7 @@ def receiver_parts(
     ``Clock`` and inline runners.  The promises to uploads in flight are rebuilt from
     ``uploads/`` here (blocking, before anything listens), once every upload in flight is cut
     back to its durable offset."""
-    cut_to_durable_offsets(uploads, receipts, config.object_ids)
+    cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
     origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(

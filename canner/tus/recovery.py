@@ -1,11 +1,18 @@
-"""Start-up: cut every upload in flight back to the offset whose bytes are durable.
+"""Start-up after a power cut: every upload in flight is cut back to its durable offset.
 
 After a power cut a data file can come back at the length the kernel had reached, its bytes past
 the last fsync zeros (ext4 commits the size before the data).  HEAD answers the data file's size,
 so before the receiver reads ``uploads/`` (the promises, the first request) every upload without
 a receipt is truncated to what its sidecar records as durable (see ``canner.tus.store``): the
-worker resumes from bytes that are really its own.  A SIGKILL loses nothing on disk, but cannot
-be told from a power cut: what a PATCH wrote after its last checkpoint is sent again.
+worker resumes from bytes that are really its own.
+
+Only after the machine restarted: a receiver killed (SIGKILL, OOM, a crash) leaves its written
+bytes in the page cache, which outlives the process, so within one boot the data file's size is
+exact and nothing is cut.  ``receiver.boot`` in the data directory records the kernel's boot id
+(``/proc/sys/kernel/random/boot_id``) of the last start, written durably once the cut is done: a
+start under another boot id (a power cut, a reboot, the volume moved to another machine), or with
+no readable record, cuts; a crash during the cut leaves the old record, so the next start cuts
+again.  Where the boot id cannot be read, every start cuts.
 
 Left alone: a sidecar from before the durable offset existed (its ``Offset`` means nothing; the
 file's size counts, as it did), an unreadable one (the sweep's), a rejected upload, and a complete
@@ -14,6 +21,8 @@ fsynced the data (``Acceptance.sync_upload``), so its whole length is durable.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from twisted.logger import Logger
 
@@ -24,6 +33,47 @@ from canner.receipts import ReceiptStore
 from canner.tus.store import UploadStore
 
 log = Logger()
+
+# The kernel's id of the running boot: a new random UUID at every boot.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# Where the receiver records the boot it last started in, in the data directory.
+BOOT_RECORD = "receiver.boot"
+
+
+def current_boot_id(source: Path = BOOT_ID) -> str | None:
+    """The running boot's id; None when the kernel does not say."""
+    try:
+        return source.read_text("ascii").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def cut_after_restart(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    data_dir: Path,
+    boot_id: str | None,
+) -> int:
+    """Cut every upload in flight back to its durable offset unless the last start was in this
+    same boot (``boot_id``, see the module docstring), then record this boot (blocking; start-up,
+    before anything reads or writes ``uploads/``); returns how many uploads were cut."""
+    record = data_dir / BOOT_RECORD
+    try:
+        recorded: str | None = record.read_text("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        recorded = None
+    if boot_id is not None and recorded == boot_id:
+        return 0  # only the process died since: the page cache kept every byte it wrote
+    cut = cut_to_durable_offsets(uploads, receipts, ids)
+    if boot_id is not None:
+        try:
+            fs.replace_file(data_dir, BOOT_RECORD, f"{boot_id}\n".encode("ascii"), sync=True)
+            fs.fsync_dir(data_dir)
+        except OSError as e:
+            # The next start in this boot cuts again (what it would have kept, it sends again).
+            log.warn("could not record the boot in {path}: {error}", path=str(record), error=str(e))
+    return cut
 
 
 def cut_to_durable_offsets(uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds) -> int:

@@ -16,8 +16,9 @@ then ``uploads/``): at the end of every PATCH that does not complete its upload,
 (or 503), and every :data:`CHECKPOINT_BYTES` of a long body.  A body that completes its upload
 is not checkpointed: acceptance fsyncs it and records its origin right after, which is what
 marks its whole length as durable.  While the receiver runs, the data file's size is the offset
-(the page cache holds the bytes); at start, :func:`canner.tus.recovery.cut_to_durable_offsets`
-cuts every upload in flight back to its durable offset before anything reads it.
+(the page cache holds the bytes, and outlives a killed process); at the first start after the
+machine restarted, :func:`canner.tus.recovery.cut_after_restart` cuts every upload in flight
+back to its durable offset before anything reads it.
 
 One writer per upload: :meth:`UploadStore.open_locked` takes a flock on the data file that holds
 across processes, and never creates the file (only :meth:`UploadStore.create` does).

@@ -3,9 +3,10 @@
 A real receiver (twistd) and a real tus client (tuspy).  The worker's first PATCH is answered
 204; a second one is streaming when the receiver dies (SIGKILL), and the power cut is what the
 test then writes by hand: ext4 kept the data file's size but not the bytes the kernel had not
-written back, so everything past the answered offset reads as zeros.  After the restart HEAD must
-answer the offset the first PATCH was answered with (its bytes durable), the zeros must be gone
-from ``uploads/``, and tuspy's resume must end in the receipt of the worker's file.
+written back, so everything past the answered offset reads as zeros, and the machine came back
+under a new boot id (the receiver's ``receiver.boot`` names the one before).  After the restart
+HEAD must answer the offset the first PATCH was answered with (its bytes durable), the zeros must
+be gone from ``uploads/``, and tuspy's resume must end in the receipt of the worker's file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 import pytest
 from e2e_support import Receiver, blake3_hex
 from tusclient import client as tus_client
+
+from canner.tus.recovery import BOOT_ID
 
 pytestmark = pytest.mark.e2e
 
@@ -54,10 +57,13 @@ def test_tuspy_resumes_after_a_power_cut_zeroed_the_tail(receiver: Receiver) -> 
         rcv.kill()
     finally:
         sock.close()
-    # The power cut: the size is on disk, the bytes past the answered offset are not.
+    # The power cut: the size is on disk, the bytes past the answered offset are not, and the
+    # machine comes back under another boot id than the one the receiver recorded.
     with open(rcv.uploads_dir / object_id, "r+b") as f:
         f.seek(MiB)
         f.write(b"\0" * streamed)
+    assert (rcv.data_dir / "receiver.boot").read_text().strip() == BOOT_ID.read_text().strip()
+    (rcv.data_dir / "receiver.boot").write_text("an-earlier-boot\n")
     rcv.start()
 
     head = rcv.head(object_id)

@@ -22,6 +22,7 @@ import pytest
 from canner import fs
 from canner.receipts import Origin, ReceiptStore
 from canner.tus.intake import TAKEOVER_QUIET
+from canner.tus.recovery import BOOT_RECORD, current_boot_id
 from canner.tus.store import CHECKPOINT_BYTES, UploadInfo, UploadStore, parse_info
 from tests.unit.receiver_harness import (
     ISSUER,
@@ -42,7 +43,8 @@ def durable_offset(rcv: InMemoryReceiver, oid: str) -> int | None:
 def power_cut(rcv: InMemoryReceiver, oid: str, length: int) -> InMemoryReceiver:
     """The disk as a power cut leaves it while a PATCH past the durable offset was streaming:
     the data file at ``length`` bytes, all past the answered offset zeros; the sidecar as the
-    receiver last wrote it.  Returns a receiver started on it (nothing of the old one runs)."""
+    receiver last wrote it, and the receiver's record of its last boot another boot's.  Returns a
+    receiver started on it (nothing of the old one runs)."""
     path = rcv.uploads_dir / oid
     with open(path, "r+b") as f:
         answered = os.fstat(f.fileno()).st_size
@@ -51,6 +53,8 @@ def power_cut(rcv: InMemoryReceiver, oid: str, length: int) -> InMemoryReceiver:
         f.write(b"\0" * (length - answered))
     for connection in rcv.connections:
         connection.close()
+    # The machine restarted: the record of the boot the receiver last started in names another.
+    (rcv.data_dir / BOOT_RECORD).write_text("an-earlier-boot\n")
     return InMemoryReceiver.build(rcv.data_dir)
 
 
@@ -227,3 +231,48 @@ def test_an_upload_in_flight_from_the_previous_version_keeps_every_stored_byte(
     assert done.status == 204, done.body
     doc = rcv.verify_receipt(done.header("Artifact-Receipt"), oid, DATA)
     assert doc["issuer"] == ISSUER
+
+
+def test_a_receiver_killed_and_started_in_the_same_boot_keeps_every_stored_byte(
+    tmp_path: Path,
+) -> None:
+    """A kill (no power cut: the page cache kept the bytes) of a receiver whose PATCH streamed
+    past the durable offset: started again in the same boot it cuts nothing, HEAD answers every
+    byte stored, and the worker resumes from there to the right receipt; after a reboot the same
+    files are cut back."""
+    assert current_boot_id() is not None, "this kernel names its boot"
+    rcv = InMemoryReceiver.build(tmp_path)
+    oid = rcv.new_upload(DATA)
+    assert rcv.patch(oid, 0, DATA[:FIRST]).status == 204
+    streamed = FIRST + 50_000
+    with open(rcv.uploads_dir / oid, "r+b") as f:  # what the killed PATCH had written
+        f.seek(FIRST)
+        f.write(DATA[FIRST:streamed])
+    for connection in rcv.connections:
+        connection.close()
+    rcv = InMemoryReceiver.build(tmp_path)
+    assert durable_offset(rcv, oid) == FIRST
+    assert rcv.offset(oid) == streamed, "a kill within one boot cost the worker stored bytes"
+    done = rcv.patch(oid, streamed, DATA[streamed:])
+    assert done.status == 204, done.body
+    rcv.verify_receipt(done.header("Artifact-Receipt"), oid, DATA)
+
+
+def test_a_start_after_a_reboot_cuts_and_records_the_boot(tmp_path: Path) -> None:
+    """With no record of a boot (a data directory from before it existed, or a lost record) or
+    another boot's, the start cuts; it then records its own boot, so a second start in this boot
+    cuts nothing it has not cut already."""
+    rcv = InMemoryReceiver.build(tmp_path)
+    record = tmp_path / BOOT_RECORD
+    assert record.read_text().strip() == current_boot_id()
+    oid = rcv.new_upload(DATA)
+    assert rcv.patch(oid, 0, DATA[:FIRST]).status == 204
+    for connection in rcv.connections:
+        connection.close()
+    with open(rcv.uploads_dir / oid, "r+b") as f:
+        f.seek(FIRST)
+        f.write(b"\0" * 1000)
+    record.unlink()
+    rcv = InMemoryReceiver.build(tmp_path)
+    assert rcv.offset(oid) == FIRST, "a start without a record of its boot kept undurable bytes"
+    assert record.read_text().strip() == current_boot_id()
