@@ -76,7 +76,7 @@ from canner.tus.channel import ReceiverSite
 from canner.tus.intake import UploadIntake
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
-from canner.tus.sweep import StaleSweep
+from canner.tus.sweep import StaleSweep, remove_whole_files
 
 IO_THREADS = 16
 HASH_THREADS = 2
@@ -126,8 +126,10 @@ def receiver_parts(
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
-    ``Clock`` and inline runners.  The promises to uploads in flight are rebuilt from
-    ``uploads/`` here (blocking, before anything listens)."""
+    ``Clock`` and inline runners.  What a stop left of whole-file uploads is removed, and the
+    promises to uploads in flight are rebuilt from ``uploads/``, here (blocking, before anything
+    listens; the caller holds ``receiver.lock``)."""
+    remove_whole_files(uploads, receipts, config.object_ids)
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
     origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
