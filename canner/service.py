@@ -66,6 +66,7 @@ from canner.startup import (
     DELIVER_WRITES,
     RECEIVER_WRITES,
     lock_data_dir,
+    lock_receiver_dir,
     prepare_data_dir,
     prepare_packages,
 )
@@ -195,14 +196,23 @@ def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
-    metrics and (when configured) the rsync intake and the manhole."""
+    metrics and (when configured) the rsync intake and the manhole.  Raises
+    :class:`~canner.startup.ReceiverLocked` when another receiver serves the data directory."""
     with watching_start_up(log_publisher) as problems:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
+    # Before anything reads uploads/: a second receiver must not touch the first's uploads.
+    lock = lock_receiver_dir(config)
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
-    # The index closes once every service and thread pool has stopped.
-    top = DaemonRoot(pool.close if pool is not None else lambda: None)
+
+    def stopped() -> None:
+        if pool is not None:
+            pool.close()
+        lock.release()
+
+    # The index closes, and the lock goes, once every service and thread pool has stopped.
+    top = DaemonRoot(stopped)
     top.outlive(io)
     top.outlive(hashing)
     # Adding the observer again is a no-op; stopping removes it.
