@@ -5,14 +5,18 @@ Every open upload (a tus upload with its ``Upload-Length``, a ``PUT /seesaw/...`
 admitted only while free space minus every promise, its own included, stays at or above
 ``min_free_bytes`` (:func:`overpromised`), so an upload admitted earlier never dies of ENOSPC
 because others were admitted after it.  A promise ends when its upload is accepted or rejected,
-is cut short (a whole-file body), or is swept as abandoned; deferred-length tus uploads do not
-exist here (the intake refuses them), so every upload has a size to promise.
+when the request of a whole-file upload ends without a receipt (cut short, a failed write or
+acceptance: it is never resumed), or when it is swept as abandoned; deferred-length tus uploads
+do not exist here (the intake refuses them), so every upload has a size to promise.
 
 :class:`Promises` is the receiver's live account, in memory and safe across threads;
-:func:`promised_on_disk` rebuilds it from ``uploads/`` at start, with the same rule the survey
-(``canner status``, the status page, the metrics) uses: every upload without a receipt that is
-not rejected owes ``size - stored``.  An incomplete whole-file upload found at start is dead (no
-request can resume it) but still counts until the sweep removes it, so the two views agree.
+:func:`promised_on_disk` rebuilds it from ``uploads/`` at start: every tus or rsync'd upload
+without a receipt that is not rejected owes ``size - stored``.  A whole-file upload found at
+start is dead (its request ended with the process before): the receiver removes it first
+(:func:`canner.tus.sweep.remove_whole_files`) and it owes nothing.  The survey (``canner
+status``, the status page, the metrics) counts every upload without a receipt, whole files
+included, since it cannot tell a PUT in flight from one a stop cut: the two agree while the
+receiver runs, and a stopped receiver's dead PUTs are counted until it starts.
 """
 
 from __future__ import annotations
@@ -148,10 +152,11 @@ def open_uploads(
 def promised_on_disk(
     uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
 ) -> Iterable[tuple[str, tuple[int, int]]]:
-    """``(upload_id, (size, stored))`` of every upload in flight (blocking).  An unreadable
-    sidecar promises nothing (the sweep removes it); an upload marked untrusted has nothing
-    stored that counts."""
+    """``(upload_id, (size, stored))`` of every upload that can still go on after a start
+    (blocking).  An unreadable sidecar promises nothing (the sweep removes it), nor does a
+    whole-file upload (its request is over); an upload marked untrusted has nothing stored that
+    counts."""
     for upload_id, info in open_uploads(uploads, receipts, ids):
-        if info is not None:
+        if info is not None and not info.whole_file:
             stored = 0 if info.untrusted is not None else uploads.offset(upload_id)
             yield upload_id, (info.size, stored)

@@ -16,7 +16,10 @@ the receipt as its JSON body and in ``Artifact-Receipt``.  A declared ``Content-
 ``Content-Digest: sha-256=...`` is checked over the stored bytes (422 on a mismatch, no
 receipt).  A file with the same project, downloader, name, size and BLAKE3 as an object already
 accepted is answered ``200`` with that object's receipt and leaves nothing new
-(:mod:`canner.origins`).  A body cut short leaves nothing behind.
+(:mod:`canner.origins`).  A request that ends without a receipt (its body cut short, a write
+failed, acceptance failed) leaves nothing behind, and nothing promised: a whole file is never
+resumed, the worker sends it again.  What a crash left of one goes when the receiver starts
+(:func:`canner.tus.sweep.remove_whole_files`).
 
 :func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (it is the
 site's body router, and hands every other route to the tus intake); :class:`SeesawRoutes`
@@ -145,7 +148,8 @@ class SeesawDoor:
         if route.kind is not Kind.PUT:
             return self._intake.open_body(request, route, length)
         admission = partial(self._admit, request.requestHeaders, route.target, length)
-        return self._intake.open_stream(request, admission, self._intake.finish_whole)
+        intake = self._intake
+        return intake.open_stream(request, admission, intake.finish_whole, intake.discard_whole)
 
     def _admit(
         self, headers: Headers, rest: str, length: int | None

@@ -74,6 +74,7 @@ from canner.startup import (
     DELIVER_WRITES,
     RECEIVER_WRITES,
     lock_data_dir,
+    lock_receiver_dir,
     prepare_data_dir,
     prepare_packages,
     upgrade_index,
@@ -86,7 +87,7 @@ from canner.tus.intake import UploadIntake
 from canner.tus.recovery import current_boot_id, cut_after_restart
 from canner.tus.routes import TusRoutes
 from canner.tus.store import UploadStore
-from canner.tus.sweep import StaleSweep
+from canner.tus.sweep import StaleSweep, remove_whole_files
 
 log = Logger()
 
@@ -147,9 +148,11 @@ def receiver_parts(
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
-    ``Clock`` and inline runners.  The promises to uploads in flight are rebuilt from
-    ``uploads/`` here (blocking, before anything listens), once every upload in flight is cut
-    back to its durable offset."""
+    ``Clock`` and inline runners.  What a stop left of whole-file uploads is removed, every upload
+    in flight is cut back to its durable offset after a restart of the machine, and the promises
+    to uploads in flight are rebuilt from ``uploads/``, here (blocking, before anything listens;
+    the caller holds ``receiver.lock``)."""
+    remove_whole_files(uploads, receipts, config.object_ids)
     cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
     origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
@@ -216,9 +219,12 @@ def receiver_service(
     config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
-    metrics and (when configured) the rsync intake and the manhole."""
+    metrics and (when configured) the rsync intake and the manhole.  Raises
+    :class:`~canner.startup.ReceiverLocked` when another receiver serves the data directory."""
     with watching_start_up(log_publisher) as problems:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
+    # Before anything reads uploads/: a second receiver must not touch the first's uploads.
+    lock = lock_receiver_dir(config)
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
@@ -233,8 +239,14 @@ def receiver_service(
             object_ids=config.object_ids,
             now=reactor.seconds,
         )
-    # The index closes once every service and thread pool has stopped.
-    top = DaemonRoot(pool.close if pool is not None else lambda: None)
+
+    def stopped() -> None:
+        if pool is not None:
+            pool.close()
+        lock.release()
+
+    # The index closes, and the lock goes, once every service and thread pool has stopped.
+    top = DaemonRoot(stopped)
     top.outlive(io)
     top.outlive(hashing)
     # Adding the observer again is a no-op; stopping removes it.

@@ -1,9 +1,10 @@
 """Start-up checks of the data directory, before any service is built.
 
 Each daemon refuses to start, in one line naming the path, its user and the fix
-(:class:`CannotStart`), when it cannot write what it writes in the data directory, and
-canner-deliver when another one owns the directory (:class:`DeliverLocked`) or its delivery
-index is damaged (:func:`upgrade_index`).  The checks run in
+(:class:`CannotStart`), when it cannot write what it writes in the data directory, when
+another process of its kind owns the directory (:class:`DeliverLocked`, :class:`ReceiverLocked`:
+``deliver.lock`` and ``receiver.lock``, each holding its owner's pid), and canner-deliver when
+its delivery index is damaged (:func:`upgrade_index`).  The checks run in
 ``makeService``, so a refusal aborts the launch before anything listens.
 """
 
@@ -14,7 +15,7 @@ import grp
 import os
 import pwd
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from canner import fs
@@ -33,7 +34,7 @@ class CannotStart(Exception):
 
 # What each daemon writes directly in its data directory (which is always checked, first);
 # files inside these directories are theirs too.
-RECEIVER_WRITES = (
+_BOTH_WRITE = (
     "uploads",
     "receipts",
     "journal",
@@ -41,7 +42,8 @@ RECEIVER_WRITES = (
     "delivery.sqlite-wal",
     "delivery.sqlite-shm",
 )
-DELIVER_WRITES = (*RECEIVER_WRITES, "ledger", "deliver.lock")
+RECEIVER_WRITES = (*_BOTH_WRITE, "receiver.lock")
+DELIVER_WRITES = (*_BOTH_WRITE, "ledger", "deliver.lock")
 
 
 def process_user() -> tuple[str, str]:
@@ -110,20 +112,58 @@ class DeliverLocked(CannotStart):
     """Another canner-deliver owns this data directory."""
 
 
-def lock_data_dir(config: Config) -> DataDirLock:
-    """Take ``deliver.lock`` in the data directory, held until released or the process exits:
-    :class:`DeliverLocked` when another process holds it, :class:`CannotStart` when it cannot
-    be written."""
-    lock = DataDirLock(config.data_dir / "deliver.lock")
+class ReceiverLocked(CannotStart):
+    """Another canner-receiver serves this data directory."""
+
+
+def _holder(lock: DataDirLock) -> str:
+    """``pid N`` of the process holding ``lock`` (as its file says), for a refusal."""
+    try:
+        text = lock.path.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        text = ""
+    # Empty for the moment between its holder's flock and the write of its pid.
+    return f"pid {text}" if text.isdigit() else "pid unknown"
+
+
+def _take(config: Config, name: str, refused: Callable[[str], CannotStart]) -> DataDirLock:
+    lock = DataDirLock(config.data_dir / name)
     try:
         lock.acquire()
     except Locked:
-        raise DeliverLocked(
-            f"another canner-deliver already owns {config.data_dir} (see deliver.lock)"
-        ) from None
+        raise refused(_holder(lock)) from None
     except OSError as e:
         raise unwritable(lock.path, config.data_dir, e) from None
     return lock
+
+
+def lock_data_dir(config: Config) -> DataDirLock:
+    """Take ``deliver.lock`` in the data directory, held until released or the process exits:
+    :class:`DeliverLocked` (naming the holder's pid) when another process holds it,
+    :class:`CannotStart` when it cannot be written."""
+    return _take(
+        config,
+        "deliver.lock",
+        lambda holder: DeliverLocked(
+            f"another canner-deliver already owns {config.data_dir} ({holder}, see deliver.lock)"
+        ),
+    )
+
+
+def lock_receiver_dir(config: Config) -> DataDirLock:
+    """Take ``receiver.lock`` in the data directory, held until released or the process exits:
+    :class:`ReceiverLocked` (naming the holder's pid) when another receiver holds it,
+    :class:`CannotStart` when it cannot be written.  One receiver per data directory: one
+    sweep, one account of promised space, one origin memory, and a start that may remove what
+    a stop left of whole-file uploads because nobody else writes them."""
+    return _take(
+        config,
+        "receiver.lock",
+        lambda holder: ReceiverLocked(
+            f"another canner-receiver already serves {config.data_dir}"
+            f" ({holder}, see receiver.lock): stop it first, or give this one its own data_dir"
+        ),
+    )
 
 
 def prepare_packages(packages: PackageStore) -> None:

@@ -96,8 +96,9 @@ def running_daemons(go: GoDataDir, data_dir: Path, listen: str) -> list[str]:
         found.append(f"the Go canner's deliver holds {go.root / 'delivery.lock'}")
     for path, pid in go.upload_lock_holders():
         found.append(f"the Go canner (pid {pid}) holds {path}")
-    if fs.lock_held(data_dir / "deliver.lock"):
-        found.append(f"canner-deliver holds {data_dir / 'deliver.lock'}")
+    for daemon in ("receiver", "deliver"):
+        if fs.lock_held(data_dir / f"{daemon}.lock"):
+            found.append(f"canner-{daemon} holds {data_dir / f'{daemon}.lock'}")
     if _listening(listen):
         found.append(f"something (canner-receiver?) answers on {listen}")
     return found

@@ -44,7 +44,7 @@ from canner.tus.store import (
     UploadInfo,
     UploadStore,
 )
-from canner.tus.stream import BodyStream
+from canner.tus.stream import Abandon, BodyStream
 
 log = Logger()
 
@@ -151,10 +151,13 @@ class UploadIntake:
         request: ReceiverRequest,
         admission: Callable[[], Deferred[LockedUpload | Outcome]],
         finish: Callable[[LockedUpload, bool], Deferred[Outcome]],
+        abandon: Abandon = LockedUpload.close,
     ) -> BodyStream:
         """The stream of an upload body that ``admission`` admits (a :class:`TusError` it raises
         or fails with is the answer), written like every upload's and handed to ``finish``
-        (:meth:`_finish`, :meth:`finish_whole`) once over."""
+        (:meth:`_finish`, :meth:`finish_whole`) once over; an upload whose body is answered
+        without ``finish`` (a write failed) goes to ``abandon`` (blocking): closed, or
+        :meth:`discard_whole`."""
         transport = request.transport
         assert transport is not None
         stream = BodyStream(
@@ -164,6 +167,7 @@ class UploadIntake:
             finish,
             request,
             self._clock.seconds,
+            abandon,
         )
         try:
             admitting = admission()
@@ -198,7 +202,7 @@ class UploadIntake:
 
     def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
         """After a whole-file body: acceptance when every byte came, as for tus; otherwise the
-        upload cannot be resumed, so its bytes go at once and nothing of it stays.  An
+        upload cannot be resumed, so it is discarded at once (:meth:`discard_whole`).  An
         acceptance that fails for a reason other than a checksum mismatch (storage trouble, the
         receiver stopping) leaves nothing either: the worker sends the file again (a mismatch
         keeps its sidecar, rejected, for the sweep)."""
@@ -206,25 +210,33 @@ class UploadIntake:
         if upload.offset == info.size:
             return self._finish(upload, lost).addErrback(self._discard_unaccepted, info)
         offset = upload.offset
-        log.info(
-            "{object_id} ended at {offset} of {size} bytes: discarded",
-            object_id=info.upload_id,
-            offset=offset,
-            size=info.size,
-            project=info.project,
-        )
-
-        def discard() -> None:
-            try:
-                self._uploads.remove(info.upload_id)
-            finally:
-                upload.close()
-                self.promises.release(info.upload_id)
 
         def cut_short(_: object) -> Outcome:
             raise TusError(400, f"the body ended after {offset} of {info.size} bytes")
 
-        return self._run(discard).addCallbacks(cut_short, _failure_status)
+        return self._run(self.discard_whole, upload).addCallbacks(cut_short, _failure_status)
+
+    def discard_whole(self, upload: LockedUpload) -> None:
+        """Let go of a whole-file upload whose request ends without a receipt (cut short, or a
+        write failed), blocking: no request can resume it, so its bytes and its promise go at
+        once, before its answer.  The promise goes even when the files cannot be removed (the
+        storage fails under them): those stay for the sweep, and nothing is owed to them."""
+        info = upload.info
+        log.info(
+            "{object_id} ended at {offset} of {size} bytes without a receipt: discarded",
+            object_id=info.upload_id,
+            offset=upload.offset,
+            size=info.size,
+            project=info.project,
+        )
+        try:
+            self._uploads.remove(info.upload_id)
+        except OSError as e:
+            log.warn("{object_id} stays for the sweep: {error}", object_id=info.upload_id,
+                     error=e.strerror or str(e))  # fmt: skip
+        finally:
+            upload.close()
+            self.promises.release(info.upload_id)
 
     def stop(self) -> Deferred[None]:
         """The receiver stops: drop the connection of every request writing an upload it does

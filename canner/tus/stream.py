@@ -74,6 +74,8 @@ class Gate(Protocol):
 
 Write = Callable[[LockedUpload, list[bytes]], "Deferred[int]"]
 Finish = Callable[[LockedUpload, bool], "Deferred[Any]"]
+# Lets go of an upload the stream answered without finishing (blocking).
+Abandon = Callable[[LockedUpload], None]
 
 
 @define(eq=False)
@@ -87,6 +89,10 @@ class BodyStream:
     result.  When the body has ended (or the connection dropped) and every chunk is written,
     ``finish(upload, lost)`` runs and its result is what :meth:`result` gives.  A body that would
     run past the upload's length is refused with 413 and the bytes it wrote are truncated away.
+    An upload answered without ``finish`` once it was admitted (a failed write, an overrun) is
+    let go of by ``abandon(upload)`` on ``run`` before the answer: by default it is closed with
+    what it holds (a tus upload is resumed later); a door whose uploads cannot be resumed
+    removes it there.
 
     A refusal made at admission while the body is still arriving is answered through ``gate``
     at once, not after the whole body.  ``last_progress`` (``now()`` of the last byte received or
@@ -100,6 +106,7 @@ class BodyStream:
     _finish: Finish
     _gate: Gate | None = None
     _now: Callable[[], float] = lambda: 0.0
+    _abandon: Abandon = LockedUpload.close
     phase: Phase = Phase.ADMITTING
     last_progress: float = 0.0
     # The connection's facts, as they come.
@@ -290,7 +297,9 @@ class BodyStream:
     def _settle(self) -> None:
         self._enter(Phase.SETTLING)
         upload, answer = self._upload, self._answer
-        closing: Deferred[Any] = self._run(upload.close) if upload is not None else succeed(None)
+        closing: Deferred[Any] = (
+            self._run(self._abandon, upload) if upload is not None else succeed(None)
+        )
         closing.addErrback(lambda f: None if _stopping(f) else log.failure("closing an upload", f))
         # The lock goes first, so a client retrying at once after the answer finds it free.
         closing.addCallback(self._release).addCallback(lambda _: self._fire(answer))

@@ -4,7 +4,8 @@ An incomplete upload (or one rejected for its checksum) whose files have not cha
 ``partial_upload_retention`` is removed (data and sidecar), under its lock, so an upload being
 written is never touched.  A complete tus upload without a receipt stays: it can still be
 accepted; a complete whole-file upload (``PUT /seesaw/...``) cannot, and goes like an incomplete
-one.
+one.  At the receiver's start every whole-file upload without a receipt goes at once
+(:func:`remove_whole_files`): none can be in flight then, and none is ever resumed.
 An upload without a receipt whose sidecar is unreadable is removed at once: a sidecar is only
 ever replaced whole (by rename), so that is a creation a power cut caught before it was durable
 (or a damaged disk), never a write in progress, and the intake already answers 404 for it, so
@@ -28,7 +29,7 @@ from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.journal import Journal
 from canner.observe import UploadObserver
-from canner.promises import Promises
+from canner.promises import Promises, open_uploads
 from canner.receipts import ReceiptStore
 from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
@@ -112,6 +113,43 @@ def sweep_stale(
             temp.unlink(missing_ok=True)
             report.temps_removed += 1
     return report
+
+
+def remove_whole_files(uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds) -> list[str]:
+    """Remove every whole-file upload (``PUT /seesaw/...``) without a receipt found in
+    ``uploads/`` at the receiver's start, complete or not (blocking); the ids removed.
+
+    Its request ended with the process that served it, and a whole file is never resumed or
+    accepted after its request: the worker, which had no receipt, sends the file again.  That
+    holds for a complete one too (a crash between its last byte and its receipt): accepting it
+    now would make an object its worker never learns of, from bytes nothing declared a digest
+    for and a power cut may have left as zeros.  Only ``receiver.lock`` lets this run at start:
+    no other receiver can be writing one of them.  One rejected for a declared digest stays for
+    the sweep (its bytes are gone already); files that cannot be removed stay for it too, and
+    the promises rebuilt from disk owe them nothing (:func:`canner.promises.promised_on_disk`).
+    """
+    removed = []
+    for upload_id, info in open_uploads(uploads, receipts, ids):
+        if info is None or not info.whole_file:
+            continue
+        offset = uploads.offset(upload_id)
+        try:
+            gone = _remove_unlocked(uploads, receipts, upload_id)
+        except OSError as e:
+            log.warn("{object_id} stays for the sweep: {error}", object_id=upload_id,
+                     error=e.strerror or str(e))  # fmt: skip
+            continue
+        if gone:
+            removed.append(upload_id)
+            log.info(
+                "removed {object_id}, a whole-file upload a stop left at {offset} of {size} bytes"
+                " without a receipt: its worker sends it again",
+                object_id=upload_id,
+                offset=offset,
+                size=info.size,
+                project=info.project,
+            )
+    return removed
 
 
 def _remove_unlocked(uploads: UploadStore, receipts: ReceiptStore, upload_id: str) -> bool:

@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,7 +26,6 @@ from e2e_support import (
     Receiver,
     blake3_hex,
     end_process,
-    read_http_response,
     spawn_daemon,
 )
 
@@ -135,25 +135,51 @@ def test_graceful_stop_during_patch_keeps_received_bytes(receiver: Receiver) -> 
     rcv.verify_receipt(r.headers.get("Artifact-Receipt"), oid, data)
 
 
-def test_two_receivers_on_one_data_dir_never_interleave(
+def test_a_second_receiver_on_the_same_data_dir_is_refused(
     make_receiver: Callable[..., Receiver],
 ) -> None:
+    """A second canner-receiver on a data directory another one serves (on another port) exits
+    non-zero with one line naming the first's pid; the first keeps receiver.lock and serves an
+    upload begun before, and after its SIGKILL the lock is free for a new one."""
     first = make_receiver("first")
-    second = make_receiver("second", data_dir=first.data_dir)
+    assert first.proc is not None
     data = random.Random(3).randbytes(300_000)
     oid = first.new_upload(data)
-    with first.open_patch(oid, 0, len(data), data[:100_000]) as sock:
-        assert first.wait_offset(oid, 100_000) == 100_000
-        assert second.offset(oid) == 100_000
-        r = second.patch(oid, 100_000, bytes(200_000))
-        assert r.status_code in (409, 423), f"PATCH through the other process: {r.status_code}"
-        sock.sendall(data[100_000:])
-        status, headers, _ = read_http_response(sock, "PATCH")
-    assert status == 204
-    header = headers.get("Artifact-Receipt")
-    first.verify_receipt(header, oid, data)
-    second.verify_receipt(header, oid, data)
-    assert second.head(oid).headers.get("Artifact-Receipt") == header
+    assert first.patch(oid, 0, data[:100_000]).status_code == 204
+    second = Receiver.in_dir(first.root.parent / "second", data_dir=first.data_dir)
+    second.starts += 1
+    proc = spawn_daemon("receiver", second.config_path, second.log_path, second.starts)
+    try:
+        code = proc.wait(30)
+    finally:
+        end_process(proc, signal.SIGKILL)
+    assert code != 0, f"the second receiver exited {code}"
+    lines = [
+        line
+        for line in second.log_text().rpartition("===== start #1 =====")[2].splitlines()
+        if line.strip()
+    ]
+    assert len(lines) == 1, lines
+    [refusal] = lines
+    assert refusal.startswith("canner-receiver: another canner-receiver already serves"), refusal
+    assert str(first.data_dir) in refusal and "receiver.lock" in refusal, refusal
+    assert f"pid {first.proc.pid}" in refusal, refusal
+    assert "Traceback" not in second.log_text(), second.log_text()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{second.base_url}/healthz", timeout=2)
+    assert (first.data_dir / "receiver.lock").read_text().strip() == str(first.proc.pid)
+    r = first.patch(oid, 100_000, data[100_000:])
+    assert r.status_code == 204
+    first.verify_receipt(r.headers.get("Artifact-Receipt"), oid, data)
+    # The lock dies with its process: a receiver started after a SIGKILL serves the directory.
+    first.kill()
+    second.start()
+    try:
+        assert second.get_receipt(oid).status_code == 200
+        assert second.proc is not None
+        assert (first.data_dir / "receiver.lock").read_text().strip() == str(second.proc.pid)
+    finally:
+        second.close()
 
 
 def test_location_ignores_forwarded_headers_unless_trusted(receiver: Receiver) -> None:

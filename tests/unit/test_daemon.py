@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 from attrs import define, field
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -11,7 +15,10 @@ from twisted.internet.testing import MemoryReactor
 from twisted.python.failure import Failure
 
 from canner.blocking import PoolStopped, ThreadPoolRunner
+from canner.config import Config, parse_config
 from canner.daemon import DaemonRoot
+from canner.fs import DataDirLock
+from canner.startup import DeliverLocked, ReceiverLocked, lock_data_dir, lock_receiver_dir
 
 
 @define(eq=False)
@@ -69,3 +76,31 @@ def test_a_stopped_thread_pool_refuses_work_at_once() -> None:
     runner(lambda: 1).addBoth(results.append)
     [failure] = results
     assert isinstance(failure, Failure) and failure.check(PoolStopped)
+
+
+# -- one owner per data directory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("take", "name", "refusal"),
+    [
+        (lock_receiver_dir, "receiver.lock", ReceiverLocked),
+        (lock_data_dir, "deliver.lock", DeliverLocked),
+    ],
+)
+def test_a_second_owner_of_a_data_dir_is_refused_naming_the_first(
+    tmp_path: Path, take: Callable[[Config], DataDirLock], name: str, refusal: type[Exception]
+) -> None:
+    """The lock holds its owner's pid; a second taker gets one line naming the directory, the
+    lock and that pid; once the first lets go, it may start."""
+    raw = {"issuer": "https://canner.test", "data_dir": str(tmp_path), "min_free_bytes": 1}
+    config = parse_config({**raw, "projects": {"example": {}}}, tmp_path)
+    first = take(config)
+    assert (tmp_path / name).read_text() == f"{os.getpid()}\n"
+    with pytest.raises(refusal) as refused:
+        take(config)
+    text = str(refused.value)
+    assert "\n" not in text and str(tmp_path) in text and name in text
+    assert f"(pid {os.getpid()}, see {name})" in text
+    first.release()
+    take(config).release()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from canner.cli import Io, main
+from canner.fs import DataDirLock
 from canner.go_canner.godir import GoDataDir
 from canner.tus.store import UploadStore
 from tests.go_canner_fixture import NOW, STATES, kill_writer_after, listing, write_go_data_dir
@@ -238,6 +239,21 @@ def test_refuses_while_the_canner_receiver_listens(setup: Setup) -> None:
         assert code == 0 and "warning: something (canner-receiver?) answers on" in out
         code, _out, err = setup("adopt-go", str(setup.go.root), "--apply")
     assert code == 1 and "answers on" in err
+
+
+def test_refuses_while_a_canner_receiver_holds_its_lock(setup: Setup) -> None:
+    """A canner-receiver serving the data directory (its receiver.lock held) on another port
+    than the config's ``listen``: the dry run warns, ``--apply`` refuses naming the lock."""
+    lock = DataDirLock(setup.data_dir / "receiver.lock")
+    lock.acquire()
+    try:
+        code, out, _err = setup("adopt-go", str(setup.go.root))
+        assert code == 0 and "warning: canner-receiver holds" in out and "receiver.lock" in out
+        code, _out, err = setup("adopt-go", str(setup.go.root), "--apply")
+    finally:
+        lock.release()
+    assert code == 1 and "receiver.lock" in err
+    assert setup.go.receipts == setup.receipts_before
 
 
 def test_a_receipt_without_bytes_is_a_reported_problem(setup: Setup) -> None:

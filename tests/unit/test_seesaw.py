@@ -10,6 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from twisted.web.http_headers import Headers
@@ -21,6 +22,7 @@ from canner.journal import Journal
 from canner.receipts import Origin, ReceiptStore
 from canner.routing import Kind, Surface, route
 from canner.seesaw import declared_digests, parse_target
+from canner.tus import store as store_module
 from canner.tus.protocol import TusError
 from canner.tus.store import UploadInfo, UploadStore
 from canner.tus.sweep import sweep_stale
@@ -293,6 +295,70 @@ def test_a_put_cut_mid_body_leaves_nothing(rcv: InMemoryReceiver) -> None:
     assert rcv.receipt_ids_on_disk() == [] and rcv.enqueued == []
     # The worker's retry is a new, whole object.
     assert put(rcv).status == 201
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_put_whose_write_fails_mid_body_leaves_nothing_and_promises_nothing(
+    rcv: InMemoryReceiver, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """The disk refuses a write mid-body (full, or failing): 503 with Retry-After once the body
+    is in, no upload file or sidecar stays, nothing is promised to it any more, and the
+    worker's retry is accepted."""
+    connection = rcv.connect()
+    connection.send_head("PUT", PATH, [("Content-Length", str(len(DATA)))])
+    connection.send(DATA[: len(DATA) // 2])
+    assert len(data_files(rcv)) == 1
+    assert rcv.intake.promises.total == len(DATA) - len(DATA) // 2
+    real = store_module.os.pwritev
+
+    def failing(fd: int, buffers: Any, offset: int) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(store_module.os, "pwritev", failing)
+    connection.send(DATA[len(DATA) // 2 :])
+    answer = connection.answer()
+    monkeypatch.setattr(store_module.os, "pwritev", real)
+    assert answer.status == 503 and answer.header("Retry-After"), answer.body
+    assert rcv.upload_entries() == set()
+    assert (rcv.intake.promises.total, rcv.intake.promises.uploads) == (0, 0)
+    assert rcv.receipt_ids_on_disk() == [] and rcv.enqueued == []
+    assert put(rcv).status == 201
+
+
+def test_a_start_removes_whole_file_uploads_a_crash_left_without_receipt(tmp_path: Path) -> None:
+    """What a crash left of PUTs (a partial; a complete file whose receipt never came) is
+    removed when the receiver starts and promised nothing; a tus upload in progress and a file
+    rsync'd and staged stay, with what they are owed."""
+    uploads, receipts = UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
+    uploads.directory.mkdir()
+    receipts.directory.mkdir()
+    ids = ObjectIds()
+    put_meta = {"project": "example", "downloader": "alice", "filename": "a.warc.zst"}
+    cut, complete, tus, staged = (ids.new() for _ in range(4))
+    # Laid out as today's receiver leaves them (UploadStore.create, then the bytes written).
+    uploads.create(UploadInfo(cut, 1000, put_meta, 1))
+    uploads.data_path(cut).write_bytes(b"c" * 400)
+    uploads.create(UploadInfo(complete, 3, {**put_meta, "filename": "b.warc.zst"}, 1))
+    uploads.data_path(complete).write_bytes(b"abc")
+    tus_meta = {"project": "example", "checksum": blake3_hex(b"t" * 1000)}
+    uploads.create(UploadInfo(tus, 1000, tus_meta, 1))
+    uploads.data_path(tus).write_bytes(b"t" * 250)
+    rsync_meta = {
+        "project": "example",
+        "filename": "s.warc",
+        "checksum": blake3_hex(b"s"),
+    }
+    uploads.create(UploadInfo(staged, 1, rsync_meta, 1))
+    uploads.data_path(staged).write_bytes(b"s")
+    # The origin record an acceptance writes before its receipt.
+    receipts.record_origin(complete, Origin("example", "b.warc.zst", "alice"))
+
+    rcv = InMemoryReceiver.build(tmp_path)
+    assert rcv.upload_entries() == {tus, f"{tus}.info", staged, f"{staged}.info"}
+    assert receipts.read_origin(complete) is None
+    assert (rcv.intake.promises.total, rcv.intake.promises.uploads) == (750, 2)
+    assert rcv.receipt_ids_on_disk() == []
+    assert rcv.head(tus).header("Upload-Offset") == "250"
 
 
 # -- pure parts ------------------------------------------------------------------------------
