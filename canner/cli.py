@@ -1108,6 +1108,12 @@ def _replace_if_damaged(path: Path, replace: bool, io: Io) -> None:
             " stopped, canner rebuild-index --replace-damaged moves delivery.sqlite* aside and"
             " rebuilds it from receipts (docs/operator-guide.md, Recover)"
         )
+    if lock_held(path.parent / "receiver.lock"):
+        # A running receiver keeps writing into the file it opened, wherever it is moved.
+        raise CommandError(
+            f"canner-receiver is running on {path.parent} (it holds receiver.lock): stop it"
+            " first (systemctl stop canner-receiver), then run rebuild-index --replace-damaged"
+        )
     for old, new in sql.move_aside(path, io.now()):
         io.out.write(f"rebuild-index: damaged ({damage}): moved {old} aside to {new}\n")
 

@@ -466,6 +466,27 @@ def test_rebuild_index_refuses_while_deliver_holds_the_lock(run: Run) -> None:
     assert not (run.data_dir / "delivery.sqlite").exists()
 
 
+def test_replacing_a_damaged_index_is_refused_while_a_receiver_runs(run: Run) -> None:
+    """``--replace-damaged`` moves nothing while a canner-receiver holds receiver.lock: it would
+    go on writing into the file moved aside.  Stopped, the index is moved aside and rebuilt."""
+    run.receipt(1)
+    damaged = os.urandom(8192)
+    (run.data_dir / "delivery.sqlite").write_bytes(damaged)
+    lock = DataDirLock(run.data_dir / "receiver.lock")
+    lock.acquire()
+    try:
+        code, out, err = run("rebuild-index", "--replace-damaged")
+    finally:
+        lock.release()
+    assert code == 1 and out == ""
+    assert "canner-receiver is running" in err and "receiver.lock" in err
+    assert (run.data_dir / "delivery.sqlite").read_bytes() == damaged
+    code, out, err = run("rebuild-index", "--replace-damaged")
+    assert code == 0, err
+    assert "moved" in out and "aside" in out
+    assert [p.read_bytes() for p in run.data_dir.glob("delivery-damaged-*.sqlite")] == [damaged]
+
+
 # -- as a process ------------------------------------------------------------------------------
 
 
