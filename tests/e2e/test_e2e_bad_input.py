@@ -192,7 +192,8 @@ def test_readyz_with_a_host_that_cannot_be_bound_is_400_without_a_traceback(
 
 
 def test_data_dir_holds_only_uploads_receipts_and_index(rcv: Receiver) -> None:
-    """After start-up and all the refusals, the data directory holds only what it should."""
+    """After start-up and all the refusals, the data directory holds only what it should (and
+    the receiver's lock and its record of the boot it started in)."""
     names = {p.name for p in Path(rcv.data_dir).iterdir()}
     assert names <= {
         "uploads",
@@ -201,4 +202,6 @@ def test_data_dir_holds_only_uploads_receipts_and_index(rcv: Receiver) -> None:
         "delivery.sqlite-wal",
         "delivery.sqlite-shm",
         "delivery.sqlite-journal",
+        "receiver.lock",
+        "receiver.boot",
     }, names
