@@ -19,9 +19,9 @@ from twisted.logger import LogPublisher, globalLogPublisher
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
+from canner.daemon.site import MeteredSite
 from canner.logs import json_observer
-from canner.metrics import RECEIVER, Metrics
-from canner.receiver import MeteredSite
+from canner.ops.metrics import RECEIVER, Metrics
 
 OID = "0123456789abcdef" * 2
 

@@ -4,8 +4,8 @@ a plain ``curl -T`` baseline to the same fake, and the scheduler tick cost with 
     .venv/bin/python bench/deliver_bench.py [--quick] [--dir DIR] [--concurrency 2 4]
 
 Workloads (each in its own data directory, written directly on disk with canner's own code:
-``canner.tus.store`` for the payload and its tus info sidecar, ``canner.receipts`` for the receipt
-and its origin record, exactly what acceptance leaves behind):
+``canner.store.uploads`` for the payload and its tus info sidecar, ``canner.store.receipts`` for
+the receipt and its origin record, exactly what acceptance leaves behind):
 
 * ``big``:   4 x 1 GiB   (``--quick``: 4 x 128 MiB)
 * ``small``: 500 x 1 MiB (``--quick``: 100 x 1 MiB)
@@ -50,14 +50,15 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 import blake3  # noqa: E402
 from deliver_support import ACCESS, SECRET, Deliver, FakeIA, deliveries  # noqa: E402
 
-from canner import fs, outbound  # noqa: E402
+from canner import fs  # noqa: E402
 from canner.checksum import parse_checksum  # noqa: E402
 from canner.delivery import index as sql  # noqa: E402
+from canner.delivery import outbound  # noqa: E402
 from canner.delivery.index import AcceptedObject  # noqa: E402
 from canner.ids import ObjectIds  # noqa: E402
 from canner.observe import Outbound  # noqa: E402
-from canner.receipts import Origin, Receipt, ReceiptStore  # noqa: E402
-from canner.tus.store import UploadInfo, UploadStore  # noqa: E402
+from canner.store.receipts import Origin, Receipt, ReceiptStore  # noqa: E402
+from canner.store.uploads import UploadInfo, UploadStore  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -36,7 +36,7 @@ from twisted.internet.threads import deferToThread  # noqa: E402
 from canner.blocking import BlockingRunner  # noqa: E402
 from canner.config import DeliveryConfig  # noqa: E402
 from canner.delivery.index import QueueRow  # noqa: E402
-from canner.delivery.object_owner import plan_row  # noqa: E402
+from canner.delivery.objects import plan_row  # noqa: E402
 from canner.sinks.directory import DirectorySink  # noqa: E402
 
 MiB = 1 << 20

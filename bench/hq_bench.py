@@ -43,14 +43,17 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 from canner.delivery.index import upgrade_schema  # noqa: E402
-from canner.journal import Journal, JournalLog  # noqa: E402
-from canner.receipts import (  # noqa: E402
+from canner.store.journal import (  # noqa: E402
+    Journal,
+    JournalLog,
+    release_record,
+)
+from canner.store.receipts import (  # noqa: E402
     DeliveryRecord,
     Origin,
     delivery_journal_record,
     origin_journal_record,
 )
-from canner.releases import release_record  # noqa: E402
 
 VENV = ROOT / ".venv" / "bin"
 TOKEN = "bench-token"

@@ -3,7 +3,8 @@
 fsync, hashing, file and directory I/O and SQLite never run on the reactor thread.  Production uses
 :class:`ThreadPoolRunner` (a named thread pool started and stopped as a Service); unit tests use
 :func:`run_inline`, which runs ``f`` at once and returns an already-fired Deferred.  A
-:class:`ThreadPoolRunner` outlives the services that call it (see ``canner.daemon.DaemonRoot``);
+:class:`ThreadPoolRunner` outlives the services that call it (see
+``canner.daemon.services.DaemonRoot``);
 a call after it stopped fails at once with :class:`PoolStopped` instead of never answering.
 """
 

@@ -248,7 +248,7 @@ class LedgerConfig:
 class RsyncConfig:
     """``[rsync]``: the rsync intake (absent: no rsync intake).  A stock rsync daemon writes into
     ``incoming/<project>/<downloader>/`` and canner-receiver adopts what it finishes
-    (:mod:`canner.rsync`); ``incoming`` must be on the data directory's filesystem."""
+    (:mod:`canner.doors.rsync`); ``incoming`` must be on the data directory's filesystem."""
 
     incoming: Path
     # How often the whole incoming tree is scanned for what inotify missed.

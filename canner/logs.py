@@ -42,7 +42,7 @@ body bytes) and ``duration_s``.  Delivery failures carry ``failure_class`` (``fo
 ``timeout``, ``internal``, ``other``).
 
 Inside the process every event also carries Twisted's own fields: ``log_time`` (Unix time),
-``log_level``, ``log_namespace`` (the emitting module, e.g. ``canner.acceptance``),
+``log_level``, ``log_namespace`` (the emitting module, e.g. ``canner.accept.acceptance``),
 ``log_format`` and, for unexpected errors, ``log_failure``.
 
 Metrics never read these events: the domain tells them its facts through the typed observers of

@@ -2,7 +2,8 @@
 
 The domain calls an observer at the moment a fact becomes true (an upload created, bytes stored,
 a receipt committed, an attempt started, bytes sent, a copy verified ...);
-:class:`canner.metrics.Metrics` implements both protocols.  No metric is derived from the wording
+:class:`canner.ops.metrics.Metrics` implements both protocols.  No metric is derived from the
+wording
 of a log line or from headers parsed a second time: logs say what happened for people, observers
 count it for Prometheus, and either can change without the other.
 
@@ -61,7 +62,7 @@ class UploadObserver(Protocol):
 
 
 class AdoptionObserver(Protocol):
-    """The rsync intake's facts (:mod:`canner.rsync.intake`)."""
+    """The rsync intake's facts (:mod:`canner.doors.rsync.intake`)."""
 
     def adoption_waiting(self, count: int) -> None:
         """``count`` finished rsync files wait for adoption (set by each scan, then lowered as

@@ -10,8 +10,8 @@ receipt published without overwriting, then ``receipts/`` fsynced: the commit po
 An upload without a declared BLAKE3 (``PUT /seesaw/...``) is receipted with the BLAKE3 of its
 stored bytes; the other digests its door declared (``Content-MD5``, ``Content-Digest`` sha-256)
 are checked over the same read.  When its door also named the worker and the file, its commit
-goes through :class:`~canner.origins.AcceptedOrigins`: a copy of an object already accepted (same
-project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
+goes through :class:`~canner.accept.origins.AcceptedOrigins`: a copy of an object already accepted
+(same project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
 are discarded.
 
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
@@ -37,14 +37,20 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner, PoolStopped
 from canner.checksum import Checksum, HashCancelled, TrailingHash, stored_digests
 from canner.crashpoints import crash_point
 from canner.fs import fsync_dir
 from canner.observe import UNOBSERVED, UploadObserver
-from canner.origins import AcceptedOrigins, OriginKey
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import NO_SPACE_ERRNOS, LockedUpload, StorageFault, UploadInfo, UploadStore
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import (
+    NO_SPACE_ERRNOS,
+    LockedUpload,
+    StorageFault,
+    UploadInfo,
+    UploadStore,
+)
 
 log = Logger()
 

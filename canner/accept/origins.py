@@ -56,9 +56,9 @@ from canner.checksum import Checksum
 from canner.delivery.index import Index, ids_by_origin
 from canner.delivery.rescan import rescan_now
 from canner.ids import ObjectIds
-from canner.journal import Journal
-from canner.receipts import Receipt, ReceiptStore
-from canner.tus.store import UploadStore
+from canner.store.journal import Journal
+from canner.store.receipts import Receipt, ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

@@ -63,9 +63,6 @@ from typing import Any, TextIO
 import attrs
 from attrs import define, field, frozen
 
-from canner import drain as draining
-from canner import inventory
-from canner import releases as rel
 from canner.blocking import result_now, run_inline
 from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
@@ -78,20 +75,21 @@ from canner.delivery.index import (
 )
 from canner.delivery.queue import State
 from canner.delivery.rescan import ReceiptRescan
+from canner.doors.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
+from canner.doors.rsync.incoming import count_waiting
 from canner.fs import DataDirLock, Locked, fsync_dir, lock_held, replace_file
 from canner.go_canner.adopt import AdoptError, adopt
 from canner.go_canner.config_import import convert_config
-from canner.humane import human_bytes, human_duration
-from canner.journal import Journal
+from canner.hq import releases as rel
 from canner.ledger import store as ledger_store
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest
 from canner.ledger.service import validate_ledger
+from canner.ops import inventory
+from canner.ops.humane import human_bytes, human_duration
+from canner.ops.verdict import CRITICAL, Verdict, assess
 from canner.packaging import batches as psql
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
-from canner.receipts import ReceiptStore
-from canner.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
-from canner.rsync.incoming import count_waiting
 from canner.sinks.credentials import CredentialsError, load_credentials, loose_permissions
 from canner.sinks.directory import validate_directory
 from canner.sinks.plan import (
@@ -101,9 +99,11 @@ from canner.sinks.plan import (
     plan_upload,
     validate_delivery,
 )
-from canner.startup import DELIVER_WRITES, CannotStart, check_writes
-from canner.tus.store import UploadStore
-from canner.verdict import CRITICAL, Verdict, assess
+from canner.store import drain as draining
+from canner.store.datadir import DELIVER_WRITES, CannotStart, check_writes
+from canner.store.journal import Journal
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 from canner.version import version
 
 DEFAULT_CONFIG = Path("/etc/canner/canner.toml")

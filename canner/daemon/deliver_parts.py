@@ -1,6 +1,6 @@
 """The parts canner-deliver is built from, each out of the config and :class:`DeliverBase`.
 
-``canner.service.deliver_service`` takes the lock, opens the index and connects these: the
+``canner.daemon.roots.deliver_service`` takes the lock, opens the index and connects these: the
 outbound service with its owners (objects, packages, ledgers), the megawarc package pipeline,
 the ledger's own steps, the hourly receipt rescan and the
 metrics listener.  Each builder maps config onto keyword-only constructors and adds nothing to
@@ -21,29 +21,29 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import READBACK_ALL, Config, ConfigError, ProjectConfig
-from canner.daemon import DaemonRoot, Listening, PeriodicService
+from canner.daemon.services import DaemonRoot, Listening, PeriodicService
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.liveness import InFlight
-from canner.delivery.object_owner import ObjectOwner, planner
+from canner.delivery.objects import ObjectOwner, planner
 from canner.delivery.outbound_service import OutboundService, Owner, lanes_of
 from canner.delivery.rescan import ReceiptRescan
-from canner.journal import Journal, JournalLog
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.ledger_owner import LedgerOwner
 from canner.ledger.service import LedgerService, validate_ledger
-from canner.metrics import Metrics, SurveyCache, metrics_site
+from canner.ops.metrics import Metrics, SurveyCache, metrics_site
 from canner.packaging.dictionaries import DictionaryStore
 from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
 from canner.packaging.package_owner import PackageOwner
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
-from canner.receipts import ReceiptStore
 from canner.sinks.base import Sink
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.internet_archive import IADeliverySink, IASink
 from canner.sinks.projects import project_sinks
 from canner.sinks.transport import make_http_client
-from canner.tus.store import UploadStore
+from canner.store.journal import Journal, JournalLog
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

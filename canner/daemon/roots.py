@@ -1,7 +1,7 @@
 """Composition roots: the only place that knows the whole object graph of each daemon.
 
 ``receiver_service(config, reactor)`` and ``deliver_service(config, reactor)`` build each
-daemon's :class:`~canner.daemon.DaemonRoot` and do nothing else: the parts come from the
+daemon's :class:`~canner.daemon.services.DaemonRoot` and do nothing else: the parts come from the
 modules named after them.  Work that can fail at start-up (directories, the delivery index
 schema, the manhole's keys) happens here, so a failure aborts the launch with a clear message.
 Services stop in reverse order of addition, the listener first; the thread pools (and deliver's
@@ -21,19 +21,11 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger, LogPublisher, globalLogPublisher
 from twisted.python.failure import Failure
 
-from canner.acceptance import Acceptance
+from canner.accept.acceptance import Acceptance
+from canner.accept.origins import AcceptedOrigins, index_at_start
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
-from canner.connections import ConnectionLimits, connection_limits
-from canner.daemon import (
-    DaemonRoot,
-    Listening,
-    LogObservers,
-    PeriodicService,
-    ShutdownHook,
-    freeze_startup_objects,
-)
-from canner.deliver_parts import (
+from canner.daemon.deliver_parts import (
     DeliverBase,
     configured_sinks,
     deliver_metrics,
@@ -43,6 +35,17 @@ from canner.deliver_parts import (
     packed_projects,
     receipt_rescan,
 )
+from canner.daemon.services import (
+    DaemonRoot,
+    Listening,
+    LogObservers,
+    PeriodicService,
+    ShutdownHook,
+    freeze_startup_objects,
+)
+from canner.daemon.site import receiver_site
+from canner.daemon.startup import prepare_packages, upgrade_index
+from canner.daemon.systemd import SystemdNotifier
 from canner.delivery.index import (
     DeliveryIndex,
     damaged_index,
@@ -51,43 +54,39 @@ from canner.delivery.index import (
     receiver_feed,
 )
 from canner.delivery.liveness import HeartbeatService, InFlight, index_answers
+from canner.doors.rsync.incoming import adoption_dir
+from canner.doors.rsync.intake import RsyncIntake
+from canner.doors.seesaw import SeesawDoor, SeesawRoutes
+from canner.doors.tus.intake import UploadIntake
+from canner.doors.tus.routes import TusRoutes
 from canner.fs import DataDirLock
-from canner.hq import HQRoutes, Lookups, Releases, hq_tokens
-from canner.journal import Journal, JournalLog
+from canner.hq.objects import ObjectReader
+from canner.hq.routes import HQRoutes, Lookups, Releases, hq_tokens
 from canner.ledger.files import ArchivedIds, LedgerDir
-from canner.manhole import daemon_manhole
-from canner.metrics import DELIVER, RECEIVER, Metrics, process_metrics
-from canner.objects import ObjectReader
-from canner.origins import AcceptedOrigins, index_at_start
+from canner.ops.manhole import daemon_manhole
+from canner.ops.metrics import DELIVER, RECEIVER, Metrics, process_metrics
+from canner.ops.problems import RecentProblems, watching_start_up
+from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.status_page import StatusSource
+from canner.ops.trends import SAMPLE_INTERVAL, record_sample
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
-from canner.problems import RecentProblems, watching_start_up
-from canner.promises import Promises
-from canner.readiness import FloorWatch, check_readiness
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.receiver import receiver_site
-from canner.rsync.incoming import adoption_dir
-from canner.rsync.intake import RsyncIntake
-from canner.seesaw import SeesawDoor, SeesawRoutes
 from canner.sinks.base import Sink
-from canner.startup import (
+from canner.store.datadir import (
     DELIVER_WRITES,
     RECEIVER_WRITES,
     lock_data_dir,
     lock_receiver_dir,
     prepare_data_dir,
-    prepare_packages,
-    upgrade_index,
 )
-from canner.status_page import StatusSource
-from canner.systemd import SystemdNotifier
-from canner.trends import SAMPLE_INTERVAL, record_sample
-from canner.tus.channel import ReceiverSite
-from canner.tus.intake import UploadIntake
-from canner.tus.recovery import current_boot_id, cut_after_restart
-from canner.tus.routes import TusRoutes
-from canner.tus.store import UploadStore
-from canner.tus.sweep import StaleSweep, remove_whole_files
+from canner.store.journal import Journal, JournalLog
+from canner.store.promises import Promises
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.recovery import current_boot_id, cut_after_restart
+from canner.store.sweep import StaleSweep, remove_whole_files
+from canner.store.uploads import UploadStore
+from canner.web.channel import ReceiverSite
+from canner.web.connections import ConnectionLimits, connection_limits
 
 log = Logger()
 
@@ -220,7 +219,8 @@ def receiver_service(
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the rsync intake and the manhole.  Raises
-    :class:`~canner.startup.ReceiverLocked` when another receiver serves the data directory."""
+    :class:`~canner.store.datadir.ReceiverLocked` when another receiver serves the data
+    directory."""
     with watching_start_up(log_publisher) as problems:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
     # Before anything reads uploads/: a second receiver must not touch the first's uploads.
@@ -337,8 +337,8 @@ def deliver_service(
 ) -> IService:
     """The deliver process: the outbound service, packaging, the ledger, rescans; metrics on
     ``[metrics] deliver_listen`` and the manhole when configured.  Raises
-    :class:`~canner.startup.DeliverLocked` when another deliver process owns the data directory.
-    ``sinks`` replaces the configured sinks (tests)."""
+    :class:`~canner.store.datadir.DeliverLocked` when another deliver process owns the data
+    directory. ``sinks`` replaces the configured sinks (tests)."""
     # Made here, started with the process: sinks read payloads through them.
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)

@@ -5,7 +5,7 @@
 listens on a strports description and turns a refusal into one line; :class:`LogObservers`
 feeds log observers (metrics, the status page's recent problems) while the daemon runs;
 :class:`ShutdownHook` tells a domain object the process is stopping.  Nothing here knows what
-canner does: ``canner.service`` builds the daemons out of them.
+canner does: ``canner.daemon.roots`` builds the daemons out of them.
 """
 
 from __future__ import annotations

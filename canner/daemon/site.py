@@ -1,11 +1,11 @@
 """The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
 
 A small root resource hands each request to the app of its route: ``/files...`` to
-:class:`TusRoutes`, ``/seesaw/...`` (Archive Team's curl uploads) to ``canner.seesaw``, HQ's API
-to ``canner.hq`` and everything else to
+:class:`TusRoutes`, ``/seesaw/...`` (Archive Team's curl uploads) to ``canner.doors.seesaw``, HQ's
+API to ``canner.hq.routes`` and everything else to
 :class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
 status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
-builds the streaming :class:`~canner.tus.channel.ReceiverSite` around it, and reports every
+builds the streaming :class:`~canner.web.channel.ReceiverSite` around it, and reports every
 finished request to the metrics.
 """
 
@@ -26,17 +26,17 @@ from twisted.web.resource import IResource, Resource
 
 from canner import fs
 from canner.blocking import BlockingRunner
-from canner.connections import ConnectionLimits
-from canner.humane import shorten_ids
+from canner.doors.tus.intake import UploadIntake
+from canner.doors.tus.routes import TusRoutes, render_error
 from canner.ids import ObjectIds
-from canner.metrics import Metrics
-from canner.readiness import Readiness
-from canner.routing import OTHER, Kind, Surface
-from canner.status_page import StatusSource, render_status
-from canner.tus.channel import BodyRouter, ReceiverSite
-from canner.tus.intake import UploadIntake
-from canner.tus.protocol import TusError
-from canner.tus.routes import TusRoutes, render_error
+from canner.ops.humane import shorten_ids
+from canner.ops.metrics import Metrics
+from canner.ops.readiness import Readiness
+from canner.ops.status_page import StatusSource, render_status
+from canner.web.channel import BodyRouter, ReceiverSite
+from canner.web.connections import ConnectionLimits
+from canner.web.errors import HTTPError
+from canner.web.routing import OTHER, Kind, Surface
 
 log = Logger()
 
@@ -57,19 +57,19 @@ class ReceiverRoutes:
     _status: StatusSource
     _ready: Callable[[], Readiness]
 
-    @app.handle_errors(TusError)
+    @app.handle_errors(HTTPError)
     def refusal(self, request: IRequest, failure: Any) -> bytes:
         return render_error(request, failure.value)
 
     @app.route("/api/v1/receipts/<object_id>", methods=["GET"])
     async def receipt(self, request: IRequest, object_id: str) -> bytes:
         if not self._ids.is_valid(object_id):
-            raise TusError(404, "no such receipt")
+            raise HTTPError(404, "no such receipt")
         # Waits for an acceptance of this object that is running now: a receipt is served only
         # once committed, and a worker whose final response was lost gets it instead of a 404.
         data = await self._intake.receipt(object_id)
         if data is None:
-            raise TusError(404, "no such receipt")
+            raise HTTPError(404, "no such receipt")
         request.setHeader("Content-Type", "application/json")
         return data
 
@@ -112,7 +112,7 @@ class ReceiverRoutes:
 
 
 class _Root(Resource):
-    """Sends each request to the app of its route's surface (``canner.routing``): tus, HQ's API
+    """Sends each request to the app of its route's surface (``canner.web.routing``): tus, HQ's API
     or :class:`ReceiverRoutes`."""
 
     def __init__(

@@ -17,7 +17,7 @@ from typing import Protocol
 from attrs import frozen
 from twisted.logger import Logger
 
-from canner import outbound
+from canner.delivery import outbound
 from canner.delivery.index import Index
 from canner.delivery.queue import MAX_REDELIVERIES, judge_unverified
 from canner.observe import Outbound, OutboundObserver

@@ -22,9 +22,10 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from canner import fs, outbound
+from canner import fs
+from canner.delivery import outbound
 from canner.observe import Outbound
-from canner.receipts import DeliveryRecord, Origin, Receipt
+from canner.store.receipts import DeliveryRecord, Origin, Receipt
 
 log = Logger()
 
@@ -49,7 +50,7 @@ class AcceptedObject:
     accepted_at: int
     # Set when the payload was purged after a verified delivery (rebuilding a lost index).
     delivery: DeliveryRecord | None = None
-    # Set when HQ released the receipt (its record in the facts journal, canner/journal.py).
+    # Set when HQ released the receipt (its record in the facts journal, canner/store/journal.py).
     released_at: float | None = None
     # Set when a rebuild could not restore all of it (a damaged journal line held a record of
     # it): the row comes flagged for an operator, with this as its error.
@@ -364,7 +365,8 @@ class IndexFeed:
 
     Acceptances that finish while an insert runs are written together in the next transaction, so
     one WAL fsync serves many.  A failure is logged and never reaches the worker: the receiver's
-    next start (:func:`canner.origins.index_at_start`) and the deliver process's rescans insert
+    next start (:func:`canner.accept.origins.index_at_start`) and the deliver process's rescans
+    insert
     whatever is missing (a damaged index first needs an operator: the log line says what to do).
     """
 
@@ -642,7 +644,7 @@ def record_follow_up(
     force_upload: bool = False,
 ) -> None:
     """Postpone verification or purge (a lookup found nothing yet, a delete failed); see
-    :func:`canner.outbound.record_check`."""
+    :func:`canner.delivery.outbound.record_check`."""
     outbound.record_check(cur, OBJECT, object_id, next_check_at, error, needs_operator, now,
                           force_upload)  # fmt: skip
 
@@ -668,7 +670,7 @@ def record_purged(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
 
 
 def operator_retry(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
-    """``canner retry``: see :func:`canner.outbound.operator_retry`."""
+    """``canner retry``: see :func:`canner.delivery.outbound.operator_retry`."""
     if not outbound.operator_retry(cur, OBJECT, object_id, now):
         return False
     # Sent again: nothing purges the payload before that delivery is verified.
@@ -678,7 +680,7 @@ def operator_retry(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
 
 def clear_flag(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
     """``canner retry`` of a delivered, verified object flagged for an operator (a rebuild
-    could not read one of its journal records): see :func:`canner.outbound.clear_flag`."""
+    could not read one of its journal records): see :func:`canner.delivery.outbound.clear_flag`."""
     return outbound.clear_flag(cur, OBJECT, object_id, now)
 
 

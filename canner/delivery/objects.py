@@ -25,12 +25,12 @@ from canner.delivery.index import Index, QueueRow
 from canner.delivery.outbound_service import Copy, Parcel, Shipment, Unshippable
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT
-from canner.journal import JournalLog
 from canner.observe import Outbound
-from canner.receipts import ReceiptStore
 from canner.sinks.base import Delivered, DeliveryFailed, Sink
 from canner.sinks.plan import ItemPlan, PlanError, plan_upload
-from canner.tus.store import UploadStore
+from canner.store.journal import JournalLog
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

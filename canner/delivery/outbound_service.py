@@ -1,6 +1,7 @@
 """The one outbound service: claim, send, verify and report back, for every kind of file.
 
-Every file that leaves the node is a row of the ``outbound`` table (:mod:`canner.outbound`),
+Every file that leaves the node is a row of the ``outbound`` table
+(:mod:`canner.delivery.outbound`),
 and its owner (objects, megawarc packages, ledgers) is an :class:`Owner`.  Every second the
 service claims due rows of every kind, oldest due first, into one set of
 ``delivery_concurrency`` slots, and starts one attempt per row; a freed slot is filled at once.
@@ -33,8 +34,7 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from canner import outbound
-from canner.delivery import follow_up
+from canner.delivery import follow_up, outbound
 from canner.delivery.index import Index
 from canner.delivery.jobs import Jobs, Ticker
 from canner.delivery.liveness import Attempt, InFlight

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from canner import fs
 from canner.delivery.index import QueueRow
-from canner.journal import JournalLog
-from canner.receipts import (
+from canner.store.journal import JournalLog
+from canner.store.receipts import (
     DeliveryRecord,
     Origin,
     ReceiptStore,
     delivery_journal_record,
     origin_journal_record,
 )
-from canner.tus.store import UploadStore
+from canner.store.uploads import UploadStore
 
 
 def purge_is_due(row: QueueRow, now: float) -> bool:

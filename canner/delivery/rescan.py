@@ -39,8 +39,8 @@ from canner.delivery.index import (
     known_among,
 )
 from canner.ids import ObjectIds
-from canner.journal import Damage, Journal, JournalLookup
-from canner.receipts import (
+from canner.store.journal import RELEASE, Damage, Journal, JournalLookup, released_at_of
+from canner.store.receipts import (
     DELIVERY,
     ORIGIN,
     DeliveryRecord,
@@ -49,8 +49,7 @@ from canner.receipts import (
     delivery_of,
     origin_of,
 )
-from canner.releases import RELEASE, released_at_of
-from canner.tus.store import CorruptInfo, UploadStore
+from canner.store.uploads import CorruptInfo, UploadStore
 
 log = Logger()
 

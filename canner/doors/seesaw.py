@@ -16,10 +16,10 @@ the receipt as its JSON body and in ``Artifact-Receipt``.  A declared ``Content-
 ``Content-Digest: sha-256=...`` is checked over the stored bytes (422 on a mismatch, no
 receipt).  A file with the same project, downloader, name, size and BLAKE3 as an object already
 accepted is answered ``200`` with that object's receipt and leaves nothing new
-(:mod:`canner.origins`).  A request that ends without a receipt (its body cut short, a write
+(:mod:`canner.accept.origins`).  A request that ends without a receipt (its body cut short, a write
 failed, acceptance failed) leaves nothing behind, and nothing promised: a whole file is never
 resumed, the worker sends it again.  What a crash left of one goes when the receiver starts
-(:func:`canner.tus.sweep.remove_whole_files`).
+(:func:`canner.store.sweep.remove_whole_files`).
 
 :func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (it is the
 site's body router, and hands every other route to the tus intake); :class:`SeesawRoutes`
@@ -45,13 +45,13 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from canner.blocking import BlockingRunner
 from canner.config import Config
-from canner.routing import OTHER, Kind, Route, Surface
-from canner.tus.channel import BodySink, ReceiverRequest
-from canner.tus.intake import Outcome, UploadIntake
-from canner.tus.protocol import TusError, single_header
-from canner.tus.routes import TusRoutes, render_error
-from canner.tus.store import DECLARED_DIGESTS, LockedUpload, UploadInfo
-from canner.tus.stream import BodyStream
+from canner.doors.tus.intake import Outcome, UploadIntake
+from canner.doors.tus.routes import TusRoutes, render_error
+from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadInfo
+from canner.web.channel import BodySink, ReceiverRequest
+from canner.web.errors import HTTPError
+from canner.web.routing import OTHER, Kind, Route, Surface, single_header
+from canner.web.stream import BodyStream
 
 # A name is one path segment of at most this many bytes (UTF-8), as on every common filesystem.
 NAME_MAX_BYTES = 255
@@ -73,17 +73,17 @@ def _name(raw: bytes, what: str) -> str:
     try:
         name = decoded.decode("utf-8")
     except UnicodeDecodeError:
-        raise TusError(400, f"the {what} is not UTF-8") from None
+        raise HTTPError(400, f"the {what} is not UTF-8") from None
     if not name:
-        raise TusError(400, f"the {what} is empty")
+        raise HTTPError(400, f"the {what} is empty")
     if "/" in name or "\\" in name:
-        raise TusError(400, f"the {what} contains a path separator")
+        raise HTTPError(400, f"the {what} contains a path separator")
     if name in (".", ".."):
-        raise TusError(400, f"the {what} may not be {name!r}")
+        raise HTTPError(400, f"the {what} may not be {name!r}")
     if _CONTROL.search(name):
-        raise TusError(400, f"the {what} contains a control character")
+        raise HTTPError(400, f"the {what} contains a control character")
     if len(decoded) > NAME_MAX_BYTES:
-        raise TusError(400, f"the {what} is longer than {NAME_MAX_BYTES} bytes")
+        raise HTTPError(400, f"the {what} is longer than {NAME_MAX_BYTES} bytes")
     return name
 
 
@@ -93,10 +93,10 @@ def parse_target(rest: str, projects: Container[str]) -> PutTarget:
     of another shape or a project this node does not serve."""
     segments = rest.encode("latin-1").split(b"/")
     if len(segments) != 3:
-        raise TusError(404, "PUT files to /seesaw/{project}/{downloader}/{filename}")
+        raise HTTPError(404, "PUT files to /seesaw/{project}/{downloader}/{filename}")
     project = unquote_to_bytes(segments[0]).decode("utf-8", "replace")
     if project not in projects:
-        raise TusError(404, f"no such project: {project!r}")
+        raise HTTPError(404, f"no such project: {project!r}")
     return PutTarget(project, _name(segments[1], "downloader"), _name(segments[2], "file name"))
 
 
@@ -106,12 +106,12 @@ def _base64_digest(text: str, size: int, what: str) -> str:
     except (binascii.Error, ValueError):
         raw = b""
     if len(raw) != size:
-        raise TusError(400, f"{what} is not the base64 of a {size}-byte digest")
+        raise HTTPError(400, f"{what} is not the base64 of a {size}-byte digest")
     return raw.hex()
 
 
 def declared_digests(headers: Headers) -> dict[str, str]:
-    """The digests a request declares, as sidecar metadata (``canner.tus.store``
+    """The digests a request declares, as sidecar metadata (``canner.store.uploads``
     ``DECLARED_DIGESTS``): ``Content-MD5`` (RFC 1864) and the ``sha-256`` member of
     ``Content-Digest`` (RFC 9530); other algorithms are ignored.  400 when malformed."""
     found: dict[str, str] = {}
@@ -125,7 +125,7 @@ def declared_digests(headers: Headers) -> dict[str, str]:
             continue
         value = value.strip()
         if len(value) < 2 or value[0] != ":" or value[-1] != ":":
-            raise TusError(400, "Content-Digest: sha-256 must be sha-256=:<base64>:")
+            raise HTTPError(400, "Content-Digest: sha-256 must be sha-256=:<base64>:")
         found[DECLARED_DIGESTS["sha256"]] = _base64_digest(
             value[1:-1], 32, "Content-Digest sha-256"
         )
@@ -157,11 +157,11 @@ class SeesawDoor:
         """Everything the head tells, at once (pure); then the node's state in a thread."""
         target = parse_target(rest, self._config.projects)
         if length is None:
-            raise TusError(411, "Content-Length is required")
+            raise HTTPError(411, "Content-Length is required")
         if length == 0:
-            raise TusError(400, "the file is empty: empty artifacts cannot be receipted")
+            raise HTTPError(400, "the file is empty: empty artifacts cannot be receipted")
         if length > self._config.max_upload_bytes:
-            raise TusError(
+            raise HTTPError(
                 413, f"the file exceeds the maximum of {self._config.max_upload_bytes} bytes"
             )
         metadata = {
@@ -190,10 +190,10 @@ class SeesawRoutes(Resource):
         route: Route = getattr(request, "route", OTHER)
         if route.surface is not Surface.SEESAW or route.kind is not Kind.PUT:
             request.setHeader("Allow", "PUT")
-            return render_error(request, TusError(405, "only PUT: upload a file here"))
+            return render_error(request, HTTPError(405, "only PUT: upload a file here"))
         stream = getattr(request, "body_sink", None)
         if not isinstance(stream, BodyStream):
-            return render_error(request, TusError(404, "no such upload"))
+            return render_error(request, HTTPError(404, "no such upload"))
         answered = maybeDeferred(stream.result).addCallback(_receipted, request)
         # A connection that drops first cancels the wait (never the upload's stream).
         request.notifyFinish().addErrback(lambda _: answered.cancel())
@@ -211,7 +211,7 @@ def _receipted(outcome: Outcome, request: IRequest) -> bytes:
     copy of an object accepted before, with that object's receipt."""
     receipt = outcome.receipt
     if receipt is None:  # never: a whole file is accepted or refused
-        raise TusError(500, "internal error")
+        raise HTTPError(500, "internal error")
     request.setResponseCode(201 if receipt.object_id == outcome.upload_id else 200)
     request.setHeader("Content-Type", "application/json")
     request.setHeader("Artifact-Receipt", receipt.header_value())

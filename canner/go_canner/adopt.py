@@ -42,8 +42,9 @@ from typing import Any, TextIO
 import blake3
 from attrs import frozen
 
-from canner import fs, outbound
+from canner import fs
 from canner.crashpoints import crash_point
+from canner.delivery import outbound
 from canner.delivery.index import (
     OBJECT,
     UNKNOWN_PROJECT,
@@ -67,15 +68,15 @@ from canner.go_canner.plan import (
     make_plan,
     print_plan,
 )
-from canner.journal import Journal
-from canner.receipts import (
+from canner.store.journal import Journal
+from canner.store.receipts import (
     DeliveryRecord,
     Origin,
     ReceiptStore,
     delivery_journal_record,
     origin_journal_record,
 )
-from canner.tus.store import UploadInfo
+from canner.store.uploads import UploadInfo
 
 STATE_DIR = "adopt-go"
 MARKER = "ADOPTED-BY-CANNER"

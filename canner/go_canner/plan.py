@@ -16,7 +16,7 @@ import attrs
 from attrs import frozen
 
 from canner.go_canner.godir import GoArtifact, GoDataDir, GoPackage
-from canner.receipts import parse_receipt
+from canner.store.receipts import parse_receipt
 
 GO_ID = re.compile(r"[0-9a-f]{32}")
 DELIVERED, DELIVER, IN_FLIGHT, PROBLEM = "delivered", "deliver", "in_flight", "problem"

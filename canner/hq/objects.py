@@ -31,7 +31,7 @@ from canner.delivery.index import (
 from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
-from canner.receipts import Origin, ReceiptStore
+from canner.store.receipts import Origin, ReceiptStore
 
 MAX_QUERY = 1000
 

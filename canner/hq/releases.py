@@ -4,7 +4,7 @@ A release is a fact of its own, beside delivery and the local payload: it never 
 delivery state.  ``objects.released_at`` in ``delivery.sqlite`` holds it, set once by a guarded
 update, so a repeated release answers the first ``released_at``, whoever asks and however often;
 its durable copy, which a rebuilt index reads back, is one record in the facts journal
-(:mod:`canner.journal`): a batch of releases is one journal segment.  Only a delivered object
+(:mod:`canner.store.journal`): a batch of releases is one journal segment.  Only a delivered object
 whose remote copy was verified may be released.
 
 HQ clients authenticate with a bearer token; :class:`TokenFile` holds only SHA-256 digests of the
@@ -27,7 +27,7 @@ from typing import Any
 
 from attrs import define, field, frozen
 
-from canner.journal import Journal
+from canner.store.journal import Journal, release_record
 
 MAX_BATCH = 1000
 RELEASED = "released"
@@ -151,26 +151,6 @@ def object_id_of(receipt_id: str) -> str:
 
 # -- the journal record ------------------------------------------------------------------------
 
-RELEASE = "release"
-
-
-def release_record(object_id: str, released_at: float, client: str) -> dict[str, Any]:
-    """What the journal (:mod:`canner.journal`) holds for one release."""
-    return {"kind": RELEASE, "object_id": object_id, "released_at": released_at, "client": client}
-
-
-def released_at_of(record: dict[str, Any] | None) -> float | None:
-    """``released_at`` of a journal record (None for no record); ``ValueError`` if malformed."""
-    if record is None:
-        return None
-    value = record.get("released_at")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"release record of {record.get('object_id')}: released_at is not a number"
-        )
-    return float(value)
-
-
 # -- the index -------------------------------------------------------------------------------
 
 
@@ -206,7 +186,7 @@ def record_releases(
 
     The guarded update takes the index's write lock; the journal segment of the rows it changed
     is written and fsynced before the transaction commits, so an answer is only ever given for
-    a time that is durable twice (see :mod:`canner.journal` for why a crash in between is
+    a time that is durable twice (see :mod:`canner.store.journal` for why a crash in between is
     harmless).  An id that is no longer releasable is left out.
     """
     ids = list(dict.fromkeys(object_ids))

@@ -2,7 +2,7 @@
 
 ``GET /api/v1/objects/{id}``, ``POST /api/v1/objects:query`` and ``GET
 /api/v1/objects:by-origin`` (by project, file name and optional downloader, through the index)
-answer from :class:`~canner.objects.ObjectReader` in a thread.  ``POST /api/v1/releases``
+answer from :class:`~canner.hq.objects.ObjectReader` in a thread.  ``POST /api/v1/releases``
 authenticates the client against the ``[hq] tokens`` file, then :class:`Releases` records
 ``released_at`` in the side files and the index before answering.  Errors are JSON:
 ``{"error": code, "message": text}``.
@@ -22,14 +22,14 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import HTTPException
 
-from canner import releases as rel
 from canner.blocking import BlockingRunner
 from canner.config import Config, ConfigError
 from canner.delivery.index import DeliveryIndex
+from canner.hq import releases as rel
+from canner.hq.objects import MAX_QUERY, IndexUnavailable, ObjectReader
 from canner.ids import ObjectIds
-from canner.journal import Journal
 from canner.ledger.files import ArchivedIds
-from canner.objects import MAX_QUERY, IndexUnavailable, ObjectReader
+from canner.store.journal import Journal
 
 log = Logger()
 

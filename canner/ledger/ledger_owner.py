@@ -14,10 +14,9 @@ from attrs import define
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.logger import Logger
 
-from canner import outbound
 from canner.blocking import BlockingRunner
 from canner.config import LedgerConfig
-from canner.delivery import follow_up
+from canner.delivery import follow_up, outbound
 from canner.delivery.index import Index
 from canner.delivery.outbound_service import Copy, Parcel, Shipment, Unshippable
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT

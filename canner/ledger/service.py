@@ -29,7 +29,6 @@ from canner.config import ConfigError, LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.jobs import Ticker
 from canner.ids import ObjectIds
-from canner.journal import JournalLog
 from canner.ledger import store
 from canner.ledger.files import (
     SUFFIX,
@@ -48,9 +47,10 @@ from canner.ledger.steps import (
     write_ledger,
 )
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver
-from canner.receipts import ReceiptStore
 from canner.sinks.metadata import metadata_key_problem
 from canner.sinks.plan import identifier_problem
+from canner.store.journal import JournalLog
+from canner.store.receipts import ReceiptStore
 
 log = Logger()
 

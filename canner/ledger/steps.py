@@ -27,7 +27,7 @@ from canner import fs
 from canner.delivery.index import BUSY_TIMEOUT_MS
 from canner.ledger import store
 from canner.ledger.files import LedgerDir, id_key, id_record, record_line
-from canner.receipts import ReceiptStore
+from canner.store.receipts import ReceiptStore
 
 PAGE = 2000
 READERS = 8
@@ -187,7 +187,7 @@ def remove_receipts(receipts: ReceiptStore, object_ids: list[str]) -> None:
     ledger is verified (its manifest written), and whose :func:`leftovers` are gone, may call
     this: the receipt goes last, so a crash in between leaves it to be deleted again (the
     manifest keeps a rebuilt index from taking it back).  An object's release, delivery and
-    origin records are in the journal, which :meth:`~canner.journal.JournalLog.remove_spent`
+    origin records are in the journal, which :meth:`~canner.store.journal.JournalLog.remove_spent`
     prunes.  The caller fsyncs ``receipts/``.
     """
     for oid in object_ids:

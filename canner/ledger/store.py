@@ -16,7 +16,7 @@ from typing import Any
 
 from attrs import frozen
 
-from canner import outbound
+from canner.delivery import outbound
 from canner.ledger.files import period_end, period_sql
 from canner.observe import Outbound
 
@@ -43,7 +43,7 @@ LEDGER_COLUMNS = (
     "force_upload",
 )
 # A ledger's own steps are writing, written, deleting, done; its upload and verification are
-# its outbound row's (canner.outbound).  ``state`` shows a written ledger whose upload went
+# its outbound row's (canner.delivery.outbound).  ``state`` shows a written ledger whose upload went
 # through as ``uploaded``, as before the outbound table; ``attempts`` to ``needs_operator``
 # are the outbound row's while the ledger is being sent, its own steps' otherwise.
 _PHASE = "CASE WHEN l.state = 'written' AND d.state = 'delivered' THEN 'uploaded' ELSE l.state END"

@@ -27,7 +27,12 @@ from canner.delivery import index as sql
 from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
-from canner.drain import (
+from canner.ids import ObjectIds
+from canner.ledger import store as ledger_store
+from canner.ledger.files import Archived, ArchivedIds, LedgerDir
+from canner.ops.trends import TrendPoint, read_trends
+from canner.packaging.dictionaries import DictionaryWait, read_waits
+from canner.store.drain import (
     DrainMark,
     Retirement,
     count_unindexed,
@@ -35,14 +40,9 @@ from canner.drain import (
     read_drain,
     retirement,
 )
-from canner.ids import ObjectIds
-from canner.ledger import store as ledger_store
-from canner.ledger.files import Archived, ArchivedIds, LedgerDir
-from canner.packaging.dictionaries import DictionaryWait, read_waits
-from canner.promises import open_uploads
-from canner.receipts import ReceiptStore
-from canner.trends import TrendPoint, read_trends
-from canner.tus.store import CorruptInfo, UploadStore
+from canner.store.promises import open_uploads
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import CorruptInfo, UploadStore
 
 INDEX_NAME = "delivery.sqlite"
 # Rows in retry_wait with more attempts than this count as stuck (as do those needing an operator).
@@ -142,7 +142,7 @@ class Survey:
     @property
     def promised_bytes(self) -> int:
         """Bytes promised to uploads in flight: what they declared and have not stored yet
-        (the receiver's admission rule, canner.promises)."""
+        (the receiver's admission rule, canner.store.promises)."""
         return sum(max(u.size - u.offset, 0) for u in self.active_uploads)
 
     @property

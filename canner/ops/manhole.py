@@ -36,11 +36,12 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from canner import fs, inventory
+from canner import fs
 from canner.blocking import BlockingRunner
 from canner.config import Config, ConfigError, ManholeConfig
 from canner.delivery import index as sql
 from canner.ids import ObjectIds
+from canner.ops import inventory
 
 with warnings.catch_warnings():
     # twisted.conch.checkers tries ``import spwd`` (deprecated in Python 3.11) for its /etc/shadow

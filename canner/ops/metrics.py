@@ -48,10 +48,10 @@ from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
-from canner.inventory import Survey, take_survey
 from canner.observe import Destination, Outbound
-from canner.routing import BAD_HOST_MESSAGE, bindable_host
+from canner.ops.inventory import Survey, take_survey
 from canner.version import version
+from canner.web.routing import BAD_HOST_MESSAGE, bindable_host
 
 log = Logger()
 
@@ -398,7 +398,8 @@ class Metrics:
 
 @define(eq=False)
 class SurveyCache:
-    """The latest :class:`~canner.inventory.Survey`, recomputed in a thread by :meth:`refresh`."""
+    """The latest :class:`~canner.ops.inventory.Survey`, recomputed in a thread by
+    :meth:`refresh`."""
 
     _run: BlockingRunner
     _take: Callable[[float], Survey]
@@ -602,8 +603,8 @@ class MetricsPage:
 
 class _MetricsRequest(Request):
     """A request to canner-deliver's metrics listener: one whose Host no route could be served
-    with (:func:`~canner.routing.bindable_host`) is answered 400 before Klein sees it, as the
-    receiver's requests are (``canner.tus.channel.ReceiverRequest``)."""
+    with (:func:`~canner.web.routing.bindable_host`) is answered 400 before Klein sees it, as the
+    receiver's requests are (``canner.web.channel.ReceiverRequest``)."""
 
     def process(self) -> None:
         if bindable_host(self.getRequestHostname()):

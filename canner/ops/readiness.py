@@ -3,7 +3,7 @@
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
 accepted now: the node not draining (``canner drain``), free space at or above
 ``min_free_bytes`` (and known) and not all promised to uploads in flight
-(:mod:`canner.promises`), the data directory's ``uploads/`` and ``receipts/`` writable.  An
+(:mod:`canner.store.promises`), the data directory's ``uploads/`` and ``receipts/`` writable.  An
 unreadable ``delivery.sqlite`` is not among them: the receiver still accepts and receipts
 uploads (receipts are the commit point, the index is rebuilt from them), so it is the status
 verdict's and ``canner_index_readable``'s to report.  A load balancer that
@@ -21,10 +21,10 @@ from attrs import define, field, frozen
 from twisted.logger import Logger
 
 from canner import fs
-from canner.drain import read_drain
-from canner.inventory import unusable_dirs
-from canner.promises import Promises, overpromised
-from canner.verdict import draining_reason, upload_refusals
+from canner.ops.inventory import unusable_dirs
+from canner.ops.verdict import draining_reason, upload_refusals
+from canner.store.drain import read_drain
+from canner.store.promises import Promises, overpromised
 
 log = Logger()
 
@@ -88,7 +88,7 @@ def check_readiness(
     data_dir: Path, min_free_bytes: int, watch: FloorWatch, promises: Promises | None = None
 ) -> Readiness:
     """Whether uploads would be accepted now, and every reason they would not (blocking),
-    worded as ``canner status`` and the status page word them (:mod:`canner.verdict`).  With
+    worded as ``canner status`` and the status page word them (:mod:`canner.ops.verdict`).  With
     ``promises``, free space they leave under the floor is such a reason."""
     reasons = []
     draining = read_drain(data_dir)

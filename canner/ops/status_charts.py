@@ -5,8 +5,8 @@ from __future__ import annotations
 from attrs import frozen
 from twisted.web.template import Tag, tags
 
-from canner.humane import human_bytes
-from canner.trends import WINDOW
+from canner.ops.humane import human_bytes
+from canner.ops.trends import WINDOW
 
 CHART_W, CHART_H, CHART_PAD = 420, 110, 16
 

@@ -2,13 +2,13 @@
 
 Its header says which canner runs, for how long, whether canner-deliver is alive (from its
 heartbeat in ``delivery.sqlite``), and the verdict of ``canner status`` with its reasons
-(:mod:`canner.verdict`: the same words ``/readyz`` uses).  Then what needs doing: deliveries
+(:mod:`canner.ops.verdict`: the same words ``/readyz`` uses).  Then what needs doing: deliveries
 waiting for an operator, the latest failures (with their next retry) and what this receiver
 logged while starting; then free space, the deliveries in flight with their progress, 24-hour
-trends drawn as inline SVG (:mod:`canner.status_charts`), uploads still coming in, accepted and
+trends drawn as inline SVG (:mod:`canner.ops.status_charts`), uploads still coming in, accepted and
 pending bytes per project, delivery states, the latest deliveries (an IA item link, or the
 file's path for a directory sink), and this process's recent warnings and errors
-(:mod:`canner.problems`).  :class:`StatusSource` takes a fresh survey in a thread for each
+(:mod:`canner.ops.problems`).  :class:`StatusSource` takes a fresh survey in a thread for each
 request; :func:`render_status` is pure and renders with ``twisted.web.template``.  The page
 refreshes itself (``<meta http-equiv="refresh">``) and loads nothing else: no scripts, no
 external styles, no images.
@@ -33,15 +33,15 @@ from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
-from canner.humane import human_bytes, human_duration, shorten_ids
-from canner.inventory import IndexSummary, Survey, take_survey
-from canner.problems import Problem, RecentProblems
-from canner.rsync.incoming import count_waiting
+from canner.doors.rsync.incoming import count_waiting
+from canner.ops.humane import human_bytes, human_duration, shorten_ids
+from canner.ops.inventory import IndexSummary, Survey, take_survey
+from canner.ops.problems import Problem, RecentProblems
+from canner.ops.status_charts import Line, trend_chart
+from canner.ops.trends import ALL, WINDOW, levels, per_minute
+from canner.ops.trends import projects as trend_projects
+from canner.ops.verdict import Verdict, assess, upload_refusals
 from canner.sinks.directory import expand_path
-from canner.status_charts import Line, trend_chart
-from canner.trends import ALL, WINDOW, levels, per_minute
-from canner.trends import projects as trend_projects
-from canner.verdict import Verdict, assess, upload_refusals
 from canner.version import version
 
 REFRESH_SECONDS = 10

@@ -9,8 +9,8 @@ needing an operator, overdue purges, zstd dictionaries that cannot be had) and g
 reason.  A drained node is neither ok nor an alarm: the operator's own doing, its verdict is
 ``draining`` (exit status 0, no alarm) unless something is worse, and the drain is always among
 its reasons, worded as ``/readyz`` words it, with whether the node can be retired.  Pure: the
-facts come from a :class:`~canner.inventory.Survey` or from
-:func:`canner.readiness.check_readiness`.
+facts come from a :class:`~canner.ops.inventory.Survey` or from
+:func:`canner.ops.readiness.check_readiness`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from attrs import frozen
 
 from canner.delivery.index import RECOVERY
 from canner.delivery.liveness import judge
-from canner.drain import DrainMark, Retirement
-from canner.inventory import Survey
+from canner.ops.inventory import Survey
+from canner.store.drain import DrainMark, Retirement
 
 OK, WARNING, CRITICAL = 0, 1, 2
 NAMES = ("ok", "warning", "critical")

@@ -3,8 +3,8 @@
 An accepted object of a megawarc project joins its project's open batch in acceptance order
 (:func:`assign_batches`); a batch closes once its members reach ``target_bytes`` or its oldest
 member waited ``max_wait``.  A closed batch is built into a package (``building -> sealed ->
-verified``), then delivered (its outbound row, :mod:`canner.outbound`), verified at IA and purged
-locally.  Every
+verified``), then delivered (its outbound row, :mod:`canner.delivery.outbound`), verified at IA and
+purged locally.  Every
 transition is a guarded update (``WHERE state = :expected``), so a crash or a second writer
 can never move a row twice; the package id is derived from the members
 (:func:`package_id_of`), so rebuilding a batch always names the same package.
@@ -19,8 +19,8 @@ from typing import Any
 import blake3
 from attrs import define, field, frozen
 
-from canner import outbound
 from canner.config import PackagingConfig
+from canner.delivery import outbound
 from canner.observe import Outbound
 
 # Objects assigned per project and tick: bounds the transaction whatever the backlog.

@@ -50,9 +50,9 @@ from canner.packaging.megawarc import (
 )
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
-from canner.receipts import ReceiptStore
 from canner.sinks.plan import format_date
-from canner.tus.store import UploadStore
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

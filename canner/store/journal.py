@@ -15,7 +15,7 @@ one canner-deliver that holds ``deliver.lock``, appended in order, and a purge t
 short writes its record again.
 
 Every line is ``{"kind": ..., "object_id": ..., ...}``; what a kind holds is its writer's
-business (:mod:`canner.releases`, :mod:`canner.delivery.purge`).  Releases come in batches and
+business (:mod:`canner.hq.releases`, :mod:`canner.delivery.purge`).  Releases come in batches and
 write a segment each (:meth:`Journal.append`); delivery records come one purge at a time and
 are appended to canner-deliver's open segment (:class:`JournalLog`).  Blocking; run it in a
 thread.
@@ -287,3 +287,25 @@ class JournalLookup:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+# -- release records (written by HQ's releases, read by the rescan) --------------------------
+
+RELEASE = "release"
+
+
+def release_record(object_id: str, released_at: float, client: str) -> dict[str, Any]:
+    """What the journal (:mod:`canner.store.journal`) holds for one release."""
+    return {"kind": RELEASE, "object_id": object_id, "released_at": released_at, "client": client}
+
+
+def released_at_of(record: dict[str, Any] | None) -> float | None:
+    """``released_at`` of a journal record (None for no record); ``ValueError`` if malformed."""
+    if record is None:
+        return None
+    value = record.get("released_at")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"release record of {record.get('object_id')}: released_at is not a number"
+        )
+    return float(value)

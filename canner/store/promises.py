@@ -13,7 +13,7 @@ do not exist here (the intake refuses them), so every upload has a size to promi
 :func:`promised_on_disk` rebuilds it from ``uploads/`` at start: every tus or rsync'd upload
 without a receipt that is not rejected owes ``size - stored``.  A whole-file upload found at
 start is dead (its request ended with the process before): the receiver removes it first
-(:func:`canner.tus.sweep.remove_whole_files`) and it owes nothing.  The survey (``canner
+(:func:`canner.store.sweep.remove_whole_files`) and it owes nothing.  The survey (``canner
 status``, the status page, the metrics) counts every upload without a receipt, whole files
 included, since it cannot tell a PUT in flight from one a stop cut: the two agree while the
 receiver runs, and a stopped receiver's dead PUTs are counted until it starts.
@@ -28,8 +28,8 @@ from attrs import define, field, frozen
 from twisted.logger import Logger
 
 from canner.ids import ObjectIds
-from canner.receipts import ReceiptStore
-from canner.tus.store import CorruptInfo, UploadInfo, UploadStore
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
 log = Logger()
 

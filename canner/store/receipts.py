@@ -5,7 +5,7 @@ The value half is pure: :class:`Receipt` is SavewebHQ's six-field ``ArtifactRece
 ``{id}.json`` is the receipt (its existence is the acceptance commit point) and ``{id}.meta.json``
 records the project and filename, so the delivery index can be rebuilt from this directory alone.
 Before a delivered payload is purged, its origin and a delivery record (where it went) join the
-facts journal (:mod:`canner.journal`) and ``{id}.meta.json`` goes, so a lost index is rebuilt
+facts journal (:mod:`canner.store.journal`) and ``{id}.meta.json`` goes, so a lost index is rebuilt
 with that object delivered, and an archived object leaves one file behind for the ledger to
 delete; data directories of version 0.1 hold the delivery record in ``{id}.delivery.json``,
 which is still read.  All store methods block; call them through a blocking runner.
@@ -149,7 +149,7 @@ DELIVERY = "delivery"
 
 
 def delivery_journal_record(object_id: str, record: DeliveryRecord) -> dict[str, Any]:
-    """The facts journal's copy of a delivery record (:mod:`canner.journal`)."""
+    """The facts journal's copy of a delivery record (:mod:`canner.store.journal`)."""
     return {
         "kind": DELIVERY,
         "object_id": object_id,

@@ -3,7 +3,7 @@
 After a power cut a data file can come back at the length the kernel had reached, its bytes past
 the last fsync zeros (ext4 commits the size before the data).  HEAD answers the data file's size,
 so before the receiver reads ``uploads/`` (the promises, the first request) every upload without
-a receipt is truncated to what its sidecar records as durable (see ``canner.tus.store``): the
+a receipt is truncated to what its sidecar records as durable (see ``canner.store.uploads``): the
 worker resumes from bytes that are really its own.
 
 Only after the machine restarted: a receiver killed (SIGKILL, OOM, a crash) leaves its written
@@ -28,9 +28,9 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.ids import ObjectIds
-from canner.promises import open_uploads
-from canner.receipts import ReceiptStore
-from canner.tus.store import UploadStore
+from canner.store.promises import open_uploads
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

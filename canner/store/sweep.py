@@ -27,11 +27,11 @@ from twisted.logger import Logger
 from canner import fs
 from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
-from canner.journal import Journal
 from canner.observe import UploadObserver
-from canner.promises import Promises, open_uploads
-from canner.receipts import ReceiptStore
-from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
+from canner.store.journal import Journal
+from canner.store.promises import Promises, open_uploads
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -126,7 +126,8 @@ def remove_whole_files(uploads: UploadStore, receipts: ReceiptStore, ids: Object
     for and a power cut may have left as zeros.  Only ``receiver.lock`` lets this run at start:
     no other receiver can be writing one of them.  One rejected for a declared digest stays for
     the sweep (its bytes are gone already); files that cannot be removed stay for it too, and
-    the promises rebuilt from disk owe them nothing (:func:`canner.promises.promised_on_disk`).
+    the promises rebuilt from disk owe them nothing
+    (:func:`canner.store.promises.promised_on_disk`).
     """
     removed = []
     for upload_id, info in open_uploads(uploads, receipts, ids):

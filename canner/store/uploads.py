@@ -17,7 +17,7 @@ then ``uploads/``): at the end of every PATCH that does not complete its upload,
 is not checkpointed: acceptance fsyncs it and records its origin right after, which is what
 marks its whole length as durable.  While the receiver runs, the data file's size is the offset
 (the page cache holds the bytes, and outlives a killed process); at the first start after the
-machine restarted, :func:`canner.tus.recovery.cut_after_restart` cuts every upload in flight
+machine restarted, :func:`canner.store.recovery.cut_after_restart` cuts every upload in flight
 back to its durable offset before anything reads it.
 
 One writer per upload: :meth:`UploadStore.open_locked` takes a flock on the data file that holds
@@ -47,7 +47,7 @@ from attrs import define, evolve, field, frozen
 
 from canner import fs
 from canner.checksum import Checksum, TrailingHash, parse_checksum
-from canner.receipts import Origin
+from canner.store.receipts import Origin
 
 # Bytes a streaming upload writes before they are handed to the kernel's writeback.
 WRITE_BEHIND_WINDOW = 32 << 20

@@ -13,9 +13,9 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from canner.config import ConfigError
-    from canner.daemon import quiet_repeated_stop_signals
-    from canner.service import deliver_service
-    from canner.startup import CannotStart
+    from canner.daemon.roots import deliver_service
+    from canner.daemon.services import quiet_repeated_stop_signals
+    from canner.store.datadir import CannotStart
 
     try:
         service = deliver_service(options.loaded, reactor)

@@ -29,9 +29,9 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from canner.daemon import quiet_repeated_stop_signals
-    from canner.service import receiver_service
-    from canner.startup import CannotStart
+    from canner.daemon.roots import receiver_service
+    from canner.daemon.services import quiet_repeated_stop_signals
+    from canner.store.datadir import CannotStart
 
     try:
         service = receiver_service(options.loaded, reactor)

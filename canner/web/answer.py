@@ -21,7 +21,7 @@ from typing import Any
 from attrs import frozen
 from twisted.web.http import RESPONSES
 
-from canner.tus.protocol import TUS_VERSION, TusError, reason
+from canner.web.errors import TUS_VERSION, HTTPError, reason
 
 _TEXT = "text/plain; charset=utf-8"
 
@@ -35,7 +35,7 @@ class Answer:
     headers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, error: TusError) -> Answer:
+    def of(cls, error: HTTPError) -> Answer:
         return cls(error.status, error.message, error.headers)
 
     @property

@@ -3,9 +3,9 @@
 twisted.web normally buffers a request body (in memory, or in a temp file past 100 kB) and calls
 the resource after the last byte.  For tus that would write a 10 GiB body twice and lose the bytes
 of an interrupted PATCH.  So as soon as a request's head is in, :class:`ReceiverRequest` routes it
-once (:func:`canner.routing.route`) and, for an upload body, asks the site's
+once (:func:`canner.web.routing.route`) and, for an upload body, asks the site's
 :class:`BodyRouter` for a sink: each chunk then goes there (a
-:class:`~canner.tus.stream.BodyStream`) as it arrives.
+:class:`~canner.web.stream.BodyStream`) as it arrives.
 
 A refusal decided before the body has arrived (from the head, or at admission: 404, 409, 412,
 413, 415, 423, 429, ...) is answered at once, without ``100 Continue``, and the connection is then
@@ -14,9 +14,9 @@ Other requests may carry at most :data:`SMALL_BODY_MAX` bytes; larger bodies are
 and answered with 413.
 
 The channel also guards the process: a request head must arrive whole within its deadline and
-within ``totalHeadersSize`` (431), and :class:`~canner.connections.ConnectionLimits` caps open
+within ``totalHeadersSize`` (431), and :class:`~canner.web.connections.ConnectionLimits` caps open
 connections in total and per client address.  Every answer the channel or a request words
-itself is rendered by :class:`~canner.tus.answer.Answer`.
+itself is rendered by :class:`~canner.web.answer.Answer`.
 
 Twisted's private names: only ``HTTPChannel._respondToBadRequestAndDisconnect`` is overridden
 (Twisted answers malformed framing there, with a bare 400 and no ``Tus-Resumable``);
@@ -37,9 +37,7 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
-from canner.connections import ConnectionLimits
-from canner.routing import BAD_HOST_MESSAGE, OTHER, Route, bindable_host, route
-from canner.tus.answer import (
+from canner.web.answer import (
     BAD_REQUEST,
     CONTINUE,
     HEAD_TOO_LARGE,
@@ -47,7 +45,9 @@ from canner.tus.answer import (
     OVER_CAPACITY,
     Answer,
 )
-from canner.tus.protocol import TUS_VERSION, TusError, method_override
+from canner.web.connections import ConnectionLimits
+from canner.web.errors import TUS_VERSION, HTTPError
+from canner.web.routing import BAD_HOST_MESSAGE, OTHER, Route, bindable_host, method_override, route
 
 log = Logger()
 
@@ -358,10 +358,10 @@ class ReceiverRequest(Request):
             super().gotLength(length)
 
     def _refuse_host(self) -> None:
-        """A Host no route could be served with (:func:`~canner.routing.bindable_host`): 400 on
+        """A Host no route could be served with (:func:`~canner.web.routing.bindable_host`): 400 on
         every route, before any body is opened; answered at once (closing the connection) when
         a body follows, else once the request is in."""
-        error = TusError(400, BAD_HOST_MESSAGE)
+        error = HTTPError(400, BAD_HOST_MESSAGE)
         self._refusal = Answer.of(error)
         self.content = BytesIO()
         self.answer_now(error)
@@ -415,7 +415,7 @@ class ReceiverRequest(Request):
             channel: Any = self.channel
             channel.send_continue()
 
-    def answer_now(self, error: TusError) -> bool:
+    def answer_now(self, error: HTTPError) -> bool:
         """Answer ``error`` before the rest of the body arrives and close the connection;
         False (nothing done) when the request will reach its route anyway: an empty body, a
         body that has ended, a connection that is gone."""

@@ -14,14 +14,17 @@ import enum
 from urllib.parse import unquote_to_bytes
 
 from attrs import frozen
+from twisted.web.http_headers import Headers
+
+from canner.web.errors import HTTPError
 
 
 class Surface(enum.Enum):
     """Which app serves a request."""
 
-    TUS = "tus"  # /files...: canner.tus.routes
-    SEESAW = "seesaw"  # /seesaw/...: canner.seesaw (Archive Team's curl uploads)
-    HQ = "hq"  # /api/v1/objects..., /api/v1/releases: canner.hq
+    TUS = "tus"  # /files...: canner.doors.tus.routes
+    SEESAW = "seesaw"  # /seesaw/...: canner.doors.seesaw (Archive Team's curl uploads)
+    HQ = "hq"  # /api/v1/objects..., /api/v1/releases: canner.hq.routes
     RECEIVER = "receiver"  # everything else: receipts, health, status page, metrics
 
 
@@ -117,3 +120,24 @@ def bindable_host(hostname: bytes) -> bool:
     except UnicodeError:
         return False
     return True
+
+
+def single_header(headers: Headers, name: str) -> str | None:
+    """The one value of header ``name``, None when absent; 400 when repeated or not ASCII."""
+    values = headers.getRawHeaders(name.encode("ascii"))
+    if not values:
+        return None
+    if len(values) > 1:
+        raise HTTPError(400, f"{name} must be sent once")
+    try:
+        return values[0].decode("ascii")
+    except UnicodeDecodeError:
+        raise HTTPError(400, f"{name} must be ASCII") from None
+
+
+def method_override(method: bytes, headers: Headers) -> bytes:
+    """The effective method: ``X-HTTP-Method-Override`` when present, else the request line's."""
+    values = headers.getRawHeaders(b"X-HTTP-Method-Override")
+    if values and len(values) == 1 and values[0].strip():
+        return values[0].strip().upper()
+    return method

@@ -24,8 +24,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner, PoolStopped
-from canner.tus.protocol import TusError
-from canner.tus.store import LockedUpload
+from canner.store.uploads import LockedUpload
+from canner.web.errors import HTTPError
 
 log = Logger()
 
@@ -68,7 +68,7 @@ class Gate(Protocol):
     """The request behind a :class:`BodyStream` (see ``channel.ReceiverRequest``)."""
 
     def go_ahead(self) -> None: ...
-    def answer_now(self, error: TusError) -> bool: ...
+    def answer_now(self, error: HTTPError) -> bool: ...
     def end(self) -> None: ...
 
 
@@ -252,7 +252,7 @@ class BodyStream:
         self._writing = False
         self.last_progress = self._now()
         if isinstance(result, Failure):
-            if not result.check(TusError, PoolStopped):
+            if not result.check(HTTPError, PoolStopped):
                 log.error(
                     "writing upload {object_id} failed: {error}",
                     object_id=self._upload.info.upload_id if self._upload else None,
@@ -267,7 +267,7 @@ class BodyStream:
     def _refuse_overrun(self, upload: LockedUpload) -> None:
         self._enter(Phase.ANSWERED)
         self._answer = Failure(
-            TusError(413, "the body would pass Upload-Length; nothing was stored")
+            HTTPError(413, "the body would pass Upload-Length; nothing was stored")
         )
         self._drop_pending()
         self._writing = True
@@ -282,7 +282,7 @@ class BodyStream:
             self._gate is not None
             and self._upload is None
             and isinstance(answer, Failure)
-            and answer.check(TusError) is not None
+            and answer.check(HTTPError) is not None
         )
 
     def _drop_pending(self) -> None:
@@ -319,17 +319,17 @@ class BodyStream:
             log.info("an upload stream was cut short: the receiver is stopping")
             # The client resumes from the offset HEAD reports once the receiver is back.
             result = Failure(
-                TusError(
+                HTTPError(
                     503, "the receiver is stopping: resume the upload", (("Retry-After", "5"),)
                 )
             )
-        if isinstance(result, Failure) and not result.check(TusError):
+        if isinstance(result, Failure) and not result.check(HTTPError):
             log.failure("upload stream ended badly", result)
-            result = Failure(TusError(500, "internal error"))
+            result = Failure(HTTPError(500, "internal error"))
         self._enter(Phase.DONE)
         self._result = result
         if self._early and not self._ended and self._gate is not None:
-            assert isinstance(result, Failure) and isinstance(result.value, TusError)
+            assert isinstance(result, Failure) and isinstance(result.value, HTTPError)
             if self._gate.answer_now(result.value):
                 return
         waiters, self._waiters = self._waiters, []

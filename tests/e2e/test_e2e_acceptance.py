@@ -69,7 +69,7 @@ def test_wrong_checksum_is_422_and_never_receipted(receiver: Receiver, chunked: 
 
 # -- big uploads: hashed while they stream ------------------------------------------------------
 
-# Over canner.tus.store.TRAILING_HASH_MIN: read back and hashed as it is written.
+# Over canner.store.uploads.TRAILING_HASH_MIN: read back and hashed as it is written.
 BIG = 256 * MiB + 4321
 
 

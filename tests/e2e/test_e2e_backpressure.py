@@ -8,7 +8,8 @@ changes only when something is written, so each request sees exactly the free sp
 Below M, POST and PATCH (also PATCH via ``X-HTTP-Method-Override`` and creation-with-upload) get
 429 with ``Retry-After: 60``; at exactly M a PATCH is allowed; HEAD, receipts and health stay 200.
 
-A creation is also promised its declared length (canner.promises): it is admitted only while free
+A creation is also promised its declared length (canner.store.promises): it is admitted only while
+free
 space minus the bytes promised to every upload in flight, its own included, stays at or above M,
 and refused with 503 and ``Retry-After`` otherwise; the promises are rebuilt from ``uploads/``
 when the receiver starts again.

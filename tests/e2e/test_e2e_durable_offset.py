@@ -20,7 +20,7 @@ import pytest
 from e2e_support import Receiver, blake3_hex
 from tusclient import client as tus_client
 
-from canner.tus.recovery import BOOT_ID
+from canner.store.recovery import BOOT_ID
 
 pytestmark = pytest.mark.e2e
 

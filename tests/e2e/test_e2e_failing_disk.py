@@ -111,7 +111,7 @@ def check_disk_after_remount(rcv: Receiver, disk: FailingDisk, served: dict[str,
         )
 
 
-# 256 MiB: hashed while it is written (canner.tus.store.TRAILING_HASH_MIN), reading back pages
+# 256 MiB: hashed while it is written (canner.store.uploads.TRAILING_HASH_MIN), reading back pages
 # whose writeback failed.
 @pytest.mark.parametrize("size", [100 << 20, 256 << 20], ids=["100MiB", "256MiB-trailing-hash"])
 def test_writeback_error_early_in_a_large_upload_resets_it(

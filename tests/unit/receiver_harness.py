@@ -1,7 +1,7 @@
 """An in-memory canner-receiver for unit tests, driven at the HTTP byte level.
 
 :meth:`InMemoryReceiver.build` assembles the receiver's real Site the way
-``canner.service.receiver_service`` does (upload and receipt stores over a real data directory,
+``canner.daemon.roots.receiver_service`` does (upload and receipt stores over a real data directory,
 acceptance with its fsyncs, the intake, the tus routes, metrics, ``receiver_site``), with a
 :class:`~twisted.internet.task.Clock` for time and :class:`HeldRunner` for blocking work.  This is
 the tests' one copy of that wiring: when the composition changes, only :meth:`build` follows.
@@ -34,14 +34,14 @@ from twisted.python.failure import Failure
 
 from canner.blocking import run_inline
 from canner.config import Config, parse_config
-from canner.connections import ConnectionLimits
-from canner.metrics import RECEIVER, Metrics
-from canner.problems import RecentProblems
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.service import receiver_parts
-from canner.tus.channel import ReceiverSite
-from canner.tus.intake import UploadIntake
-from canner.tus.store import UploadStore
+from canner.daemon.roots import receiver_parts
+from canner.doors.tus.intake import UploadIntake
+from canner.ops.metrics import RECEIVER, Metrics
+from canner.ops.problems import RecentProblems
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import UploadStore
+from canner.web.channel import ReceiverSite
+from canner.web.connections import ConnectionLimits
 
 # Re-exported: the tests import them from here.
 from tests.upload_checks import b64 as b64
@@ -210,7 +210,7 @@ class Connection:
     """One client connection to the in-memory receiver."""
 
     _receiver: InMemoryReceiver
-    channel: Any  # a canner.tus.channel.ReceiverChannel
+    channel: Any  # a canner.web.channel.ReceiverChannel
     transport: ClientTransport
     methods: list[bytes] = field(factory=list)
     lost: bool = False
@@ -310,7 +310,7 @@ class InMemoryReceiver:
     def build(cls, data_dir: Path, **overrides: Any) -> InMemoryReceiver:
         """A receiver for ``data_dir`` (which must exist) with the config the e2e receivers use
         (projects ``example`` and ``other``, 64 MiB uploads, ``min_free_bytes = 1``) and
-        ``overrides``.  The objects are the daemon's (``canner.service.receiver_parts``); what
+        ``overrides``.  The objects are the daemon's (``canner.daemon.roots.receiver_parts``); what
         it adds around them (threads, listeners, timers, the delivery index) is left out:
         acceptance's enqueue records in ``enqueued``, and the connection caps are the
         configured ones (the open-file limit is not consulted)."""

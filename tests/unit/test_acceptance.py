@@ -13,10 +13,10 @@ import pytest
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 
-from canner.acceptance import INLINE_HASH_MAX, Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.accept.acceptance import INLINE_HASH_MAX, Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import run_inline
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import LockedUpload, UploadInfo, UploadStore
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import LockedUpload, UploadInfo, UploadStore
 from tests.fakes import succeeded
 
 OID = "0123456789abcdef0123456789abcdef"

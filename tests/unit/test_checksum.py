@@ -14,8 +14,8 @@ import pytest
 
 from canner import checksum
 from canner.checksum import HashCancelled, TrailingHash, blake3_file
-from canner.tus import store
-from canner.tus.store import TRAILING_HASH_MIN, LockedUpload, UploadInfo, UploadStore
+from canner.store import uploads as store
+from canner.store.uploads import TRAILING_HASH_MIN, LockedUpload, UploadInfo, UploadStore
 
 OID = "0123456789abcdef0123456789abcdef"
 MiB = 1 << 20

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 from canner.checksum import parse_checksum
-from canner.cli import Io, main, with_utc
+from canner.cli.main import Io, main, with_utc
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
 from canner.delivery.purge import purge_is_due
 from canner.fs import DataDirLock
-from canner.journal import Journal
 from canner.ledger.files import LedgerDir, Manifest, id_record
-from canner.receipts import (
+from canner.store.journal import Journal
+from canner.store.receipts import (
     DeliveryRecord,
     Origin,
     Receipt,
@@ -492,7 +492,7 @@ def test_replacing_a_damaged_index_is_refused_while_a_receiver_runs(run: Run) ->
 
 def canner(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "canner.cli", *argv],
+        [sys.executable, "-m", "canner.cli.main", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -16,9 +16,9 @@ from twisted.python.failure import Failure
 
 from canner.blocking import PoolStopped, ThreadPoolRunner
 from canner.config import Config, parse_config
-from canner.daemon import DaemonRoot
+from canner.daemon.services import DaemonRoot
 from canner.fs import DataDirLock
-from canner.startup import DeliverLocked, ReceiverLocked, lock_data_dir, lock_receiver_dir
+from canner.store.datadir import DeliverLocked, ReceiverLocked, lock_data_dir, lock_receiver_dir
 
 
 @define(eq=False)

@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from canner.blocking import run_inline
 from canner.config import ConfigError, DeliveryConfig, parse_config
 from canner.delivery.index import QueueRow
-from canner.delivery.object_owner import located, plan_row
+from canner.delivery.objects import located, plan_row
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.directory import PARTIAL_PREFIX, DirectorySink, validate_directory
 from canner.sinks.plan import ItemPlan

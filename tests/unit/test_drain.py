@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from twisted.internet.task import Clock
 
-from canner import drain
 from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
-from canner.drain import DrainMark, retirement
 from canner.ids import ObjectIds
-from canner.inventory import take_survey
-from canner.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
-from canner.status_page import StatusView, render_status
-from canner.tus.store import UploadInfo, UploadStore
+from canner.ops.inventory import take_survey
+from canner.ops.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
+from canner.ops.status_page import StatusView, render_status
+from canner.store import drain
+from canner.store.drain import DrainMark, retirement
+from canner.store.uploads import UploadInfo, UploadStore
 from tests.fakes import SyncIndex, succeeded
 from tests.unit.test_cli import CHECKSUM, NOW, Run, oid
 from tests.unit.test_readiness import data_dir, readyz

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from canner import fs
-from canner.receipts import Origin, ReceiptStore
-from canner.tus.intake import TAKEOVER_QUIET
-from canner.tus.recovery import BOOT_RECORD, current_boot_id
-from canner.tus.store import CHECKPOINT_BYTES, UploadInfo, UploadStore, parse_info
+from canner.doors.tus.intake import TAKEOVER_QUIET
+from canner.store.receipts import Origin, ReceiptStore
+from canner.store.recovery import BOOT_RECORD, current_boot_id
+from canner.store.uploads import CHECKPOINT_BYTES, UploadInfo, UploadStore, parse_info
 from tests.unit.receiver_harness import (
     ISSUER,
     InMemoryReceiver,

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from canner.cli import Io, main
+from canner.cli.main import Io, main
 from canner.fs import DataDirLock
 from canner.go_canner.godir import GoDataDir
-from canner.tus.store import UploadStore
+from canner.store.uploads import UploadStore
 from tests.go_canner_fixture import NOW, STATES, kill_writer_after, listing, write_go_data_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ class Setup:
     def subprocess(self, *argv: str, crash_at: str = "") -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "CANNER_CRASH_AT": crash_at}
         return subprocess.run(
-            [sys.executable, "-m", "canner.cli", *argv, "--config", str(self.config)],
+            [sys.executable, "-m", "canner.cli.main", *argv, "--config", str(self.config)],
             cwd=REPO, capture_output=True, text=True, timeout=60, check=False, env=env,
         )  # fmt: skip
 

@@ -1,7 +1,7 @@
 """``canner import-go-config``: a Go canner config.json as canner TOML, every change reported.
 
 The Go canner's config format and its quirks are docs/reference/go-canner.md §1.2 and §1.3.  Each
-conversion runs through the real command (:func:`canner.cli.main`); its output is loaded with
+conversion runs through the real command (:func:`canner.cli.main.main`); its output is loaded with
 the real loader and checked with ``canner check-config``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from canner.cli import Io, main
+from canner.cli.main import Io, main
 from canner.config import Config, load_config
 from canner.sinks.plan import expand_template
 
@@ -489,7 +489,7 @@ def test_the_command_writes_its_output_atomically_and_check_config_reads_it(root
     source = root / "config.json"
     source.write_text(example_config(root / "ia.keys"), encoding="utf-8")
     output = root / "canner.toml"
-    command = [sys.executable, "-m", "canner.cli", "import-go-config", str(source)]
+    command = [sys.executable, "-m", "canner.cli.main", "import-go-config", str(source)]
     done = subprocess.run([*command, "--output", str(output)], capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (0, "")
     assert len(done.stderr.splitlines()) == 6
@@ -497,7 +497,7 @@ def test_the_command_writes_its_output_atomically_and_check_config_reads_it(root
         "megawarc"
     )
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
-    check = [sys.executable, "-m", "canner.cli", "--config", str(output), "check-config"]
+    check = [sys.executable, "-m", "canner.cli.main", "--config", str(output), "check-config"]
     done = subprocess.run(check, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (0, "")
 

@@ -15,7 +15,6 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canner import releases as rel
 from canner.config import ConfigError, parse_config
 from canner.delivery.index import (
     AcceptedObject,
@@ -24,8 +23,9 @@ from canner.delivery.index import (
     insert_objects,
     upgrade_schema,
 )
+from canner.hq import releases as rel
+from canner.hq.objects import ObjectReader
 from canner.ids import ObjectIds
-from canner.journal import Journal, JournalLog, JournalLookup
 from canner.ledger import store
 from canner.ledger.files import (
     ArchivedIds,
@@ -38,8 +38,15 @@ from canner.ledger.files import (
 )
 from canner.ledger.service import validate_ledger
 from canner.ledger.steps import id_batches, write_ledger
-from canner.objects import ObjectReader
-from canner.receipts import ReceiptStore
+from canner.store.journal import (
+    RELEASE,
+    Journal,
+    JournalLog,
+    JournalLookup,
+    release_record,
+    released_at_of,
+)
+from canner.store.receipts import ReceiptStore
 
 DAY = 86400.0
 T0 = 1_780_000_000.0  # 2026-05-28T20:26:40Z
@@ -227,12 +234,12 @@ def test_a_record_left_by_a_crash_is_superseded_by_the_release_that_committed(
     journal = Journal(tmp_path / "journal")
     a = "a" * 32
     _verified(conn, a)
-    journal.append([rel.release_record(a, 5.0, "hq")])  # the crashed attempt's record
+    journal.append([release_record(a, 5.0, "hq")])  # the crashed attempt's record
     assert _release(conn, journal, [a], 9.0) == {a: 9.0}
     lookup = JournalLookup(journal)
     try:
-        assert rel.released_at_of(lookup.get(a, rel.RELEASE)) == 9.0
-        assert lookup.get("b" * 32, rel.RELEASE) is None
+        assert released_at_of(lookup.get(a, RELEASE)) == 9.0
+        assert lookup.get("b" * 32, RELEASE) is None
     finally:
         lookup.close()
 
@@ -242,18 +249,18 @@ def test_spent_segments_go_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     parse is an error naming the segment and line (a lookup skips it and names it)."""
     journal = Journal(tmp_path / "journal")
     assert journal.segments() == [] and journal.remove_spent(lambda oid: True) == 0
-    first = journal.append([rel.release_record("a", 1.0, "hq"), rel.release_record("b", 1.0, "hq")])
-    second = journal.append([rel.release_record("c", 2.0, "hq")])
+    first = journal.append([release_record("a", 1.0, "hq"), release_record("b", 1.0, "hq")])
+    second = journal.append([release_record("c", 2.0, "hq")])
     assert journal.remove_spent(lambda oid: oid in {"a", "c"}) == 1
     assert journal.segments() == [first]
     # A new segment always sorts after every one still on disk.
     assert second == "000000000002.jsonl"
-    assert journal.append([rel.release_record("d", 3.0, "hq")]) > first
+    assert journal.append([release_record("d", 3.0, "hq")]) > first
     (journal.directory / first).write_bytes(b'{"kind":"release","object_id":"a"}\n{"kind"\n')
     with pytest.raises(ValueError, match=f"{first}: line 2"):
         list(journal.read(first))
     lookup = JournalLookup(journal)
-    assert lookup.get("a", rel.RELEASE) == {"kind": "release", "object_id": "a"}
+    assert lookup.get("a", RELEASE) == {"kind": "release", "object_id": "a"}
     assert [(d.path.name, d.line, d.object_id) for d in lookup.damage] == [(first, 2, None)]
     lookup.close()
 
@@ -373,7 +380,7 @@ def test_hq_and_ledger_config(tmp_path: Path) -> None:
 
 def test_receiver_refuses_an_unusable_tokens_file(tmp_path: Path) -> None:
     """A missing or malformed [hq] tokens file is a config error naming hq.tokens."""
-    from canner.hq import hq_tokens
+    from canner.hq.routes import hq_tokens
 
     config = parse_config({**BASE, "hq": {"tokens": "tokens"}}, tmp_path)
     for content in (None, "hq md5:abc\n"):

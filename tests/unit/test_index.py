@@ -244,8 +244,8 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
     in every state, written with the previous release's layout (delivery columns on each
     owner's table), read the same through the outbound table after the upgrade; the
     pipelines' queries pick up where they were."""
-    from canner import outbound
     from canner.delivery import index as sql
+    from canner.delivery import outbound
     from canner.ledger import store as lstore
     from canner.observe import Outbound
 

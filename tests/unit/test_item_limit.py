@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from canner.config import ConfigError, parse_config
-from canner.delivery.object_owner import planner
+from canner.delivery.objects import planner
 from canner.sinks.plan import ItemTooBig, plan_package_file, plan_upload
 from tests.packaging_support import warc_bytes
 from tests.unit.test_config import _delivery, config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from canner.ledger.steps import leftovers, remove_leftovers, remove_receipts
-from canner.receipts import ReceiptStore
+from canner.store.receipts import ReceiptStore
 
 ARCHIVED, LIVE = "a" * 32, "b" * 32
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from canner import inventory
 from canner.delivery import index as sql
 from canner.delivery.liveness import (
     CHANGING,
@@ -23,11 +22,12 @@ from canner.delivery.liveness import (
     read_heartbeat,
 )
 from canner.ids import ObjectIds
-from canner.inventory import take_survey
+from canner.ops import inventory
+from canner.ops.inventory import take_survey
+from canner.ops.status_charts import Line, trend_chart
+from canner.ops.status_page import DeliveryTarget, StatusView, render_status
+from canner.ops.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from canner.sinks.base import RemoteCheck
-from canner.status_charts import Line, trend_chart
-from canner.status_page import DeliveryTarget, StatusView, render_status
-from canner.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from tests.fakes import SyncIndex
 from tests.unit.test_scheduler import Harness
 

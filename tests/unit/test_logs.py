@@ -11,10 +11,10 @@ from twisted.logger import Logger, LogPublisher, formatEvent, globalLogPublisher
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
+from canner.daemon.site import MeteredSite
 from canner.logs import json_observer
-from canner.metrics import RECEIVER, Metrics
-from canner.receiver import MeteredSite
-from canner.routing import route
+from canner.ops.metrics import RECEIVER, Metrics
+from canner.web.routing import route
 
 OID = "0123456789abcdef" * 2
 

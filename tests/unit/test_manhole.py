@@ -21,7 +21,7 @@ from canner.config import ConfigError, ManholeConfig, loopback_endpoint, parse_c
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.ids import ObjectIds
-from canner.manhole import (
+from canner.ops.manhole import (
     AuthorizedKeysFile,
     ManholeSetupError,
     OperatorHelpers,
@@ -31,8 +31,8 @@ from canner.manhole import (
     ssh_factory,
     unix_endpoint,
 )
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.tus.store import UploadInfo, UploadStore
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import UploadInfo, UploadStore
 from tests.fakes import SyncIndex, succeeded
 
 BASE: dict[str, Any] = {

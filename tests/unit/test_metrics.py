@@ -21,16 +21,18 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
-from canner import inventory
-from canner.acceptance import Acceptance
+from canner.accept.acceptance import Acceptance
 from canner.blocking import run_inline
-from canner.daemon import LogObservers, PeriodicService
+from canner.daemon.services import LogObservers, PeriodicService
+from canner.daemon.site import MeteredSite, ReceiverRoutes
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
-from canner.humane import human_bytes, human_duration, shorten_ids
 from canner.ids import ObjectIds
-from canner.inventory import Survey, take_survey
-from canner.metrics import (
+from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, UploadObserver
+from canner.ops import inventory
+from canner.ops.humane import human_bytes, human_duration, shorten_ids
+from canner.ops.inventory import Survey, take_survey
+from canner.ops.metrics import (
     DELIVER,
     DICTIONARY_FAILURES,
     FAILURE_CLASSES,
@@ -41,14 +43,12 @@ from canner.metrics import (
     SurveyCollector,
     metrics_site,
 )
-from canner.observe import UNOBSERVED, Destination, Outbound, OutboundObserver, UploadObserver
-from canner.problems import RecentProblems
-from canner.readiness import FloorWatch, check_readiness
-from canner.receipts import Receipt, ReceiptStore
-from canner.receiver import MeteredSite, ReceiverRoutes
-from canner.routing import route
-from canner.status_page import StatusSource, StatusView, render_status
-from canner.tus.store import UploadInfo, UploadStore
+from canner.ops.problems import RecentProblems
+from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.status_page import StatusSource, StatusView, render_status
+from canner.store.receipts import Receipt, ReceiptStore
+from canner.store.uploads import UploadInfo, UploadStore
+from canner.web.routing import route
 from tests.fakes import SyncIndex, succeeded
 
 NOW = 1_784_764_800.0
@@ -621,7 +621,7 @@ def test_status_page_escapes_log_text_and_shortens_ids(data_dir: Path) -> None:
             "object_id": oid(9),
             "error": "<script>alert(1)</script>",
             "log_time": NOW,
-            "log_namespace": "canner.tus.stream",
+            "log_namespace": "canner.web.stream",
         }
     )
     page = render_status(StatusView("i", survey, 1, problems.latest())).decode()

@@ -445,8 +445,8 @@ async def test_a_journalled_part_ia_does_not_list_is_sent_again(world: World) ->
 
 def test_metrics_count_each_part_ia_acknowledged_not_the_resumed_ones() -> None:
     """canner_ia_parts_total grows by the parts finished in this attempt only."""
-    from canner.metrics import DELIVER, Metrics
     from canner.observe import Destination, Outbound, counting_sent
+    from canner.ops.metrics import DELIVER, Metrics
 
     metrics = Metrics(DELIVER, ["example"])
     heard = Heard()

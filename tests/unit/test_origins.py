@@ -1,5 +1,5 @@
 """Objects by origin: the downloader in receipts' side files and the index, the idempotency
-lookup (``canner.origins``) over real receipt files and a real SQLite index, and what the
+lookup (``canner.accept.origins``) over real receipt files and a real SQLite index, and what the
 receiver's start gives the index (``index_at_start``)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import LogLevel, capturedLogs, formatEvent
 
+from canner.accept.origins import AcceptedOrigins, OriginKey, index_at_start
 from canner.blocking import run_inline
 from canner.checksum import parse_checksum
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.rescan import read_accepted
 from canner.ids import ObjectIds
-from canner.journal import Journal, JournalLookup
-from canner.origins import AcceptedOrigins, OriginKey, index_at_start
-from canner.receipts import (
+from canner.store.journal import Journal, JournalLookup, release_record
+from canner.store.receipts import (
     Origin,
     Receipt,
     ReceiptStore,
@@ -28,8 +28,7 @@ from canner.receipts import (
     origin_of,
     parse_origin,
 )
-from canner.releases import release_record
-from canner.tus.store import UploadStore
+from canner.store.uploads import UploadStore
 from tests.fakes import SyncIndex, succeeded
 
 CHECKSUM = parse_checksum("blake3:" + "ab" * 32)

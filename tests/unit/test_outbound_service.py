@@ -12,7 +12,7 @@ import pytest
 from attrs import define, field
 from twisted.internet.task import Clock
 
-from canner import outbound
+from canner.delivery import outbound
 from canner.delivery.follow_up import DeliveredCopy
 from canner.delivery.outbound_service import (
     ATTEMPT_LIMIT,
@@ -24,8 +24,8 @@ from canner.delivery.outbound_service import (
     lanes_of,
 )
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY
-from canner.metrics import DELIVER, Metrics
 from canner.observe import Outbound
+from canner.ops.metrics import DELIVER, Metrics
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck, Sink
 from canner.sinks.plan import ItemPlan, PlanError
 from tests.fakes import FakeSink, SyncIndex

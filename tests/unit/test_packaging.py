@@ -24,9 +24,10 @@ from canner.delivery.liveness import InFlight
 from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, MAX_REDELIVERIES
 from canner.ids import ObjectIds
-from canner.inventory import survey_json, take_survey
-from canner.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
 from canner.observe import Destination
+from canner.ops.inventory import survey_json, take_survey
+from canner.ops.metrics import DELIVER, Metrics, SurveyCache, SurveyCollector
+from canner.ops.status_page import StatusView, render_status
 from canner.packaging import batches as sql
 from canner.packaging.dictionaries import DictionaryStore, dictionary_frame
 from canner.packaging.dictionary_api import Dictionaries, DictionaryUnavailable
@@ -42,11 +43,10 @@ from canner.packaging.megawarc import (
 from canner.packaging.package_owner import PackageOwner
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
-from canner.receipts import ReceiptStore
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.plan import ItemPlan
-from canner.status_page import StatusView, render_status
-from canner.tus.store import UploadStore
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadStore
 from tests.fakes import SyncIndex, succeeded
 from tests.packaging_support import (
     checksum,

@@ -15,19 +15,19 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
 from canner.blocking import run_inline
-from canner.cli import _status_text
+from canner.cli.main import _status_text
+from canner.daemon.site import ReceiverRoutes
 from canner.ids import ObjectIds
-from canner.inventory import survey_json, take_survey
-from canner.journal import Journal
-from canner.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
-from canner.problems import RecentProblems
-from canner.promises import Promises, overpromised
-from canner.readiness import FloorWatch, check_readiness
-from canner.receipts import ReceiptStore
-from canner.receiver import ReceiverRoutes
-from canner.status_page import StatusSource, StatusView, render_status
-from canner.tus.store import UploadStore
-from canner.tus.sweep import StaleSweep
+from canner.ops.inventory import survey_json, take_survey
+from canner.ops.metrics import RECEIVER, Metrics, SurveyCache, SurveyCollector
+from canner.ops.problems import RecentProblems
+from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.status_page import StatusSource, StatusView, render_status
+from canner.store.journal import Journal
+from canner.store.promises import Promises, overpromised
+from canner.store.receipts import ReceiptStore
+from canner.store.sweep import StaleSweep
+from canner.store.uploads import UploadStore
 from tests.fakes import SyncIndex, succeeded
 from tests.unit.receiver_harness import InMemoryReceiver, blake3_hex
 

@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.web.http_headers import Headers
 
+from canner.doors.tus import protocol
 from canner.ids import ObjectIds
-from canner.tus import protocol
-from canner.tus.protocol import TusError
+from canner.web.errors import HTTPError
+from canner.web.routing import method_override
 
 CHECKSUM = "blake3:" + "ab" * 32
 
@@ -39,7 +40,7 @@ def test_plain_digits_parse(value: int) -> None:
 )
 def test_integers_are_parsed_strictly(text: str) -> None:
     """What Python's int() accepts beyond plain digits is a 400 here."""
-    with pytest.raises(TusError) as caught:
+    with pytest.raises(HTTPError) as caught:
         protocol.parse_strict_int(text, "Upload-Offset")
     assert caught.value.status == 400
     assert "Upload-Offset" in caught.value.message
@@ -47,7 +48,7 @@ def test_integers_are_parsed_strictly(text: str) -> None:
 
 def test_integer_above_int64_is_refused() -> None:
     """Values past 2**63 - 1 are refused."""
-    with pytest.raises(TusError):
+    with pytest.raises(HTTPError):
         protocol.parse_strict_int(str(2**63), "Upload-Length")
 
 
@@ -73,7 +74,7 @@ def test_metadata_round_trips(values: dict[str, str]) -> None:
 )
 def test_malformed_metadata_is_400(text: str) -> None:
     """Bad base64, duplicate keys, bad keys and non-UTF-8 values are refused."""
-    with pytest.raises(TusError) as caught:
+    with pytest.raises(HTTPError) as caught:
         protocol.parse_metadata(text)
     assert caught.value.status == 400
 
@@ -125,7 +126,7 @@ def test_bad_creations_are_refused_before_anything_exists(
         "Upload_Metadata": metadata(project="example", checksum=CHECKSUM),
     }
     merged = {k: v for k, v in {**base, **values}.items() if v is not None}
-    with pytest.raises(TusError) as caught:
+    with pytest.raises(HTTPError) as caught:
         protocol.parse_creation(headers(**merged), {"example"}, 1000)
     assert caught.value.status == status
 
@@ -133,14 +134,14 @@ def test_bad_creations_are_refused_before_anything_exists(
 def test_repeated_headers_are_refused() -> None:
     """A header sent twice is ambiguous: 400."""
     h = Headers({b"Upload-Offset": [b"1", b"2"]})
-    with pytest.raises(TusError):
+    with pytest.raises(HTTPError):
         protocol.upload_offset(h)
 
 
 def test_tus_resumable_must_be_1_0_0() -> None:
     """Missing or other versions are 412 with Tus-Version."""
     for h in (headers(), headers(Tus_Resumable="0.2.2")):
-        with pytest.raises(TusError) as caught:
+        with pytest.raises(HTTPError) as caught:
             protocol.check_tus_resumable(h)
         assert caught.value.status == 412
         assert ("Tus-Version", "1.0.0") in caught.value.headers
@@ -151,15 +152,15 @@ def test_patch_content_type_is_checked() -> None:
     """PATCH bodies must be application/offset+octet-stream (415 otherwise)."""
     protocol.check_patch_content_type(headers(Content_Type="application/offset+octet-stream"))
     for h in (headers(), headers(Content_Type="application/octet-stream")):
-        with pytest.raises(TusError) as caught:
+        with pytest.raises(HTTPError) as caught:
             protocol.check_patch_content_type(h)
         assert caught.value.status == 415
 
 
 def test_method_override() -> None:
     """X-HTTP-Method-Override replaces the request line's method."""
-    assert protocol.method_override(b"POST", headers(X_HTTP_Method_Override="patch")) == b"PATCH"
-    assert protocol.method_override(b"POST", headers()) == b"POST"
+    assert method_override(b"POST", headers(X_HTTP_Method_Override="patch")) == b"PATCH"
+    assert method_override(b"POST", headers()) == b"POST"
 
 
 def test_location_prefers_public_url_then_trusted_forwarded_then_path_absolute() -> None:
@@ -168,7 +169,7 @@ def test_location_prefers_public_url_then_trusted_forwarded_then_path_absolute()
     assert protocol.location("https://c.example/", [], oid) == f"https://c.example/files/{oid}"
     forwarded = [("proto", "https"), ("host", "public.example")]
     assert protocol.location(None, forwarded, oid) == f"https://public.example/files/{oid}"
-    with pytest.raises(TusError):
+    with pytest.raises(HTTPError):
         protocol.location(None, [("proto", "https"), ("host", "evil/host")], oid)
     # Only one of the two forwarded values: not enough for an absolute URL.
     assert protocol.location(None, [("proto", "https")], oid) == f"/files/{oid}"

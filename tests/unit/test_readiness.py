@@ -16,14 +16,14 @@ from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner import fs
 from canner.blocking import run_inline
+from canner.daemon.site import ReceiverRoutes
 from canner.ids import ObjectIds
-from canner.inventory import take_survey
-from canner.metrics import RECEIVER, Metrics
-from canner.problems import RecentProblems
-from canner.readiness import FloorWatch, check_readiness
-from canner.receipts import ReceiptStore
-from canner.receiver import ReceiverRoutes
-from canner.status_page import StatusSource
+from canner.ops.inventory import take_survey
+from canner.ops.metrics import RECEIVER, Metrics
+from canner.ops.problems import RecentProblems
+from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.status_page import StatusSource
+from canner.store.receipts import ReceiptStore
 from tests.fakes import SyncIndex, succeeded
 
 
@@ -107,7 +107,7 @@ def test_floor_crossing_and_recovery_are_logged_once_each() -> None:
             watch.observe(available)
     finally:
         globalLogPublisher.removeObserver(publisher)
-    texts = [e["log_format"] for e in seen if e.get("log_namespace") == "canner.readiness"]
+    texts = [e["log_format"] for e in seen if e.get("log_namespace") == "canner.ops.readiness"]
     assert len(texts) == 4
     assert "under the floor" in texts[0] and "back over the floor" in texts[1]
     assert "cannot be determined" in texts[2] and "back over the floor" in texts[3]

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from canner.checksum import Checksum
-from canner.receipts import Origin, Receipt, ReceiptStore, parse_receipt
+from canner.store.receipts import Origin, Receipt, ReceiptStore, parse_receipt
 
 OID = "0123456789abcdef0123456789abcdef"
 

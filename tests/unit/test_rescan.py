@@ -16,9 +16,9 @@ from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.rescan import ReceiptRescan, Rescanned
 from canner.ids import ObjectIds
-from canner.journal import Journal
 from canner.ledger.files import ArchivedIds, LedgerDir, Manifest, id_record
-from canner.receipts import (
+from canner.store.journal import Journal
+from canner.store.receipts import (
     DeliveryRecord,
     Origin,
     Receipt,
@@ -26,7 +26,7 @@ from canner.receipts import (
     delivery_journal_record,
     origin_journal_record,
 )
-from canner.tus.store import UploadStore
+from canner.store.uploads import UploadStore
 from tests.fakes import SyncIndex, succeeded
 
 NOW = 1_784_764_800.0

@@ -12,17 +12,17 @@ import pytest
 from attrs import define, field
 from twisted.internet.task import Clock
 
-from canner.acceptance import Acceptance
+from canner.accept.acceptance import Acceptance
+from canner.accept.origins import AcceptedOrigins
 from canner.blocking import run_inline
 from canner.config import ConfigError, parse_config
+from canner.doors.rsync.adoption import AdoptionArea, Claim, ClaimState, claim_state
+from canner.doors.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
+from canner.doors.rsync.incoming import Arrival, arrivals, count_waiting
+from canner.doors.rsync.intake import RsyncIntake
 from canner.ids import ObjectIds
-from canner.origins import AcceptedOrigins
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, claim_state
-from canner.rsync.conf import GLOBAL_TEMPLATE, MODULE_TEMPLATE, rsyncd_conf
-from canner.rsync.incoming import Arrival, arrivals, count_waiting
-from canner.rsync.intake import RsyncIntake
-from canner.tus.store import UploadStore
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import UploadStore
 from tests.fakes import succeeded
 
 REPO = Path(__file__).resolve().parents[2]

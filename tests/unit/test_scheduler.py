@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 from canner.blocking import run_inline
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
-from canner.delivery.object_owner import ObjectOwner
+from canner.delivery.objects import ObjectOwner
 from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.delivery.queue import (
     ALLOWED,
@@ -34,11 +34,11 @@ from canner.delivery.queue import (
     retry_delay,
     unlisted,
 )
-from canner.journal import Journal, JournalLog, JournalLookup
-from canner.metrics import DELIVER, Metrics
-from canner.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
+from canner.ops.metrics import DELIVER, Metrics
 from canner.sinks.base import RemoteCheck
-from canner.tus.store import UploadStore
+from canner.store.journal import Journal, JournalLog, JournalLookup
+from canner.store.receipts import DELIVERY, ORIGIN, Origin, ReceiptStore, delivery_of, origin_of
+from canner.store.uploads import UploadStore
 from tests.fakes import FakeSink, SyncIndex, fake_plan
 
 RETENTION = 3600.0
@@ -393,7 +393,7 @@ def test_rebuilt_index_keeps_purged_objects_delivered(tmp_path: Path) -> None:
     from canner.checksum import Checksum
     from canner.delivery.rescan import read_accepted
     from canner.ids import ObjectIds
-    from canner.receipts import Receipt
+    from canner.store.receipts import Receipt
 
     h = Harness(tmp_path)
     [oid] = h.accept(1)
@@ -568,7 +568,7 @@ def test_a_version_0_1_delivery_side_file_still_rebuilds_a_purged_object(tmp_pat
     ``receipts/{id}.delivery.json`` instead of the journal: a rescan still reads it."""
     from canner.checksum import Checksum
     from canner.delivery.rescan import read_accepted
-    from canner.receipts import Origin, Receipt
+    from canner.store.receipts import Origin, Receipt
 
     receipts = ReceiptStore(tmp_path / "receipts")
     receipts.directory.mkdir()

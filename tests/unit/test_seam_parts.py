@@ -1,5 +1,5 @@
-"""The upload seam's small parts: the one routing decision (canner.routing), the one answer
-renderer (canner.tus.answer) and the body stream's transition table (canner.tus.stream)."""
+"""The upload seam's small parts: the one routing decision (canner.web.routing), the one answer
+renderer (canner.web.answer) and the body stream's transition table (canner.web.stream)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from twisted.internet.defer import succeed
 from twisted.python.failure import Failure
 
 from canner.blocking import run_inline
-from canner.routing import Kind, Route, Surface, route
-from canner.tus.answer import OVER_CAPACITY, Answer
-from canner.tus.protocol import TusError
-from canner.tus.stream import NEXT, BodyStream, IllegalTransition, Phase
+from canner.web.answer import OVER_CAPACITY, Answer
+from canner.web.errors import HTTPError
+from canner.web.routing import Kind, Route, Surface, route
+from canner.web.stream import NEXT, BodyStream, IllegalTransition, Phase
 
 OID = "0123456789abcdef0123456789abcdef"
 
@@ -62,7 +62,7 @@ def test_only_creations_and_appends_stream_their_body(path: bytes, method: bytes
 
 def test_an_answer_renders_the_same_on_the_wire_and_through_a_request() -> None:
     """Status, Tus-Resumable, extra headers, a text body: the same from both renderings."""
-    answer = Answer.of(TusError(429, "insufficient storage", (("Retry-After", "60"),)))
+    answer = Answer.of(HTTPError(429, "insufficient storage", (("Retry-After", "60"),)))
     wire = answer.wire()
     assert wire.startswith(b"HTTP/1.1 429 Too Many Requests\r\n")
     head, body = wire.split(b"\r\n\r\n", 1)
@@ -129,7 +129,7 @@ def test_a_body_stream_refuses_a_transition_its_table_lacks() -> None:
         lambda upload, chunks: succeed(0),
         lambda upload, lost: succeed(None),
     )
-    stream.answered(Failure(TusError(404, "no such upload")))
+    stream.answered(Failure(HTTPError(404, "no such upload")))
     assert stream.phase is Phase.ANSWERED
     with pytest.raises(IllegalTransition, match="answered -> writing"):
         stream.admitted(None)  # type: ignore[arg-type]

@@ -15,17 +15,17 @@ from typing import Any
 import pytest
 from twisted.web.http_headers import Headers
 
-from canner import drain
 from canner.delivery.index import AcceptedObject, insert_objects
+from canner.doors.seesaw import declared_digests, parse_target
 from canner.ids import ObjectIds
-from canner.journal import Journal
-from canner.receipts import Origin, ReceiptStore
-from canner.routing import Kind, Surface, route
-from canner.seesaw import declared_digests, parse_target
-from canner.tus import store as store_module
-from canner.tus.protocol import TusError
-from canner.tus.store import UploadInfo, UploadStore
-from canner.tus.sweep import sweep_stale
+from canner.store import drain
+from canner.store import uploads as store_module
+from canner.store.journal import Journal
+from canner.store.receipts import Origin, ReceiptStore
+from canner.store.sweep import sweep_stale
+from canner.store.uploads import UploadInfo, UploadStore
+from canner.web.errors import HTTPError
+from canner.web.routing import Kind, Surface, route
 from tests.fakes import SyncIndex, succeeded
 from tests.unit.receiver_harness import (
     RECEIPT_FIELDS,
@@ -177,7 +177,7 @@ def test_declared_digests_parse_strictly() -> None:
     """Only well-formed digests of the right size; other Content-Digest algorithms ignored."""
     md5 = hashlib.md5(b"x").hexdigest()
     headers = Headers({"Content-MD5": [_md5(b"x)")[:-2]]})
-    with pytest.raises(TusError) as refused:
+    with pytest.raises(HTTPError) as refused:
         declared_digests(headers)
     assert refused.value.status == 400
     assert declared_digests(Headers({"Content-MD5": [_md5(b"x")]})) == {"content-md5": md5}
@@ -185,7 +185,7 @@ def test_declared_digests_parse_strictly() -> None:
     both = "sha-512=:AAAA:, " + _sha256(b"x")
     assert declared_digests(Headers({"Content-Digest": [both]})) == {"content-sha256": sha}
     assert declared_digests(Headers({"Content-Digest": ["sha-512=:AAAA:"]})) == {}
-    with pytest.raises(TusError):
+    with pytest.raises(HTTPError):
         declared_digests(Headers({"Content-Digest": ["sha-256=abc"]}))
 
 

@@ -20,9 +20,9 @@ import blake3
 import pytest
 
 from canner import fs
-from canner.acceptance import AcceptanceFailed
-from canner.tus import store as store_module
-from canner.tus.store import (
+from canner.accept.acceptance import AcceptanceFailed
+from canner.store import uploads as store_module
+from canner.store.uploads import (
     WRITE_BEHIND_WINDOW,
     OutOfSpace,
     StorageFault,

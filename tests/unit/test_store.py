@@ -12,10 +12,10 @@ import pytest
 from canner import fs
 from canner.checksum import Checksum
 from canner.ids import ObjectIds
-from canner.journal import Journal
-from canner.receipts import Receipt, ReceiptStore
-from canner.tus.store import CorruptInfo, UploadGone, UploadInfo, UploadStore
-from canner.tus.sweep import sweep_stale
+from canner.store.journal import Journal
+from canner.store.receipts import Receipt, ReceiptStore
+from canner.store.sweep import sweep_stale
+from canner.store.uploads import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
 IDS = ObjectIds()
 CHECKSUM = "blake3:" + "cd" * 32

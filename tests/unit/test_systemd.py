@@ -12,7 +12,7 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from canner.systemd import SystemdNotifier, notify, watchdog_interval
+from canner.daemon.systemd import SystemdNotifier, notify, watchdog_interval
 
 
 class RunningClock(Clock):

@@ -36,7 +36,7 @@ def test_twisted_answers_malformed_framing_through_respond_to_bad_request() -> N
 
     assert hasattr(HTTPChannel, "_respondToBadRequestAndDisconnect"), (
         "Twisted removed HTTPChannel._respondToBadRequestAndDisconnect: ReceiverChannel's"
-        " override no longer words malformed-request answers (canner/tus/channel.py)"
+        " override no longer words malformed-request answers (canner/web/channel.py)"
     )
     channel = Watched()
     channel.factory = Site(Resource())
@@ -44,7 +44,7 @@ def test_twisted_answers_malformed_framing_through_respond_to_bad_request() -> N
     channel.dataReceived(b"PATCH /files/x HTTP/1.1\r\nContent-Length: +10\r\n\r\n")
     assert calls == ["called"], (
         "Twisted no longer answers a malformed Content-Length through"
-        " _respondToBadRequestAndDisconnect: see ReceiverChannel in canner/tus/channel.py"
+        " _respondToBadRequestAndDisconnect: see ReceiverChannel in canner/web/channel.py"
     )
 
 
@@ -96,5 +96,5 @@ def test_all_headers_received_calls_got_length_before_handling_expect() -> None:
     quiet.dataReceived(head + b"\r\n")
     assert quiet_transport.value() == b"", (
         "Twisted sends 100 Continue though the Expect header was removed in allHeadersReceived:"
-        " ReceiverChannel would send it before admission (canner/tus/channel.py)"
+        " ReceiverChannel would send it before admission (canner/web/channel.py)"
     )

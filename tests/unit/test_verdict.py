@@ -1,4 +1,4 @@
-"""The one verdict (``canner.verdict``): what ``canner status``, the status page's header and
+"""The one verdict (``canner.ops.verdict``): what ``canner status``, the status page's header and
 ``/readyz`` say about a node, from one implementation; and how the page shows it."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from twisted.logger import Logger, LogPublisher
 from canner.config import parse_config
 from canner.delivery.index import QueueRow
 from canner.delivery.liveness import Heartbeat
-from canner.drain import DrainMark, Retirement
 from canner.ids import ObjectIds
-from canner.inventory import IndexSummary, Survey, take_survey
-from canner.problems import RecentProblems
-from canner.readiness import FloorWatch, check_readiness
-from canner.status_page import DeliveryTarget, StatusView, delivery_targets, render_status
-from canner.verdict import CRITICAL, OK, WARNING, assess, draining_reason
+from canner.ops.inventory import IndexSummary, Survey, take_survey
+from canner.ops.problems import RecentProblems
+from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.status_page import DeliveryTarget, StatusView, delivery_targets, render_status
+from canner.ops.verdict import CRITICAL, OK, WARNING, assess, draining_reason
+from canner.store.drain import DrainMark, Retirement
 
 NOW = 1_784_764_800.0
 IDS = ObjectIds()

@@ -7,14 +7,14 @@ same filesystem as the incoming tree and ``uploads/``, so every move is a rename
    fsynced; then the file is renamed from the incoming tree to ``adopting/{id}`` and both
    directories are fsynced.  From here the file is canner's: rsync can no longer replace it.
    (A crash before the claim's rename leaves only its temp file: the receiver's sweep removes
-   it, :func:`canner.tus.sweep.sweep_stale`.)
+   it, :func:`canner.store.sweep.sweep_stale`.)
 2. ``hash``: BLAKE3 over the stored bytes (read back from the file, in the hash pool).
 3. The idempotency rule: a file with the same origin, size and BLAKE3 as an object already
    accepted is that object (a worker that sent the item again); its copy is dropped, nothing new.
 4. ``stage``: the tus info sidecar ``uploads/{id}.info`` (the computed checksum is the declared
    one), then ``adopting/{id}`` renamed to ``uploads/{id}``: a complete upload.
-5. The one acceptance (:class:`~canner.acceptance.Acceptance`) fsyncs, verifies (the hash from
-   step 2 is handed over, so nothing is read twice) and commits the receipt.
+5. The one acceptance (:class:`~canner.accept.acceptance.Acceptance`) fsyncs, verifies (the hash
+from    step 2 is handed over, so nothing is read twice) and commits the receipt.
 6. ``release``: the claim is removed.
 
 Recovery reads the claim and looks where the bytes are (:func:`claim_state`): a receipt means
@@ -38,9 +38,9 @@ from attrs import frozen
 from canner import fs
 from canner.checksum import Checksum, TrailingHash
 from canner.crashpoints import crash_point
-from canner.receipts import ReceiptStore
-from canner.rsync.incoming import CLAIM_SUFFIX, Arrival
-from canner.tus.store import UploadInfo, UploadStore
+from canner.doors.rsync.incoming import CLAIM_SUFFIX, Arrival
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadInfo, UploadStore
 
 # Bytes hashed per read call while adopting (the whole file is read once).
 _HASH_BUDGET = 1 << 62
@@ -117,7 +117,7 @@ class AdoptionArea:
         path = self.claim_path(claim.object_id)
         temp = fs.write_temp(self.directory, path.name, claim.to_json(), sync=True)
         # A crash here leaves the temp alone in adopting/ (the file is still in the incoming
-        # tree and is found again): the receiver's sweep removes it (canner.tus.sweep).
+        # tree and is found again): the receiver's sweep removes it (canner.store.sweep).
         crash_point("rsync.claim_written")
         try:
             os.replace(temp, path)

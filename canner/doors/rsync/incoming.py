@@ -95,5 +95,6 @@ CLAIM_SUFFIX = ".claim"
 
 
 def adoption_dir(data_dir: Path) -> Path:
-    """``<data_dir>/adopting``: claims and the files they hold (:mod:`canner.rsync.adoption`)."""
+    """``<data_dir>/adopting``: claims and the files they hold
+    (:mod:`canner.doors.rsync.adoption`)."""
     return data_dir / "adopting"

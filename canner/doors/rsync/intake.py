@@ -3,8 +3,8 @@
 It learns of files from inotify (``IN_MOVED_TO``: rsync renames a finished file into place) and
 from a scan of the whole incoming tree every ``scan_interval`` (what inotify missed: a queue
 overflow, a directory made before its watch, a restart).  Each notification asks for a round; a
-round finishes the claims a crash left (:mod:`canner.rsync.adoption`), then adopts every file
-the scan finds, in turn, through the receiver's one :class:`~canner.acceptance.Acceptance`.
+round finishes the claims a crash left (:mod:`canner.doors.rsync.adoption`), then adopts every file
+the scan finds, in turn, through the receiver's one :class:`~canner.accept.acceptance.Acceptance`.
 Rounds never overlap: a request during a round runs one more round after it.
 """
 
@@ -24,19 +24,25 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
-from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.accept.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner
 from canner.checksum import TrailingHash
 from canner.config import Config, RsyncConfig
 from canner.crashpoints import crash_point
+from canner.doors.rsync.adoption import (
+    AdoptionArea,
+    Claim,
+    ClaimState,
+    NotARegularFile,
+    claim_state,
+)
+from canner.doors.rsync.incoming import Arrival, adoption_dir, arrivals, is_final_name
 from canner.ids import ObjectIds
 from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
-from canner.origins import AcceptedOrigins, OriginKey
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.rsync.adoption import AdoptionArea, Claim, ClaimState, NotARegularFile, claim_state
-from canner.rsync.incoming import Arrival, adoption_dir, arrivals, is_final_name
-from canner.startup import CannotStart
-from canner.tus.store import UploadStore
+from canner.store.datadir import CannotStart
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import UploadStore
 
 log = Logger()
 

@@ -1,10 +1,11 @@
 """Upload admission and completion: what happens to a tus request before and after its body.
 
-``open_body`` is called by :class:`~canner.tus.stream.ReceiverRequest` as soon as a request's head
+``open_body`` is called by :class:`~canner.web.stream.ReceiverRequest` as soon as a request's head
 is in.  For ``POST /files/`` (creation, with or without upload) and ``PATCH /files/{id}`` it checks
 the headers (pure, at once), then admits the request in a thread (free space, upload exists, lock,
 offset, length) and returns the :class:`BodyStream` that writes the body.  When the body is written
-the stream calls back here: a complete upload goes to :class:`~canner.acceptance.Acceptance`, an
+the stream calls back here: a complete upload goes to
+:class:`~canner.accept.acceptance.Acceptance`, an
 incomplete one is released.  The result the route renders is an :class:`Outcome`.
 """
 
@@ -24,18 +25,16 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from canner import drain, fs
-from canner.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
+from canner import fs
+from canner.accept.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
+from canner.doors.tus import protocol
 from canner.observe import UNOBSERVED, UploadObserver
-from canner.promises import Promises
-from canner.receipts import Origin, Receipt, ReceiptStore
-from canner.routing import Kind, Route
-from canner.tus import protocol
-from canner.tus.channel import ReceiverRequest
-from canner.tus.protocol import TusError
-from canner.tus.store import (
+from canner.store import drain
+from canner.store.promises import Promises
+from canner.store.receipts import Origin, Receipt, ReceiptStore
+from canner.store.uploads import (
     CorruptInfo,
     LockedUpload,
     OutOfSpace,
@@ -44,7 +43,10 @@ from canner.tus.store import (
     UploadInfo,
     UploadStore,
 )
-from canner.tus.stream import Abandon, BodyStream
+from canner.web.channel import ReceiverRequest
+from canner.web.errors import HTTPError
+from canner.web.routing import Kind, Route, single_header
+from canner.web.stream import Abandon, BodyStream
 
 log = Logger()
 
@@ -71,23 +73,23 @@ class Outcome:
     location: str | None = None
 
 
-def _not_found() -> TusError:
-    return TusError(404, "no such upload")
+def _not_found() -> HTTPError:
+    return HTTPError(404, "no such upload")
 
 
-def _locked() -> TusError:
-    return TusError(423, "another request is writing this upload; retry later")
+def _locked() -> HTTPError:
+    return HTTPError(423, "another request is writing this upload; retry later")
 
 
-def _rejected(info: UploadInfo) -> TusError:
-    return TusError(422, f"upload rejected for good: {info.rejected}")
+def _rejected(info: UploadInfo) -> HTTPError:
+    return HTTPError(422, f"upload rejected for good: {info.rejected}")
 
 
 def _failure_status(failure: Failure) -> Failure:
     """Translate acceptance and storage outcomes into their HTTP meaning: the one place where
     a storage error (any ``OSError``: EACCES, EROFS, EIO, ENOSPC...) becomes 503."""
     if failure.check(ChecksumMismatch):
-        return Failure(TusError(422, str(failure.value)))
+        return Failure(HTTPError(422, str(failure.value)))
     if failure.check(AcceptanceFailed, StorageFault, OutOfSpace):
         # 503 with Retry-After: every tus client (the Go SDK too) retries it, then HEADs.
         return Failure(protocol.storage_trouble(str(failure.value)))
@@ -103,9 +105,9 @@ def _failure_status(failure: Failure) -> Failure:
 def _check_final_patch(offset: int, length: int | None, size: int) -> None:
     """A PATCH to a complete upload may only repeat the final, empty request (409, 413)."""
     if offset != size:
-        raise TusError(409, f"Upload-Offset {offset} does not match {size}")
+        raise HTTPError(409, f"Upload-Offset {offset} does not match {size}")
     if length != 0:
-        raise TusError(413, "the upload is already complete")
+        raise HTTPError(413, "the upload is already complete")
 
 
 @define(eq=False, kw_only=True)
@@ -124,8 +126,8 @@ class UploadIntake:
     # with it): the delivery index has it.  Called from a worker thread; None when unknown.
     purged_origin: Callable[[str], Origin | None] = lambda upload_id: None
     observer: UploadObserver = UNOBSERVED
-    # The bytes promised to uploads in flight (canner.promises): creations are admitted against
-    # free space minus these.
+    # The bytes promised to uploads in flight (canner.store.promises): creations are admitted
+    # against free space minus these.
     promises: Promises = field(factory=Promises)
     # How free space is measured (called from a worker thread); tests fix it.
     free_space: Callable[[Path], int] = fs.free_bytes
@@ -153,7 +155,7 @@ class UploadIntake:
         finish: Callable[[LockedUpload, bool], Deferred[Outcome]],
         abandon: Abandon = LockedUpload.close,
     ) -> BodyStream:
-        """The stream of an upload body that ``admission`` admits (a :class:`TusError` it raises
+        """The stream of an upload body that ``admission`` admits (a :class:`HTTPError` it raises
         or fails with is the answer), written like every upload's and handed to ``finish``
         (:meth:`_finish`, :meth:`finish_whole`) once over; an upload whose body is answered
         without ``finish`` (a write failed) goes to ``abandon`` (blocking): closed, or
@@ -171,7 +173,7 @@ class UploadIntake:
         )
         try:
             admitting = admission()
-        except TusError as e:
+        except HTTPError as e:
             stream.answered(Failure(e))
             return stream
 
@@ -185,7 +187,8 @@ class UploadIntake:
         admitting.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
 
-    # -- whole files in one request (other doors: canner.seesaw) -------------------------------
+    # -- whole files in one request (other doors: canner.doors.seesaw)
+    # -------------------------------
 
     def create_whole(self, info: UploadInfo) -> LockedUpload:
         """Admit and create an upload whose bytes all come in one request, and lock it
@@ -212,7 +215,7 @@ class UploadIntake:
         offset = upload.offset
 
         def cut_short(_: object) -> Outcome:
-            raise TusError(400, f"the body ended after {offset} of {info.size} bytes")
+            raise HTTPError(400, f"the body ended after {offset} of {info.size} bytes")
 
         return self._run(self.discard_whole, upload).addCallbacks(cut_short, _failure_status)
 
@@ -304,11 +307,11 @@ class UploadIntake:
         )
         if length != 0:
             if not protocol.has_upload_body(headers):
-                raise TusError(
+                raise HTTPError(
                     415, f"a creation body needs Content-Type {protocol.OFFSET_CONTENT_TYPE}"
                 )
             if length is not None and length > creation.length:
-                raise TusError(413, "the body is longer than Upload-Length")
+                raise HTTPError(413, "the body is longer than Upload-Length")
         info = UploadInfo(
             upload_id=self._config.object_ids.new(),
             size=creation.length,
@@ -329,7 +332,7 @@ class UploadIntake:
         forwarded: list[tuple[str, str]] = []
         if self._config.trust_forwarded_headers:
             for key in ("proto", "host"):
-                value = protocol.single_header(headers, f"X-Forwarded-{key}")
+                value = single_header(headers, f"X-Forwarded-{key}")
                 if value:
                     forwarded.append((key, value.split(",")[0].strip()))
         return protocol.location(self._config.public_url, forwarded, upload_id)
@@ -426,10 +429,10 @@ class UploadIntake:
             return accepted
         try:
             if offset != upload.offset:
-                raise TusError(409, f"Upload-Offset {offset} does not match {upload.offset}")
+                raise HTTPError(409, f"Upload-Offset {offset} does not match {upload.offset}")
             if length is not None and offset + length > info.size:
-                raise TusError(413, "the body would pass Upload-Length")
-        except TusError:
+                raise HTTPError(413, "the body would pass Upload-Length")
+        except HTTPError:
             upload.close()
             raise
         # Admitted before (maybe by an earlier process, or reset since): what it lacks is
@@ -441,7 +444,7 @@ class UploadIntake:
         # Only creations: PATCHes of uploads in progress continue while the node drains.
         mark = drain.read_drain(self._config.data_dir)
         if mark is not None:
-            raise TusError(
+            raise HTTPError(
                 503,
                 f"{mark.describe()}: it takes no new uploads, create the upload on another node",
                 (("Retry-After", str(drain.RETRY_AFTER)),),
@@ -539,7 +542,7 @@ class UploadIntake:
                 offset=offset,
             )
         # The offset answered (or found by the next HEAD) is durable before the lock goes: a
-        # power cut after the 204 keeps it (see canner.tus.store, durable offset).
+        # power cut after the 204 keeps it (see canner.store.uploads, durable offset).
         return self._run(self._uploads.let_go, upload).addCallbacks(
             lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
             _failure_status,
@@ -547,7 +550,7 @@ class UploadIntake:
 
     def _discard_unaccepted(self, failure: Failure, info: UploadInfo) -> Deferred[Outcome]:
         error = failure.value
-        if isinstance(error, TusError) and error.status == 422:
+        if isinstance(error, HTTPError) and error.status == 422:
             return fail(failure)
 
         def discard() -> None:
@@ -579,7 +582,7 @@ class UploadIntake:
             protocol.check_tus_resumable(headers)
             if not self._config.object_ids.is_valid(upload_id):
                 raise _not_found()
-        except TusError as e:
+        except HTTPError as e:
             return fail(e)
         return Deferred.fromCoroutine(self._head(upload_id)).addErrback(_failure_status)
 
@@ -617,7 +620,7 @@ class UploadIntake:
             ),
         )
 
-    async def _released(self, writer: BodyStream, timeout: float, refusal: TusError) -> None:
+    async def _released(self, writer: BodyStream, timeout: float, refusal: HTTPError) -> None:
         """Wait until ``writer`` lets go of its upload's lock; ``refusal`` after ``timeout``."""
         let_go = writer.released()
         let_go.addTimeout(timeout, self._clock)
@@ -662,7 +665,7 @@ class UploadIntake:
                 raise _not_found()
             return accepted
         if info.rejected is not None:
-            raise TusError(410, f"upload rejected for good: {info.rejected}")
+            raise HTTPError(410, f"upload rejected for good: {info.rejected}")
         receipt = self._receipts.read(upload_id)
         if receipt is not None:
             offset = info.size

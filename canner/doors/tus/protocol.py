@@ -1,4 +1,4 @@
-"""Pure tus 1.0.0 header parsing: request headers in, values or :class:`TusError` out.
+"""Pure tus 1.0.0 header parsing: request headers in, values or :class:`HTTPError` out.
 
 Nothing here does I/O.  Integers are parsed strictly (digits only), ``Upload-Metadata`` strictly
 (unique keys, canonical base64, UTF-8 values), and the metadata keys canner needs (``project``,
@@ -12,12 +12,13 @@ import binascii
 import re
 from collections.abc import Container, Mapping, Sequence
 
-from attrs import define, field, frozen
+from attrs import frozen
 from twisted.web.http_headers import Headers
 
 from canner.checksum import Checksum, parse_checksum
+from canner.web.errors import TUS_VERSION, HTTPError
+from canner.web.routing import single_header
 
-TUS_VERSION = "1.0.0"
 TUS_EXTENSIONS = "creation,creation-with-upload"
 OFFSET_CONTENT_TYPE = "application/offset+octet-stream"
 FILENAME_MAX_BYTES = 1024
@@ -29,78 +30,35 @@ _AUTHORITY = re.compile(r"[A-Za-z0-9.:\[\]-]{1,255}")
 _MAX_INT = 9223372036854775807
 
 
-@define
-class TusError(Exception):
-    """An expected refusal with its HTTP meaning: status, a short message, extra headers."""
-
-    status: int
-    message: str
-    headers: tuple[tuple[str, str], ...] = field(default=())
-
-    def __str__(self) -> str:
-        return f"{self.status} {self.message}"
+def _retry_later(status: int, message: str) -> HTTPError:
+    return HTTPError(status, message, (("Retry-After", "60"),))
 
 
-# Reason phrases Twisted's table lacks (it would send "Unknown Status") or words otherwise than
-# RFC 9110 ("Request Time-out").
-_REASONS = {
-    408: b"Request Timeout",
-    422: b"Unprocessable Content",
-    423: b"Locked",
-    429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large",
-    507: b"Insufficient Storage",
-}
-
-
-def reason(status: int) -> bytes | None:
-    """The reason phrase to send with ``status`` where Twisted's is missing or other (else
-    None)."""
-    return _REASONS.get(status)
-
-
-def _retry_later(status: int, message: str) -> TusError:
-    return TusError(status, message, (("Retry-After", "60"),))
-
-
-def no_space(available: int, required: int) -> TusError:
+def no_space(available: int, required: int) -> HTTPError:
     """429: the data filesystem has less than ``min_free_bytes`` available."""
     return _retry_later(429, f"insufficient storage: {available} bytes free, {required} required")
 
 
-def overpromised(reason: str) -> TusError:
+def overpromised(reason: str) -> HTTPError:
     """503: the free space is promised to uploads in flight; create the upload later (or on
     another node)."""
     return _retry_later(503, f"insufficient storage for a new upload: {reason}")
 
 
-def space_unknown() -> TusError:
+def space_unknown() -> HTTPError:
     """503: free space on the data filesystem could not be determined."""
     return _retry_later(503, "free space on the data directory cannot be determined")
 
 
-def storage_trouble(message: str, retry_after: int = 60) -> TusError:
+def storage_trouble(message: str, retry_after: int = 60) -> HTTPError:
     """503: the storage failed or is full; send again later (HEAD says from where)."""
-    return TusError(503, message, (("Retry-After", str(retry_after)),))
-
-
-def single_header(headers: Headers, name: str) -> str | None:
-    """The one value of header ``name``, None when absent; 400 when repeated or not ASCII."""
-    values = headers.getRawHeaders(name.encode("ascii"))
-    if not values:
-        return None
-    if len(values) > 1:
-        raise TusError(400, f"{name} must be sent once")
-    try:
-        return values[0].decode("ascii")
-    except UnicodeDecodeError:
-        raise TusError(400, f"{name} must be ASCII") from None
+    return HTTPError(503, message, (("Retry-After", str(retry_after)),))
 
 
 def parse_strict_int(text: str, name: str) -> int:
     """Digits only (no sign, spaces, underscores), at most 2**63 - 1; else 400 naming the header."""
     if not _DIGITS.fullmatch(text) or int(text) > _MAX_INT:
-        raise TusError(400, f"{name} must be a non-negative integer in plain digits")
+        raise HTTPError(400, f"{name} must be a non-negative integer in plain digits")
     return int(text)
 
 
@@ -108,22 +66,16 @@ def check_tus_resumable(headers: Headers) -> None:
     """412 with ``Tus-Version`` unless the client speaks tus 1.0.0."""
     version = single_header(headers, "Tus-Resumable")
     if version != TUS_VERSION:
-        raise TusError(412, "unsupported or missing Tus-Resumable", (("Tus-Version", TUS_VERSION),))
-
-
-def method_override(method: bytes, headers: Headers) -> bytes:
-    """The effective method: ``X-HTTP-Method-Override`` when present, else the request line's."""
-    values = headers.getRawHeaders(b"X-HTTP-Method-Override")
-    if values and len(values) == 1 and values[0].strip():
-        return values[0].strip().upper()
-    return method
+        raise HTTPError(
+            412, "unsupported or missing Tus-Resumable", (("Tus-Version", TUS_VERSION),)
+        )
 
 
 def upload_offset(headers: Headers) -> int:
     """``Upload-Offset`` of a PATCH; 400 when missing or malformed."""
     text = single_header(headers, "Upload-Offset")
     if text is None:
-        raise TusError(400, "Upload-Offset is required")
+        raise HTTPError(400, "Upload-Offset is required")
     return parse_strict_int(text, "Upload-Offset")
 
 
@@ -131,7 +83,7 @@ def check_patch_content_type(headers: Headers) -> None:
     """415 unless ``Content-Type`` is ``application/offset+octet-stream``."""
     value = single_header(headers, "Content-Type")
     if value is None or value.split(";")[0].strip().lower() != OFFSET_CONTENT_TYPE:
-        raise TusError(415, f"Content-Type must be {OFFSET_CONTENT_TYPE}")
+        raise HTTPError(415, f"Content-Type must be {OFFSET_CONTENT_TYPE}")
 
 
 def has_upload_body(headers: Headers) -> bool:
@@ -152,20 +104,20 @@ def parse_metadata(text: str) -> dict[str, str]:
     for pair in text.split(","):
         parts = pair.strip().split(" ")
         if len(parts) > 2 or not _METADATA_KEY.fullmatch(parts[0]):
-            raise TusError(400, "Upload-Metadata: malformed key/value pair")
+            raise HTTPError(400, "Upload-Metadata: malformed key/value pair")
         key = parts[0]
         if key in result:
-            raise TusError(400, f"Upload-Metadata: duplicate key {key!r}")
+            raise HTTPError(400, f"Upload-Metadata: duplicate key {key!r}")
         value = ""
         if len(parts) == 2:
             encoded = parts[1]
             if not _BASE64.fullmatch(encoded):
-                raise TusError(400, f"Upload-Metadata: value of {key!r} is not base64")
+                raise HTTPError(400, f"Upload-Metadata: value of {key!r} is not base64")
             try:
                 raw = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
                 value = raw.decode("utf-8")
             except (binascii.Error, ValueError):
-                raise TusError(
+                raise HTTPError(
                     400, f"Upload-Metadata: value of {key!r} is not base64 of UTF-8"
                 ) from None
         result[key] = value
@@ -192,37 +144,37 @@ class Creation:
 
 
 def parse_creation(headers: Headers, projects: Container[str], max_upload_bytes: int) -> Creation:
-    """Validate a creation ``POST``'s headers; raise :class:`TusError` before anything is created.
+    """Validate a creation ``POST``'s headers; raise :class:`HTTPError` before anything is created.
 
     ``Upload-Length`` is required and positive (400; deferred length is refused), at most
     ``max_upload_bytes`` (413).  Metadata must name a configured ``project`` and a ``checksum``.
     """
     if single_header(headers, "Upload-Defer-Length") is not None:
-        raise TusError(400, "deferred Upload-Length is not supported")
+        raise HTTPError(400, "deferred Upload-Length is not supported")
     length_text = single_header(headers, "Upload-Length")
     if length_text is None:
-        raise TusError(400, "Upload-Length is required")
+        raise HTTPError(400, "Upload-Length is required")
     length = parse_strict_int(length_text, "Upload-Length")
     if length == 0:
-        raise TusError(400, "Upload-Length must be positive: empty artifacts cannot be receipted")
+        raise HTTPError(400, "Upload-Length must be positive: empty artifacts cannot be receipted")
     if length > max_upload_bytes:
-        raise TusError(413, f"Upload-Length exceeds the maximum of {max_upload_bytes} bytes")
+        raise HTTPError(413, f"Upload-Length exceeds the maximum of {max_upload_bytes} bytes")
     metadata = parse_metadata(single_header(headers, "Upload-Metadata") or "")
     project = metadata.get("project")
     if not project:
-        raise TusError(400, "Upload-Metadata must name a project")
+        raise HTTPError(400, "Upload-Metadata must name a project")
     if project not in projects:
-        raise TusError(400, f"unknown project {project!r}")
+        raise HTTPError(400, f"unknown project {project!r}")
     checksum_text = metadata.get("checksum")
     if not checksum_text:
-        raise TusError(400, "Upload-Metadata must carry checksum blake3:<64 hex>")
+        raise HTTPError(400, "Upload-Metadata must carry checksum blake3:<64 hex>")
     try:
         checksum = parse_checksum(checksum_text)
     except ValueError as e:
-        raise TusError(400, f"Upload-Metadata checksum: {e}") from None
+        raise HTTPError(400, f"Upload-Metadata checksum: {e}") from None
     filename = metadata.get("filename")
     if filename is not None and len(filename.encode("utf-8")) > FILENAME_MAX_BYTES:
-        raise TusError(400, f"Upload-Metadata filename exceeds {FILENAME_MAX_BYTES} bytes")
+        raise HTTPError(400, f"Upload-Metadata filename exceeds {FILENAME_MAX_BYTES} bytes")
     return Creation(length, project, checksum, filename or None, metadata)
 
 
@@ -243,6 +195,6 @@ def location(base_url: str | None, forwarded: Sequence[tuple[str, str]], upload_
     scheme, authority = values.get("proto"), values.get("host")
     if scheme and authority:
         if scheme not in ("http", "https") or not _AUTHORITY.fullmatch(authority):
-            raise TusError(400, "cannot build a Location from the forwarded headers")
+            raise HTTPError(400, "cannot build a Location from the forwarded headers")
         return f"{scheme}://{authority}/files/{upload_id}"
     return f"/files/{upload_id}"

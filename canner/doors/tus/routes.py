@@ -1,10 +1,10 @@
 """tus 1.0.0 at ``/files/``: OPTIONS, POST, HEAD, PATCH.
 
-Thin adapters, dispatched on the route the request already has (``canner.routing``): nothing
+Thin adapters, dispatched on the route the request already has (``canner.web.routing``): nothing
 matches a tus path a second time.  POST and PATCH bodies were already streamed by the request
 (``channel.py``, ``stream.py``); their handlers wait for the stream's
-:class:`~canner.tus.intake.Outcome` and render it.  Every expected refusal is a
-:class:`TusError`, rendered by :class:`~canner.tus.answer.Answer`; anything else is a 500 with
+:class:`~canner.doors.tus.intake.Outcome` and render it.  Every expected refusal is a
+:class:`HTTPError`, rendered by :class:`~canner.web.answer.Answer`; anything else is a 500 with
 the failure logged.
 """
 
@@ -20,19 +20,19 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from canner.routing import OTHER, Kind, Route
-from canner.tus import protocol
-from canner.tus.answer import Answer
-from canner.tus.intake import Outcome, UploadIntake
-from canner.tus.protocol import TusError
-from canner.tus.stream import BodyStream
+from canner.doors.tus import protocol
+from canner.doors.tus.intake import Outcome, UploadIntake
+from canner.web.answer import Answer
+from canner.web.errors import TUS_VERSION, HTTPError
+from canner.web.routing import OTHER, Kind, Route
+from canner.web.stream import BodyStream
 
 log = Logger()
 
 Handler = Callable[[IRequest, Route], "Deferred[bytes] | bytes"]
 
 
-def render_error(request: IRequest, error: TusError) -> bytes:
+def render_error(request: IRequest, error: HTTPError) -> bytes:
     """A refusal given once the request reached its route (see ``answer.py``)."""
     return Answer.of(error).apply(request)
 
@@ -72,11 +72,11 @@ class TusRoutes(Resource):
         route: Route = getattr(request, "route", OTHER)
         methods = self._handlers.get(route.kind)
         if methods is None:
-            return render_error(request, TusError(404, "no such resource"))
+            return render_error(request, HTTPError(404, "no such resource"))
         handler = methods.get(request.method)
         if handler is None:
             request.setHeader("Allow", self._allow[route.kind])
-            return render_error(request, TusError(405, "method not allowed"))
+            return render_error(request, HTTPError(405, "method not allowed"))
         answered = maybeDeferred(handler, request, route)
         # A connection that drops first cancels the wait (never the upload's stream).
         request.notifyFinish().addErrback(lambda _: answered.cancel())
@@ -96,16 +96,16 @@ class TusRoutes(Resource):
         if failure.check(CancelledError):
             return  # the connection went first: nobody to answer
         error = failure.value
-        if not isinstance(error, TusError):
+        if not isinstance(error, HTTPError):
             log.failure("answering {method} {path}", failure, method=request.method,
                         path=request.path)  # fmt: skip
-            error = TusError(500, "internal error")
+            error = HTTPError(500, "internal error")
         if not request.finished and request.channel is not None:
             cls._write(render_error(request, error), request)
 
     def options(self, request: IRequest, route: Route) -> bytes:
         request.setResponseCode(204)
-        request.setHeader("Tus-Version", protocol.TUS_VERSION)
+        request.setHeader("Tus-Version", TUS_VERSION)
         request.setHeader("Tus-Extension", protocol.TUS_EXTENSIONS)
         request.setHeader("Tus-Max-Size", str(self._max_upload_bytes))
         request.defaultContentType = None  # type: ignore[attr-defined]
@@ -146,5 +146,5 @@ def _stream(request: IRequest) -> BodyStream:
     stream = getattr(request, "body_sink", None)
     if not isinstance(stream, BodyStream):
         # Only a request whose head named a tus body route gets here, and those always stream.
-        raise TusError(404, "no such upload")
+        raise HTTPError(404, "no such upload")
     return stream

@@ -1,0 +1,1 @@
+"""The ``canner`` command (:func:`canner.cli.main.main`)."""

@@ -1,0 +1,1 @@
+"""HQ's API on the receiver: status, release, lookup by origin, objects."""
