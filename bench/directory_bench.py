@@ -34,10 +34,9 @@ from twisted.internet import defer, task  # noqa: E402
 from twisted.internet.threads import deferToThread  # noqa: E402
 
 from canner.blocking import BlockingRunner  # noqa: E402
-from canner.config import DeliveryConfig  # noqa: E402
 from canner.delivery.index import QueueRow  # noqa: E402
 from canner.delivery.objects import plan_row  # noqa: E402
-from canner.sinks.directory import DirectorySink  # noqa: E402
+from canner.sinks.directory import DirectoryDelivery, DirectorySink  # noqa: E402
 
 MiB = 1 << 20
 
@@ -98,14 +97,11 @@ def main() -> None:
         async def run_sink(reactor: Any) -> None:
             in_thread = cast(BlockingRunner, deferToThread)
 
-            config = DeliveryConfig(
+            config = DirectoryDelivery(
                 sink="directory",
-                credentials=None,
                 identifier="bench-{object_id}",
                 remote_name="{filename}",
                 local_artifact_retention=60.0,
-                s3_url="https://s3.us.archive.org",
-                metadata_url="https://archive.org",
                 path=str(dst),
             )
             reactor.getThreadPool().adjustPoolsize(2, 4)

@@ -154,8 +154,8 @@ async def deliver_until_done(
     from twisted.internet.task import deferLater
     from twisted.internet.threads import deferToThread
 
-    from canner.config import DeliveryConfig
     from canner.sinks.credentials import Credentials
+    from canner.sinks.ia_config import IADelivery
     from canner.sinks.internet_archive import IASink
     from canner.sinks.multipart import PartJournal
     from canner.sinks.plan import plan_upload
@@ -166,9 +166,9 @@ async def deliver_until_done(
     started = time.monotonic()
     md5 = await deferToThread(file_md5, path)
     hashed = time.monotonic() - started
-    config = DeliveryConfig(
+    config = IADelivery(
         sink="internet_archive",
-        credentials=None,
+        credentials=root / "unused",
         identifier="bench-{object_id}",
         remote_name="{filename}",
         local_artifact_retention=60.0,

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-import os
 import re
 import string
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from attrs import field, frozen
@@ -108,37 +107,26 @@ def parse_duration(text: str) -> float:
     return total
 
 
-@frozen
-class DeliveryConfig:
-    """``[projects.<id>.delivery]``: where and how a project's artifacts go."""
+@frozen(kw_only=True)
+class DeliveryTable:
+    """``[projects.<id>.delivery]``: the keys every sink reads.  Each sink's table type (see
+    :mod:`canner.sinks.registry`) adds its own keys, so a table holds only what its sink reads."""
 
     sink: str
-    # internet_archive only: the IA-S3 keys.
-    credentials: Path | None
     identifier: str
     remote_name: str
     local_artifact_retention: float
-    s3_url: str
-    metadata_url: str
-    metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
-    # directory only: the absolute destination root, a template that may hold {project}.
-    path: str | None = None
     # How long a delivered object may stay unlisted at its destination before it is delivered
-    # again (both sinks).
+    # again.
     verify_timeout: float = 6 * 3600.0
-    # internet_archive only: payload bytes read back through the download URL before a purge
-    # (a few random ranges; 0: none; READBACK_ALL, "all": the whole file, its MD5 compared),
-    # and that URL's base (default: metadata_url).
-    readback_bytes: int | Literal["all"] = 3 * 64 * 1024
-    download_url: str = "https://archive.org"
-    # internet_archive only: files of at least this many bytes go up as S3 multipart uploads
-    # that resume at the first missing part (None: off, one PUT per file), in parts of
-    # multipart_part_size bytes (at least MIN_PART_SIZE, S3's floor for every part but the last).
-    multipart_threshold: int | None = None
-    multipart_part_size: int = 512 << 20
-    # internet_archive only: the most bytes one item may hold (IA refuses files with a 403 near
-    # 1 TiB); a plan that would pass it is refused for an operator, never sent.
-    max_item_bytes: int = 10**12
+
+    def metadata_templates(self) -> Mapping[str, tuple[str, ...]]:
+        """The item metadata templates a plan expands (none: the sink keeps no metadata)."""
+        return {}
+
+    def item_limit(self) -> int | None:
+        """The most bytes one item may hold (None: the destination has no such limit)."""
+        return None
 
 
 IDENTITY = "identity"
@@ -166,11 +154,51 @@ class PackagingConfig:
 
 
 @frozen
+class DeliveryContext:
+    """Where a delivery table stands, for its sink's parser: ``name`` is its dotted key
+    (``projects.<id>.delivery``), ``common`` the parsed keys of :class:`DeliveryTable` (pass them
+    on to the table type)."""
+
+    project_id: str
+    name: str
+    base_dir: Path
+    packaging: PackagingConfig
+    common: Mapping[str, Any]
+
+
+@frozen
+class SinkTable:
+    """How one sink's delivery table is read.  ``keys``: the keys only this sink reads, beside
+    the common ones; ``parse`` reads them into the sink's table type; ``check`` refuses a table
+    whose templates could ever produce a destination the sink cannot write.  Both raise
+    :class:`ConfigError` naming the key."""
+
+    name: str
+    keys: frozenset[str]
+    parse: Callable[[Mapping[str, Any], DeliveryContext], DeliveryTable]
+    check: Callable[[DeliveryTable, DeliveryContext], None]
+
+
+# The sinks parse_config knows, by name.  This module may not import sinks/: the sink registry
+# (canner.sinks.registry, which every entry point imports) registers each sink's table here.
+_SINK_TABLES: dict[str, SinkTable] = {}
+
+
+def register_sink_table(table: SinkTable) -> None:
+    """Let ``[projects.<id>.delivery]`` tables name ``sink = table.name``."""
+    _SINK_TABLES[table.name] = table
+
+
+def unregister_sink_table(name: str) -> None:
+    _SINK_TABLES.pop(name, None)
+
+
+@frozen
 class ProjectConfig:
     """``[projects.<id>]``: a project workers may upload for."""
 
     project_id: str
-    delivery: DeliveryConfig | None = None
+    delivery: DeliveryTable | None = None
     packaging: PackagingConfig = PackagingConfig()
 
 
@@ -346,49 +374,10 @@ DEFAULT_SOCKETS = {
     "receiver": "/run/canner/receiver/manhole.sock",
     "deliver": "/run/canner/deliver/manhole.sock",
 }
-_DELIVERY_KEYS = {
-    "sink",
-    "credentials",
-    "identifier",
-    "remote_name",
-    "local_artifact_retention",
-    "s3_url",
-    "metadata_url",
-    "metadata",
-    "path",
-    "verify_timeout",
-    "readback_bytes",
-    "download_url",
-    "multipart_threshold",
-    "multipart_part_size",
-    "max_item_bytes",
-}
-_SINKS = {"internet_archive", "directory"}
-# Keys that only one sink reads; anything else in the table is common to both.
-_SINK_ONLY_KEYS = {
-    "credentials": "internet_archive",
-    "s3_url": "internet_archive",
-    "metadata_url": "internet_archive",
-    "metadata": "internet_archive",
-    "readback_bytes": "internet_archive",
-    "download_url": "internet_archive",
-    "multipart_threshold": "internet_archive",
-    "multipart_part_size": "internet_archive",
-    "max_item_bytes": "internet_archive",
-    "path": "directory",
-}
-DEFAULT_MAX_ITEM_BYTES = 10**12
-DEFAULT_READBACK_BYTES = 3 * 64 * 1024
-# A read-back bigger than this would be a download, not a spot check.
-MAX_READBACK_BYTES = 64 << 20
-# ``readback_bytes = "all"``: download the whole remote file and compare its MD5.  Kept as the
-# string itself, so the resolved config (``canner check-config``) shows what the file says.
-READBACK_ALL: Final = "all"
-# S3's smallest multipart part (all but the last); IA's S3-like API is assumed to share it.
-MIN_PART_SIZE = 5 << 20
-DEFAULT_PART_SIZE = 512 << 20
-# S3 allows at most this many parts; a bigger file gets bigger parts than configured.
-MAX_PARTS = 10_000
+# The keys of every delivery table; each sink adds its own (SinkTable.keys).
+DELIVERY_KEYS = frozenset(
+    {"sink", "identifier", "remote_name", "local_artifact_retention", "verify_timeout"}
+)
 
 
 # The keys of each table, by its path in the file (``<id>`` stands for any project id).  The
@@ -396,7 +385,6 @@ MAX_PARTS = 10_000
 _TABLES: Final[dict[str, set[str]]] = {
     "": _TOP_KEYS,
     "projects.<id>": {"delivery", "packaging"},
-    "projects.<id>.delivery": _DELIVERY_KEYS,
     "projects.<id>.packaging": _PACKAGING_KEYS,
     "metrics": _METRICS_KEYS,
     "manhole": _MANHOLE_KEYS,
@@ -407,9 +395,16 @@ _TABLES: Final[dict[str, set[str]]] = {
 }
 
 
+def _delivery_keys() -> set[str]:
+    """The keys of a delivery table of any registered sink."""
+    return set(DELIVERY_KEYS).union(*(table.keys for table in _SINK_TABLES.values()))
+
+
 def known_keys(table: str) -> frozenset[str]:
     """The keys parse_config accepts in ``table`` (``""`` for the top level,
     ``"projects.<id>.delivery"``...); KeyError for a table it does not know."""
+    if table == "projects.<id>.delivery":
+        return frozenset(_delivery_keys())
     return frozenset(_TABLES[table])
 
 
@@ -424,7 +419,7 @@ def unknown_keys(raw: Mapping[str, Any]) -> list[UnknownKey]:
 
     def check(table: Any, schema: str, prefix: str) -> None:
         if isinstance(table, Mapping):
-            allowed = _TABLES[schema]
+            allowed = set(known_keys(schema))
             for key in table:
                 if key not in allowed:
                     errors.append(UnknownKey(prefix, key, _nearest(key, allowed)))
@@ -442,7 +437,7 @@ def unknown_keys(raw: Mapping[str, Any]) -> list[UnknownKey]:
     return errors
 
 
-def _positive_int(mapping: Mapping[str, Any], key: str, default: int | None, name: str) -> int:
+def positive_int(mapping: Mapping[str, Any], key: str, default: int | None, name: str) -> int:
     value = mapping.get(key, default)
     if value is None:
         raise MissingKey(name)
@@ -453,7 +448,7 @@ def _positive_int(mapping: Mapping[str, Any], key: str, default: int | None, nam
     return value
 
 
-def _string(mapping: Mapping[str, Any], key: str, name: str, default: str | None = None) -> str:
+def string_key(mapping: Mapping[str, Any], key: str, name: str, default: str | None = None) -> str:
     value = mapping.get(key, default)
     if value is None:
         raise MissingKey(name)
@@ -462,7 +457,7 @@ def _string(mapping: Mapping[str, Any], key: str, name: str, default: str | None
     return value
 
 
-def _duration(mapping: Mapping[str, Any], key: str, name: str, default: str | None) -> float:
+def duration_key(mapping: Mapping[str, Any], key: str, name: str, default: str | None) -> float:
     value = mapping.get(key, default)
     if value is None:
         raise MissingKey(name)
@@ -500,20 +495,20 @@ def _parse_packaging(raw: Any, name: str) -> PackagingConfig:
         return PackagingConfig()
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
-    mode = _string(raw, "mode", name + ".mode", IDENTITY)
+    mode = string_key(raw, "mode", name + ".mode", IDENTITY)
     if mode not in (IDENTITY, MEGAWARC):
         raise ConfigError(name + ".mode", f'must be "identity" or "megawarc", not {mode!r}')
     try:
         target = parse_size(raw.get("target_bytes", DEFAULT_TARGET_BYTES))
     except ValueError as e:
         raise ConfigError(name + ".target_bytes", str(e)) from None
-    max_wait = _duration(raw, "max_wait", name + ".max_wait", "24h")
+    max_wait = duration_key(raw, "max_wait", name + ".max_wait", "24h")
     if max_wait < 1.0:
         raise ConfigError(name + ".max_wait", "must be at least 1s")
     url = None
     if "zstd_dictionary_url" in raw:
         key = name + ".zstd_dictionary_url"
-        url = _http_url(_string(raw, "zstd_dictionary_url", key), key)
+        url = http_url(string_key(raw, "zstd_dictionary_url", key), key)
         if mode != MEGAWARC:
             raise ConfigError(key, 'only for mode = "megawarc" (dictionaries are for packing)')
     return PackagingConfig(
@@ -532,7 +527,7 @@ PACKAGE_FIELDS = frozenset({"package", "batch_date"})
 
 
 def _check_packaging_templates(
-    packaging: PackagingConfig, delivery: DeliveryConfig, name: str
+    packaging: PackagingConfig, delivery: DeliveryTable, name: str
 ) -> None:
     """A megawarc item is one package: its templates name the package, never one object."""
     for key in ("identifier", "remote_name"):
@@ -559,7 +554,7 @@ def _check_packaging_templates(
         )
 
 
-def _http_url(value: str, name: str) -> str:
+def http_url(value: str, name: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(name, f"must be an absolute http(s) URL, not {value!r}")
@@ -567,100 +562,47 @@ def _http_url(value: str, name: str) -> str:
 
 
 def _parse_delivery(
-    raw: Any, name: str, base_dir: Path, default_remote: str = "{filename}"
-) -> DeliveryConfig:
+    raw: Any, name: str, base_dir: Path, project_id: str, packaging: PackagingConfig
+) -> DeliveryTable:
+    """The keys every sink reads, then the sink's own table (:class:`SinkTable`)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
-    sink = _string(raw, "sink", name + ".sink")
-    if sink not in _SINKS:
-        raise ConfigError(
-            name + ".sink", f"unknown sink {sink!r} (known: directory, internet_archive)"
-        )
-    for key, owner in _SINK_ONLY_KEYS.items():
-        if key in raw and owner != sink:
-            raise ConfigError(f"{name}.{key}", f"only for sink = {owner!r}, not {sink!r}")
-    retention = _duration(raw, "local_artifact_retention", name + ".local_artifact_retention", None)
+    if not _SINK_TABLES:
+        raise RuntimeError("no sink is registered: import canner.sinks.registry first")
+    sink = string_key(raw, "sink", name + ".sink")
+    table = _SINK_TABLES.get(sink)
+    if table is None:
+        known = ", ".join(sorted(_SINK_TABLES))
+        raise ConfigError(name + ".sink", f"unknown sink {sink!r} (known: {known})")
+    for other in sorted(_SINK_TABLES.values(), key=lambda t: t.name):
+        for key in sorted(other.keys - table.keys - DELIVERY_KEYS):
+            if key in raw:
+                raise ConfigError(f"{name}.{key}", f"only for sink = {other.name!r}, not {sink!r}")
+    retention = duration_key(
+        raw, "local_artifact_retention", name + ".local_artifact_retention", None
+    )
     if retention < 1.0:
         raise ConfigError(name + ".local_artifact_retention", "must be at least 1s")
-    verify_timeout = _duration(raw, "verify_timeout", name + ".verify_timeout", "6h")
+    verify_timeout = duration_key(raw, "verify_timeout", name + ".verify_timeout", "6h")
     if verify_timeout < 1.0:
         raise ConfigError(name + ".verify_timeout", "must be at least 1s")
-    readback = raw.get("readback_bytes", DEFAULT_READBACK_BYTES)
-    if readback != READBACK_ALL:
-        if isinstance(readback, bool) or not isinstance(readback, int):
-            raise ConfigError(
-                name + ".readback_bytes", f'must be an integer or "all", not {readback!r}'
-            )
-        if not 0 <= readback <= MAX_READBACK_BYTES:
-            raise ConfigError(
-                name + ".readback_bytes",
-                f"must be between 0 (no read-back) and {MAX_READBACK_BYTES}, or"
-                f' "all", not {readback}',
-            )
-    threshold = raw.get("multipart_threshold")
-    if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1
-    ):
-        raise ConfigError(
-            name + ".multipart_threshold",
-            f"must be a positive number of bytes (leave it out: no multipart), not {threshold!r}",
-        )
-    part_size = raw.get("multipart_part_size", DEFAULT_PART_SIZE)
-    if isinstance(part_size, bool) or not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
-        raise ConfigError(
-            name + ".multipart_part_size",
-            f"must be a number of bytes, at least {MIN_PART_SIZE} (5 MiB), not {part_size!r}",
-        )
-    try:
-        max_item_bytes = parse_size(raw.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES))
-    except ValueError as e:
-        raise ConfigError(name + ".max_item_bytes", str(e)) from None
-    metadata_raw = raw.get("metadata", {})
-    if not isinstance(metadata_raw, Mapping):
-        raise ConfigError(name + ".metadata", "must be a table")
-    metadata: dict[str, tuple[str, ...]] = {}
-    for key, value in metadata_raw.items():
-        values = value if isinstance(value, list) else [value]
-        if not values or not all(isinstance(v, str) for v in values):
-            raise ConfigError(f"{name}.metadata.{key}", "must be a string or a list of strings")
-        metadata[key] = tuple(values)
-    credentials = path = None
-    if sink == "internet_archive":
-        credentials = (base_dir / _string(raw, "credentials", name + ".credentials")).resolve()
-    else:
-        # Relative to the config file's directory, like every other path; the sink checks at
-        # start-up that the expanded directory exists.
-        path = os.path.abspath(base_dir / _string(raw, "path", name + ".path"))
-    metadata_url = _http_url(
-        _string(raw, "metadata_url", name + ".metadata_url", "https://archive.org"),
-        name + ".metadata_url",
-    )
-    return DeliveryConfig(
-        sink=sink,
-        credentials=credentials,
-        path=path,
-        identifier=_string(raw, "identifier", name + ".identifier"),
-        remote_name=_string(raw, "remote_name", name + ".remote_name", default_remote),
-        local_artifact_retention=retention,
-        s3_url=_http_url(
-            _string(raw, "s3_url", name + ".s3_url", "https://s3.us.archive.org"), name + ".s3_url"
-        ),
-        metadata_url=metadata_url,
-        metadata=metadata,
-        verify_timeout=verify_timeout,
-        readback_bytes=readback,
-        # archive.org serves both the metadata API and downloads: one base for both by default.
-        download_url=_http_url(
-            _string(raw, "download_url", name + ".download_url", metadata_url),
-            name + ".download_url",
-        ),
-        multipart_threshold=threshold,
-        multipart_part_size=part_size,
-        max_item_bytes=max_item_bytes,
-    )
+    # A megawarc item's files are named "<remote_name>.megawarc.warc.gz" and so on.
+    default_remote = "{package}" if packaging.megawarc else "{filename}"
+    common = {
+        "sink": sink,
+        "identifier": string_key(raw, "identifier", name + ".identifier"),
+        "remote_name": string_key(raw, "remote_name", name + ".remote_name", default_remote),
+        "local_artifact_retention": retention,
+        "verify_timeout": verify_timeout,
+    }
+    where = DeliveryContext(project_id, name, base_dir, packaging, common)
+    delivery = table.parse(raw, where)
+    _check_packaging_templates(packaging, delivery, name.removesuffix(".delivery"))
+    table.check(delivery, where)
+    return delivery
 
 
-def _metadata_table(raw: Any, name: str) -> dict[str, tuple[str, ...]]:
+def metadata_table(raw: Any, name: str) -> dict[str, tuple[str, ...]]:
     if not isinstance(raw, Mapping):
         raise ConfigError(name, "must be a table")
     metadata: dict[str, tuple[str, ...]] = {}
@@ -677,7 +619,7 @@ def _parse_hq(raw: Any, base_dir: Path) -> HQConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("hq", "must be a table")
-    return HQConfig(tokens=(base_dir / _string(raw, "tokens", "hq.tokens")).resolve())
+    return HQConfig(tokens=(base_dir / string_key(raw, "tokens", "hq.tokens")).resolve())
 
 
 def _parse_rsync(raw: Any, base_dir: Path, data_dir: Path) -> RsyncConfig | None:
@@ -685,16 +627,16 @@ def _parse_rsync(raw: Any, base_dir: Path, data_dir: Path) -> RsyncConfig | None
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("rsync", "must be a table")
-    incoming = _string(raw, "incoming", "rsync.incoming", str(data_dir / "incoming"))
+    incoming = string_key(raw, "incoming", "rsync.incoming", str(data_dir / "incoming"))
     if not incoming:
         raise ConfigError("rsync.incoming", "must not be empty")
-    interval = _duration(raw, "scan_interval", "rsync.scan_interval", "10s")
+    interval = duration_key(raw, "scan_interval", "rsync.scan_interval", "10s")
     if interval <= 0:
         raise ConfigError("rsync.scan_interval", "must be positive")
     return RsyncConfig(
         incoming=(base_dir / incoming).resolve(),
         scan_interval=interval,
-        max_connections=_positive_int(raw, "max_connections", 64, "rsync.max_connections"),
+        max_connections=positive_int(raw, "max_connections", 64, "rsync.max_connections"),
     )
 
 
@@ -703,13 +645,13 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("ledger", "must be a table")
-    period = _string(raw, "period", "ledger.period", "day")
+    period = string_key(raw, "period", "ledger.period", "day")
     if period not in LEDGER_PERIODS:
         raise ConfigError("ledger.period", f'must be "day" or "month", not {period!r}')
-    sink = _string(raw, "sink", "ledger.sink", "internet_archive")
+    sink = string_key(raw, "sink", "ledger.sink", "internet_archive")
     if sink != "internet_archive":
         raise ConfigError("ledger.sink", f'must be "internet_archive", not {sink!r}')
-    node = _string(raw, "node", "ledger.node", node_prefix)
+    node = string_key(raw, "node", "ledger.node", node_prefix)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", node):
         raise ConfigError(
             "ledger.node",
@@ -718,19 +660,21 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
         )
     return LedgerConfig(
         period=period,
-        delay=_duration(raw, "delay", "ledger.delay", "168h"),
+        delay=duration_key(raw, "delay", "ledger.delay", "168h"),
         node=node,
         sink=sink,
-        credentials=(base_dir / _string(raw, "credentials", "ledger.credentials")).resolve(),
-        identifier=_string(raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}"),
-        s3_url=_http_url(
-            _string(raw, "s3_url", "ledger.s3_url", "https://s3.us.archive.org"), "ledger.s3_url"
+        credentials=(base_dir / string_key(raw, "credentials", "ledger.credentials")).resolve(),
+        identifier=string_key(
+            raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}"
         ),
-        metadata_url=_http_url(
-            _string(raw, "metadata_url", "ledger.metadata_url", "https://archive.org"),
+        s3_url=http_url(
+            string_key(raw, "s3_url", "ledger.s3_url", "https://s3.us.archive.org"), "ledger.s3_url"
+        ),
+        metadata_url=http_url(
+            string_key(raw, "metadata_url", "ledger.metadata_url", "https://archive.org"),
             "ledger.metadata_url",
         ),
-        metadata=_metadata_table(raw.get("metadata", {}), "ledger.metadata"),
+        metadata=metadata_table(raw.get("metadata", {}), "ledger.metadata"),
     )
 
 
@@ -760,11 +704,9 @@ def _parse_project(project_id: str, table: Any, base_dir: Path) -> ProjectConfig
     packaging = _parse_packaging(table.get("packaging"), name + ".packaging")
     delivery = None
     if "delivery" in table:
-        # A megawarc item's files are named "<remote_name>.megawarc.warc.gz" and so on.
-        default_remote = "{package}" if packaging.megawarc else "{filename}"
-        delivery = _parse_delivery(table["delivery"], name + ".delivery", base_dir,
-                                   default_remote)  # fmt: skip
-        _check_packaging_templates(packaging, delivery, name)
+        delivery = _parse_delivery(
+            table["delivery"], name + ".delivery", base_dir, project_id, packaging
+        )
     return ProjectConfig(project_id=project_id, delivery=delivery, packaging=packaging)
 
 
@@ -827,7 +769,7 @@ def loopback_endpoint(text: str, name: str) -> str:
 def _optional_string(mapping: Mapping[str, Any], key: str, name: str) -> str | None:
     if key not in mapping:
         return None
-    return _string(mapping, key, name)
+    return string_key(mapping, key, name)
 
 
 def _parse_connections(raw: Any) -> ConnectionsConfig:
@@ -836,14 +778,14 @@ def _parse_connections(raw: Any) -> ConnectionsConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError("connections", "must be a table")
     defaults = ConnectionsConfig()
-    total = _positive_int(raw, "max", defaults.max, "connections.max")
+    total = positive_int(raw, "max", defaults.max, "connections.max")
     per_client = raw.get("max_per_client", defaults.max_per_client)
     if isinstance(per_client, bool) or not isinstance(per_client, int) or per_client < 0:
         raise ConfigError(
             "connections.max_per_client",
             f"must be 0 (no cap) or a positive integer, not {per_client!r}",
         )
-    header_timeout = _duration(raw, "header_timeout", "connections.header_timeout", "30s")
+    header_timeout = duration_key(raw, "header_timeout", "connections.header_timeout", "30s")
     if not 1.0 <= header_timeout <= 3600.0:
         raise ConfigError("connections.header_timeout", "must be between 1s and 1h")
     return ConnectionsConfig(max=total, max_per_client=per_client, header_timeout=header_timeout)
@@ -857,7 +799,7 @@ def _parse_metrics(raw: Any) -> MetricsConfig:
     listen = _optional_string(raw, "deliver_listen", "metrics.deliver_listen")
     if listen is not None:
         listen = loopback_endpoint(listen, "metrics.deliver_listen")
-    refresh = _duration(raw, "refresh", "metrics.refresh", "15s")
+    refresh = duration_key(raw, "refresh", "metrics.refresh", "15s")
     if refresh < 1.0:
         raise ConfigError("metrics.refresh", "must be at least 1s")
     return MetricsConfig(deliver_listen=listen, refresh=refresh)
@@ -868,12 +810,12 @@ def _parse_manhole(raw: Any, base_dir: Path, data_dir: Path) -> ManholeConfig | 
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("manhole", "must be a table")
-    keys = _string(raw, "authorized_keys", "manhole.authorized_keys")
+    keys = string_key(raw, "authorized_keys", "manhole.authorized_keys")
     host_key = _optional_string(raw, "host_key", "manhole.host_key")
     sockets: dict[str, Path | None] = {}
     ssh: dict[str, str | None] = {}
     for role, default in DEFAULT_SOCKETS.items():
-        path = _string(raw, f"{role}_socket", f"manhole.{role}_socket", default)
+        path = string_key(raw, f"{role}_socket", f"manhole.{role}_socket", default)
         resolved = (base_dir / path).resolve() if path else None
         if resolved is not None and len(str(resolved).encode()) > SOCKET_PATH_MAX:
             raise ConfigError(
@@ -895,7 +837,7 @@ def _parse_manhole(raw: Any, base_dir: Path, data_dir: Path) -> ManholeConfig | 
 
 
 def _issuer(raw: Mapping[str, Any]) -> str:
-    issuer = _string(raw, "issuer", "issuer")
+    issuer = string_key(raw, "issuer", "issuer")
     if not issuer:
         raise ConfigError("issuer", "must not be empty")
     if len(issuer.encode("utf-8")) > ISSUER_MAX_BYTES:
@@ -913,18 +855,18 @@ def _issuer(raw: Mapping[str, Any]) -> str:
 def _public_url(raw: Mapping[str, Any]) -> str | None:
     if raw.get("public_url") is None:
         return None
-    return _http_url(_string(raw, "public_url", "public_url"), "public_url").rstrip("/") + "/"
+    return http_url(string_key(raw, "public_url", "public_url"), "public_url").rstrip("/") + "/"
 
 
 def _non_empty(raw: Mapping[str, Any], key: str, default: str | None, problem: str) -> str:
-    value = _string(raw, key, key, default)
+    value = string_key(raw, key, key, default)
     if not value:
         raise ConfigError(key, problem)
     return value
 
 
 def _node_prefix(raw: Mapping[str, Any]) -> str:
-    node_prefix = _string(raw, "node_prefix", "node_prefix", "")
+    node_prefix = string_key(raw, "node_prefix", "node_prefix", "")
     try:
         validate_node_prefix(node_prefix)
     except ValueError as e:
@@ -940,7 +882,7 @@ def _bool(raw: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def _retention(raw: Mapping[str, Any]) -> float:
-    retention = _duration(raw, "partial_upload_retention", "partial_upload_retention", "30m")
+    retention = duration_key(raw, "partial_upload_retention", "partial_upload_retention", "30m")
     if retention <= 0:
         raise ConfigError("partial_upload_retention", "must be positive")
     return retention
@@ -986,12 +928,12 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         ),
         "public_url": attempt(_public_url, None, raw),
         "max_upload_bytes": attempt(
-            _positive_int, 1, raw, "max_upload_bytes", 107374182400, "max_upload_bytes"
+            positive_int, 1, raw, "max_upload_bytes", 107374182400, "max_upload_bytes"
         ),
-        "min_free_bytes": attempt(_positive_int, 1, raw, "min_free_bytes", None, "min_free_bytes"),
+        "min_free_bytes": attempt(positive_int, 1, raw, "min_free_bytes", None, "min_free_bytes"),
         "partial_upload_retention": attempt(_retention, 1.0, raw),
         "delivery_concurrency": attempt(
-            _positive_int, 1, raw, "delivery_concurrency", 2, "delivery_concurrency"
+            positive_int, 1, raw, "delivery_concurrency", 2, "delivery_concurrency"
         ),
         "node_prefix": node_prefix,
         "trust_forwarded_headers": attempt(_bool, False, raw, "trust_forwarded_headers", False),
@@ -1002,7 +944,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         "connections": attempt(_parse_connections, None, raw.get("connections")),
         "packages_dir": attempt(_packages_dir, None, raw, base_dir),
         "packaging_concurrency": attempt(
-            _positive_int, 1, raw, "packaging_concurrency", 1, "packaging_concurrency"
+            positive_int, 1, raw, "packaging_concurrency", 1, "packaging_concurrency"
         ),
         "hq": attempt(_parse_hq, None, raw.get("hq"), base_dir),
         "ledger": attempt(_parse_ledger, None, raw.get("ledger"), base_dir, node_prefix),

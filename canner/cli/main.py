@@ -63,6 +63,7 @@ from typing import Any, TextIO
 import attrs
 from attrs import define, field, frozen
 
+import canner.sinks.registry  # noqa: F401 (registers the sinks a config may name)
 from canner.blocking import result_now, run_inline
 from canner.config import Config, ConfigError, check_data_dir, load_config, parse_duration
 from canner.delivery import index as sql
@@ -91,14 +92,9 @@ from canner.packaging import batches as psql
 from canner.packaging.restore import PackageRestore
 from canner.packaging.store import PackageStore
 from canner.sinks.credentials import CredentialsError, load_credentials, loose_permissions
-from canner.sinks.directory import validate_directory
-from canner.sinks.plan import (
-    PlanError,
-    format_date,
-    plan_package_file,
-    plan_upload,
-    validate_delivery,
-)
+from canner.sinks.directory import DirectoryDelivery, destination_root
+from canner.sinks.ia_config import IADelivery
+from canner.sinks.plan import PlanError, format_date, plan_package_file, plan_upload
 from canner.store import drain as draining
 from canner.store.datadir import DELIVER_WRITES, CannotStart, check_writes
 from canner.store.journal import Journal
@@ -275,7 +271,6 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
     if delivery is None:
         return None
     packaging = config.projects[project_id].packaging
-    validate_delivery(project_id, delivery, packaging.mode)
     if packaging.megawarc:
         try:
             plan = plan_package_file(
@@ -284,13 +279,15 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
             )  # fmt: skip
         except PlanError as e:
             raise ConfigError(f"projects.{project_id}.delivery", str(e)) from None
-        return {
+        package = {
             "package": EXAMPLE_HEX,
             "batch_date": format_date(int(now)),
             "identifier": plan.identifier,
             "remote_name": plan.remote_name,
-            "url": f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}",
         }
+        if isinstance(delivery, IADelivery):
+            package["url"] = f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}"
+        return package
     object_id = f"{config.node_prefix}-{EXAMPLE_HEX}" if config.node_prefix else EXAMPLE_HEX
     try:
         plan = plan_upload(
@@ -305,10 +302,10 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
         "identifier": plan.identifier,
         "remote_name": plan.remote_name,
     }
-    if delivery.sink == "directory":
-        root = validate_directory(project_id, delivery)
+    if isinstance(delivery, DirectoryDelivery):
+        root = destination_root(project_id, delivery)
         example["path"] = str(root / plan.identifier / plan.remote_name)
-    else:
+    elif isinstance(delivery, IADelivery):
         example["url"] = f"{delivery.metadata_url.rstrip('/')}/details/{plan.identifier}"
     return example
 
@@ -319,9 +316,9 @@ def _credential_warnings(config: Config) -> list[str]:
         if project.delivery is None:
             warnings.append(f"projects.{pid}: no delivery table, artifacts stay local")
             continue
+        if not isinstance(project.delivery, IADelivery):
+            continue  # delivery_example checked a directory sink's path
         path = project.delivery.credentials
-        if path is None:
-            continue  # a directory sink: delivery_example checked its path
         key = f"projects.{pid}.delivery.credentials"
         if path.exists() and not os.access(path, os.R_OK):
             warnings.append(f"{key}: {path} is not readable by this user (not checked)")

@@ -20,7 +20,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
-from canner.config import READBACK_ALL, Config, ConfigError, ProjectConfig
+from canner.config import Config, ConfigError, ProjectConfig
 from canner.daemon.services import DaemonRoot, Listening, PeriodicService
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.liveness import InFlight
@@ -38,8 +38,9 @@ from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.sinks.base import Sink
 from canner.sinks.credentials import CredentialsError, load_credentials
+from canner.sinks.ia_config import READBACK_ALL
 from canner.sinks.internet_archive import IADeliverySink, IASink
-from canner.sinks.projects import project_sinks
+from canner.sinks.registry import project_sinks
 from canner.sinks.transport import make_http_client
 from canner.store.journal import Journal, JournalLog
 from canner.store.receipts import ReceiptStore

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.checksum import HashCancelled, delivery_digests
-from canner.config import DeliveryConfig
+from canner.config import DeliveryTable
 from canner.delivery import follow_up
 from canner.delivery import index as sql
 from canner.delivery.index import Index, QueueRow
@@ -165,7 +165,7 @@ def delivered_copy(row: QueueRow) -> follow_up.DeliveredCopy:
     return follow_up.DeliveredCopy.of(row, OBJECT, row.object_id, row.object_id, "canner retry")
 
 
-def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:
+def plan_row(delivery: DeliveryTable, row: QueueRow) -> ItemPlan:
     """Where ``row`` goes, from its stable values only, so a retry resolves the same place
     (the MD5 is computed before the first attempt)."""
     assert row.content_md5 is not None, "the owner computes the MD5 before delivering"
@@ -181,7 +181,7 @@ def plan_row(delivery: DeliveryConfig, row: QueueRow) -> ItemPlan:
     return evolve(plan, checksum=row.checksum)
 
 
-def planner(deliveries: Mapping[str, DeliveryConfig]) -> Callable[[QueueRow], ItemPlan]:
+def planner(deliveries: Mapping[str, DeliveryTable]) -> Callable[[QueueRow], ItemPlan]:
     """The daemon's planner: each row by its project's delivery table."""
     return lambda row: plan_row(deliveries[row.project], row)
 

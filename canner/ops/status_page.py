@@ -41,7 +41,8 @@ from canner.ops.status_charts import Line, trend_chart
 from canner.ops.trends import ALL, WINDOW, levels, per_minute
 from canner.ops.trends import projects as trend_projects
 from canner.ops.verdict import Verdict, assess, upload_refusals
-from canner.sinks.directory import expand_path
+from canner.sinks.directory import DirectoryDelivery, expand_path
+from canner.sinks.ia_config import IADelivery
 from canner.version import version
 
 REFRESH_SECONDS = 10
@@ -66,12 +67,9 @@ def delivery_targets(config: Config) -> dict[str, DeliveryTarget]:
         delivery = project.delivery
         if delivery is None:
             continue
-        if delivery.sink == "directory" and delivery.path is not None:
-            try:
-                targets[pid] = DeliveryTarget(directory=str(expand_path(delivery.path, pid)))
-            except ValueError:
-                continue  # refused at config load; nothing to show
-        elif delivery.sink == "internet_archive":
+        if isinstance(delivery, DirectoryDelivery):
+            targets[pid] = DeliveryTarget(directory=str(expand_path(delivery.path, pid)))
+        elif isinstance(delivery, IADelivery):
             targets[pid] = DeliveryTarget(item_url=delivery.metadata_url)
     return targets
 

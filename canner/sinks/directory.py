@@ -21,7 +21,7 @@ import errno
 import os
 import string
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -34,18 +34,18 @@ from twisted.python.failure import Failure
 
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum, HashCancelled, blake3_file
-from canner.config import ConfigError, DeliveryConfig
+from canner.config import ConfigError, DeliveryContext, DeliveryTable, SinkTable, string_key
 from canner.fs import fsync_dir, write_all
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
-from canner.sinks.plan import ItemPlan, validate_delivery
+from canner.sinks.plan import ItemPlan
 
 log = Logger()
 
 T = TypeVar("T")
 
 # A copy in progress is "<final directory>/.canner-partial-<object_id>": never a final name,
-# because validate_directory refuses templates whose names could start with it.
+# because check_directory_delivery refuses templates whose names could start with it.
 PARTIAL_PREFIX = ".canner-partial-"
 # Bytes per copy step: the stop flag and the progress counter are checked between steps.
 COPY_CHUNK = 8 << 20
@@ -76,27 +76,64 @@ def expand_path(template: str, project: str) -> Path:
     return Path("".join(out))
 
 
-def validate_directory(project_id: str, delivery: DeliveryConfig) -> Path:
-    """Check a directory delivery table and return its destination root (blocking: stats it).
+NAME = "directory"
 
-    The identifier and remote-name templates follow the IA sink's rules; ``path`` may hold only
-    ``{project}`` and must name an existing directory.  Raises :class:`ConfigError` naming the key.
-    """
-    base = f"projects.{project_id}.delivery"
-    validate_delivery(project_id, delivery)
+
+@frozen(kw_only=True)
+class DirectoryDelivery(DeliveryTable):
+    """``[projects.<id>.delivery]`` with ``sink = "directory"``: the destination root, an absolute
+    path template that may hold ``{project}``."""
+
+    path: str
+
+
+def parse_directory_delivery(raw: Mapping[str, Any], where: DeliveryContext) -> DirectoryDelivery:
+    # Relative to the config file's directory, like every other path; the sink checks at
+    # start-up that the expanded directory exists.
+    path = os.path.abspath(where.base_dir / string_key(raw, "path", where.name + ".path"))
+    return DirectoryDelivery(**where.common, path=path)
+
+
+def check_directory_delivery(delivery: DeliveryTable, where: DeliveryContext) -> None:
+    """A directory table's templates never name a partial file and ``path`` holds only
+    ``{project}``; megawarc packages are not copied to directories.  Raises :class:`ConfigError`
+    naming the key.  (The registry checks every sink's templates against the plan's rules.)"""
+    assert isinstance(delivery, DirectoryDelivery)
+    if where.packaging.megawarc:
+        raise ConfigError(
+            f"projects.{where.project_id}.packaging.mode",
+            'megawarc packages are delivered to sink = "internet_archive" only',
+        )
     for key, template in (
         ("identifier", delivery.identifier),
         ("remote_name", delivery.remote_name),
     ):
         if any(part.startswith(PARTIAL_PREFIX) for part in template.split("/")):
-            raise ConfigError(f"{base}.{key}", f"names must not start with {PARTIAL_PREFIX!r}")
-    assert delivery.path is not None, "config parsing requires path for sink = 'directory'"
+            raise ConfigError(
+                f"{where.name}.{key}", f"names must not start with {PARTIAL_PREFIX!r}"
+            )
     try:
-        root = expand_path(delivery.path, project_id)
+        expand_path(delivery.path, where.project_id)
     except ValueError as e:
-        raise ConfigError(f"{base}.path", str(e)) from None
+        raise ConfigError(f"{where.name}.path", str(e)) from None
+
+
+DIRECTORY_TABLE = SinkTable(
+    name=NAME,
+    keys=frozenset({"path"}),
+    parse=parse_directory_delivery,
+    check=check_directory_delivery,
+)
+
+
+def destination_root(project_id: str, delivery: DirectoryDelivery) -> Path:
+    """The project's destination root, which must exist (blocking: stats it); a missing one is
+    a :class:`ConfigError` naming ``path``."""
+    root = expand_path(delivery.path, project_id)
     if not root.is_dir():
-        raise ConfigError(f"{base}.path", f"{root} does not exist or is not a directory")
+        raise ConfigError(
+            f"projects.{project_id}.delivery.path", f"{root} does not exist or is not a directory"
+        )
     return root
 
 
@@ -300,7 +337,7 @@ class DirectorySink:
 
     destination: ClassVar[Destination] = Destination.DIRECTORY
 
-    _delivery: DeliveryConfig
+    _delivery: DirectoryDelivery
     _root: Path
     _root_device: int
     _run: BlockingRunner
@@ -312,16 +349,16 @@ class DirectorySink:
     def for_delivery(
         cls,
         project_id: str,
-        delivery: DeliveryConfig,
+        delivery: DirectoryDelivery,
         run: BlockingRunner,
         hash: BlockingRunner,
         clock: IReactorTime,
     ) -> DirectorySink:
-        """A sink for one project's directory delivery; checks the table (blocking).
+        """A sink for one project's directory delivery; checks that its root exists (blocking).
 
         Remembers the filesystem ``path`` is on: copies refuse to go anywhere else later.
         """
-        root = validate_directory(project_id, delivery)
+        root = destination_root(project_id, delivery)
         return cls(delivery, root, os.stat(root).st_dev, run, hash, clock)
 
     def place(self, plan: ItemPlan) -> Placement:

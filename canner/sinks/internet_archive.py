@@ -30,7 +30,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from canner.blocking import BlockingRunner
-from canner.config import DEFAULT_PART_SIZE, ConfigError, DeliveryConfig
+from canner.config import ConfigError
 from canner.observe import Destination
 from canner.sinks.base import (
     Delivered,
@@ -48,6 +48,7 @@ from canner.sinks.credentials import (
     loose_permissions,
     redact,
 )
+from canner.sinks.ia_config import DEFAULT_PART_SIZE, IADelivery
 from canner.sinks.multipart import (
     Answer,
     AttemptEnded,
@@ -56,7 +57,7 @@ from canner.sinks.multipart import (
     PartJournal,
 )
 from canner.sinks.pacing import LimitReading, PutGate, pace, parse_check_limit
-from canner.sinks.plan import ItemPlan, is_loopback, validate_delivery
+from canner.sinks.plan import ItemPlan, is_loopback
 from canner.sinks.readback import (
     ReadBack,
     choose_ranges,
@@ -156,15 +157,13 @@ class IASink:
     @classmethod
     def for_delivery(
         cls,
-        delivery: DeliveryConfig,
+        delivery: IADelivery,
         http: HTTPClient,
         clock: IReactorTime,
         run: BlockingRunner,
         **kwargs: Any,
     ) -> IASink:
         """A sink for one project's delivery config; reads its credentials (blocking)."""
-        if delivery.credentials is None:
-            raise CredentialsError("no credentials file configured")
         return cls(
             http=http,
             clock=clock,
@@ -1034,24 +1033,22 @@ class IADeliverySink:
 
 def internet_archive_sink(
     project_id: str,
-    delivery: DeliveryConfig,
+    delivery: IADelivery,
     http: HTTPClient,
     reactor: Any,
     run: BlockingRunner,
-    mode: str = "identity",
     journal: PartJournal | None = None,
     gates: dict[str, PutGate] | None = None,
 ) -> IADeliverySink:
-    """One project's IA sink; validates its templates and reads its credentials (blocking).
+    """One project's IA sink; reads its credentials (blocking).
 
     ``run`` is the blocking runner that reads payloads off the reactor thread; ``journal``
     holds the parts of multipart uploads (the data directory's ``multipart/``).  ``gates``,
     by access key, is shared by every project's sink: IA rations tasks per account, so projects
     that upload with the same keys are paced together.  Raises
-    :class:`ConfigError` naming the key when a template or the credentials are unusable, so a bad
-    project refuses to start instead of failing every attempt later.
+    :class:`ConfigError` naming the key when the credentials are unusable, so a bad project
+    refuses to start instead of failing every attempt later (``parse_config`` checked the rest).
     """
-    validate_delivery(project_id, delivery, mode)
     try:
         sink = IASink.for_delivery(
             delivery,
@@ -1062,7 +1059,7 @@ def internet_archive_sink(
         )
     except CredentialsError as e:
         raise ConfigError(f"projects.{project_id}.delivery.credentials", str(e)) from None
-    if delivery.credentials is not None and (loose := loose_permissions(delivery.credentials)):
+    if loose := loose_permissions(delivery.credentials):
         log.warn(
             "projects.{project}.delivery.credentials: {problem}", project=project_id, problem=loose
         )

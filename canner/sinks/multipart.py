@@ -32,9 +32,9 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
-from canner.config import MAX_PARTS, MIN_PART_SIZE
 from canner.fs import fsync_dir, orphaned_temps, replace_file
 from canner.sinks.base import Outcome, Verdict
+from canner.sinks.ia_config import MAX_PARTS, MIN_PART_SIZE
 from canner.sinks.plan import ItemPlan
 from canner.sinks.wire import classify, short
 

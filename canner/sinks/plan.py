@@ -1,6 +1,6 @@
 """Where an object goes (pure): templates, identifier and remote-name rules, the item plan.
 
-:func:`validate_delivery` checks a project's templates at config load with worst-case values;
+:func:`check_destination` checks a project's templates at config load with worst-case values;
 :func:`plan_upload` expands them for one object into an :class:`ItemPlan` (identifier, remote
 name, every non-secret PUT header).  The rules are IA's (``docs/reference/internet-archive.md`` §3).
 """
@@ -12,11 +12,11 @@ import string
 import time
 import unicodedata
 from collections.abc import Mapping
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from attrs import frozen
 
-from canner.config import ConfigError, DeliveryConfig
+from canner.config import ConfigError, DeliveryTable
 from canner.sinks.metadata import (
     METADATA_MAX_VALUES,
     encode_metadata_value,
@@ -39,7 +39,7 @@ FILENAME_MAX_BYTES = 200
 SEGMENT_MAX_BYTES = 255
 HEX_MD5 = re.compile(r"[0-9a-f]{32}")
 
-# Worst-case sample values for validate_delivery.  Object ids are 32 hex, or a node prefix of up
+# Worst-case sample values for check_destination.  Object ids are 32 hex, or a node prefix of up
 # to 16 [a-z0-9] plus "-" plus 32 hex (canner.ids).
 _SAMPLE_OBJECT_IDS = ("0" * 32, "z" * 16 + "-" + "f" * 32)
 _SAMPLE_DATES = ("19700101000000", "99991231235959")
@@ -57,14 +57,15 @@ class ItemTooBig(PlanError):
     ``target_bytes``, another identifier template, a larger limit); nothing is sent."""
 
 
-def item_too_big(delivery: DeliveryConfig, identifier: str, item_bytes: int) -> ItemTooBig | None:
+def item_too_big(delivery: DeliveryTable, identifier: str, item_bytes: int) -> ItemTooBig | None:
     """The refusal of a plan that would put ``item_bytes`` into IA item ``identifier`` (None: it
-    fits, or the sink has no items)."""
-    if delivery.sink != "internet_archive" or item_bytes <= delivery.max_item_bytes:
+    fits, or the sink has no item limit)."""
+    limit = delivery.item_limit()
+    if limit is None or item_bytes <= limit:
         return None
     return ItemTooBig(
         f"item {identifier} would hold {item_bytes} bytes, more than max_item_bytes"
-        f" ({delivery.max_item_bytes}): IA refuses files to an item near 1 TiB; not sent"
+        f" ({limit}): IA refuses files to an item near 1 TiB; not sent"
     )
 
 
@@ -221,8 +222,8 @@ def is_loopback(host: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or bool(host and host.startswith("127."))
 
 
-def validate_delivery(project_id: str, delivery: DeliveryConfig, mode: str = "identity") -> None:
-    """Refuse templates that could ever produce an invalid destination (call at config load).
+def check_destination(project_id: str, delivery: DeliveryTable, mode: str = "identity") -> None:
+    """Refuse templates that could ever produce an invalid destination (run by parse_config).
 
     Every template is expanded with worst-case values (shortest and longest object ids, the
     longest sanitised filenames, special names such as ``history``) and checked against IA's
@@ -250,19 +251,6 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig, mode: str = "id
             "identifier or remote_name must contain {object_id}, so that every object gets its "
             "own stable destination",
         )
-    urls = (
-        ("s3_url", delivery.s3_url),
-        ("metadata_url", delivery.metadata_url),
-        ("download_url", delivery.download_url),
-    )
-    for scheme_key, url in urls:
-        parts = urlsplit(url)
-        if parts.scheme != "https" and not is_loopback(parts.hostname):
-            raise ConfigError(
-                f"{base}.{scheme_key}",
-                "must be https (the LOW authorization header carries the secret as-is); "
-                "plain http is allowed only for loopback test servers",
-            )
     for object_id in _SAMPLE_OBJECT_IDS if mode != "megawarc" else ():
         for date in _SAMPLE_DATES:
             for filename in _SAMPLE_FILENAMES:
@@ -275,7 +263,7 @@ def validate_delivery(project_id: str, delivery: DeliveryConfig, mode: str = "id
                 problem = remote_name_problem(remote, identifier)
                 if problem is not None:
                     raise ConfigError(f"{base}.remote_name", problem)
-    for key, value_templates in delivery.metadata.items():
+    for key, value_templates in delivery.metadata_templates().items():
         name = f"{base}.metadata.{key}"
         problem = metadata_key_problem(key)
         if problem is not None:
@@ -295,9 +283,9 @@ def _package_values(project: str, package: str, batch_date: str) -> dict[str, st
     return {"project": project, "package": package, "batch_date": batch_date}
 
 
-def _validate_package_templates(base: str, project_id: str, delivery: DeliveryConfig) -> None:
+def _validate_package_templates(base: str, project_id: str, delivery: DeliveryTable) -> None:
     """A megawarc item: worst-case package ids and batch dates, the longest file suffixes."""
-    for key, value_templates in delivery.metadata.items():
+    for key, value_templates in delivery.metadata_templates().items():
         for template in value_templates:
             try:
                 extra = _placeholders(template) - {"project", "package", "batch_date"}
@@ -327,7 +315,7 @@ def _validate_package_templates(base: str, project_id: str, delivery: DeliveryCo
 
 
 def plan_package_file(
-    delivery: DeliveryConfig,
+    delivery: DeliveryTable,
     project: str,
     package: str,
     batch_date: str,
@@ -352,7 +340,7 @@ def plan_package_file(
         remote_name = expand_template(delivery.remote_name, values) + suffix
         metadata = {
             key: [expand_template(t, values) for t in templates]
-            for key, templates in delivery.metadata.items()
+            for key, templates in delivery.metadata_templates().items()
         }
         meta_headers = metadata_headers(metadata)
     except (KeyError, ValueError) as e:
@@ -371,7 +359,7 @@ def plan_package_file(
 
 
 def plan_upload(
-    delivery: DeliveryConfig,
+    delivery: DeliveryTable,
     project: str,
     object_id: str,
     filename: str | None,
@@ -383,7 +371,7 @@ def plan_upload(
 
     ``filename`` is the worker's (sanitised here), ``accepted_at`` the receipt time,
     ``content_md5`` 32 lowercase hex digits (:func:`canner.checksum.delivery_digests`).  Raises
-    :class:`PlanError` when the result breaks IA's rules, which :func:`validate_delivery` rules
+    :class:`PlanError` when the result breaks IA's rules, which :func:`check_destination` rules
     out for a validated config, and :class:`ItemTooBig` when the object alone would pass
     ``max_item_bytes``.
     """
@@ -399,7 +387,7 @@ def plan_upload(
         remote_name = expand_template(delivery.remote_name, values)
         metadata = {
             key: [expand_template(t, values) for t in templates]
-            for key, templates in delivery.metadata.items()
+            for key, templates in delivery.metadata_templates().items()
         }
         meta_headers = metadata_headers(metadata)
     except ValueError as e:

@@ -8,6 +8,7 @@ from typing import ClassVar
 from twisted.application.service import IService
 from twisted.python import usage
 
+import canner.sinks.registry  # noqa: F401 (registers the sinks a config may name)
 from canner.config import Config, ConfigError, load_config
 
 

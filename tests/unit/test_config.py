@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from canner.config import (
-    READBACK_ALL,
     ConfigError,
     ConfigErrors,
     listen_url,
@@ -18,6 +17,7 @@ from canner.config import (
     parse_config,
     parse_duration,
 )
+from canner.sinks.ia_config import READBACK_ALL
 
 BASE: dict[str, Any] = {
     "issuer": "https://canner.test",

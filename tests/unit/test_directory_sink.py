@@ -20,11 +20,16 @@ from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
 
 from canner.blocking import run_inline
-from canner.config import ConfigError, DeliveryConfig, parse_config
+from canner.config import ConfigError, parse_config
 from canner.delivery.index import QueueRow
 from canner.delivery.objects import located, plan_row
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
-from canner.sinks.directory import PARTIAL_PREFIX, DirectorySink, validate_directory
+from canner.sinks.directory import (
+    PARTIAL_PREFIX,
+    DirectoryDelivery,
+    DirectorySink,
+    destination_root,
+)
 from canner.sinks.plan import ItemPlan
 
 reactor: Any = _reactor
@@ -35,15 +40,12 @@ OID = "0123456789abcdef0123456789abcdef"
 ACCEPTED = 1784764800  # 2026-07-23 00:00:00 UTC
 
 
-def delivery(path: str, **changes: Any) -> DeliveryConfig:
-    base = DeliveryConfig(
+def delivery(path: str, **changes: Any) -> DirectoryDelivery:
+    base = DirectoryDelivery(
         sink="directory",
-        credentials=None,
         identifier="example-{object_id}",
         remote_name="{filename}",
         local_artifact_retention=60.0,
-        s3_url="https://s3.us.archive.org",
-        metadata_url="https://archive.org",
         path=path,
     )
     return attrs.evolve(base, **changes)
@@ -314,32 +316,38 @@ async def test_copying_and_hashing_run_off_the_reactor_thread(tmp_path: Path) ->
 def test_path_must_exist(tmp_path: Path) -> None:
     """A destination that does not exist refuses to start, naming the key."""
     with pytest.raises(ConfigError) as info:
-        validate_directory("example", delivery(str(tmp_path / "absent" / "{project}")))
+        destination_root("example", delivery(str(tmp_path / "absent" / "{project}")))
     assert info.value.key == "projects.example.delivery.path"
 
 
 def test_path_takes_only_the_project_placeholder(tmp_path: Path) -> None:
     """{object_id} and friends belong in identifier and remote_name, not in path."""
     with pytest.raises(ConfigError) as info:
-        validate_directory("example", delivery(str(tmp_path / "{object_id}")))
+        _config(tmp_path, _table(str(tmp_path / "{object_id}")), "example")
     assert info.value.key == "projects.example.delivery.path"
 
 
 def test_templates_follow_the_ia_rules(tmp_path: Path) -> None:
     """The identifier template is checked as for IA (here: no {object_id} anywhere)."""
     with pytest.raises(ConfigError) as info:
-        validate_directory("example", delivery(str(tmp_path), identifier="example-static"))
+        _config(tmp_path, _table(str(tmp_path), identifier="example-static"), "example")
     assert info.value.key == "projects.example.delivery.identifier"
 
 
-def _config(tmp_path: Path, table: dict[str, Any]) -> Any:
+def _table(path: str, **changes: Any) -> dict[str, Any]:
+    """``delivery(path)`` as its TOML table."""
+    table = {"sink": "directory", "path": path, "identifier": "example-{object_id}"}
+    return {**table, "local_artifact_retention": "1m", **changes}
+
+
+def _config(tmp_path: Path, table: dict[str, Any], project: str = "p") -> Any:
     raw = {
         "issuer": "http://127.0.0.1:8080",
         "data_dir": "data",
         "listen": "tcp:0:interface=127.0.0.1",
         "max_upload_bytes": 1 << 30,
         "min_free_bytes": 1 << 20,
-        "projects": {"p": {"delivery": table}},
+        "projects": {project: {"delivery": table}},
     }
     return parse_config(raw, tmp_path)
 
@@ -354,7 +362,7 @@ def test_directory_table_parses_relative_to_the_config(tmp_path: Path) -> None:
     }
     parsed = _config(tmp_path, table).projects["p"].delivery
     assert parsed.path == str(tmp_path / "archive" / "{project}")
-    assert parsed.credentials is None
+    assert isinstance(parsed, DirectoryDelivery)
 
 
 @pytest.mark.parametrize(

@@ -31,10 +31,11 @@ from zope.interface import implementer
 
 from canner.blocking import run_inline
 from canner.checksum import HashCancelled, delivery_digests
-from canner.config import ConfigError, DeliveryConfig
+from canner.config import ConfigError
 from canner.sinks.base import Verdict
 from canner.sinks.body import FileProducer
 from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.ia_config import IADelivery, validate_delivery
 from canner.sinks.internet_archive import DeliveryResult, IASink
 from canner.sinks.metadata import encode_metadata_value, metadata_headers
 from canner.sinks.plan import (
@@ -46,7 +47,6 @@ from canner.sinks.plan import (
     plan_upload,
     remote_name_problem,
     sanitize_filename,
-    validate_delivery,
 )
 from canner.sinks.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from tests.fake_ia import FakeIA, url_of
@@ -59,8 +59,8 @@ MD5 = "d41d8cd98f00b204e9800998ecf8427e"
 SECRET = "s3cr3t-K3y/with+odd=chars"
 
 
-def delivery(**changes: Any) -> DeliveryConfig:
-    base = DeliveryConfig(
+def delivery(**changes: Any) -> IADelivery:
+    base = IADelivery(
         sink="internet_archive",
         credentials=Path("/nonexistent/ia.ini"),
         identifier="example-{date}-{object_id}",

@@ -13,6 +13,7 @@ import pytest
 
 from canner.config import ConfigError, parse_config
 from canner.delivery.objects import planner
+from canner.sinks.directory import DirectoryDelivery
 from canner.sinks.plan import ItemTooBig, plan_package_file, plan_upload
 from tests.packaging_support import warc_bytes
 from tests.unit.test_config import _delivery, config
@@ -69,7 +70,14 @@ def test_a_package_whose_files_would_overfill_its_item_is_refused_at_planning() 
 
 def test_a_directory_sink_has_no_item_limit() -> None:
     """Only IA has items: a directory destination plans any size."""
-    config = attrs.evolve(delivery(max_item_bytes=10), sink="directory", path="/srv")
+    ia = delivery(max_item_bytes=10)
+    config = DirectoryDelivery(
+        sink="directory",
+        identifier=ia.identifier,
+        remote_name=ia.remote_name,
+        local_artifact_retention=ia.local_artifact_retention,
+        path="/srv",
+    )
     assert plan_upload(config, "example", OID, "a", ACCEPTED, 11, MD5).size == 11
 
 

@@ -22,8 +22,9 @@ from twisted.logger import LogEvent, globalLogPublisher
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from canner.checksum import delivery_digests
-from canner.config import MAX_PARTS, MIN_PART_SIZE, ConfigError
+from canner.config import ConfigError
 from canner.sinks.credentials import Credentials
+from canner.sinks.ia_config import MAX_PARTS, MIN_PART_SIZE
 from canner.sinks.internet_archive import IASink
 from canner.sinks.multipart import (
     FileIdentity,
@@ -135,17 +136,20 @@ def test_a_save_cut_short_leaves_no_temp_file_behind_once_reopened(tmp_path: Pat
 
 def test_part_size_below_the_s3_minimum_is_refused() -> None:
     """multipart_part_size under 5 MiB, or a non-positive threshold, is a config error."""
-    from canner.config import _parse_delivery
+    from canner.config import PackagingConfig, _parse_delivery
+
+    def parse(table: dict[str, Any]) -> Any:
+        return _parse_delivery(table, "d", Path("/"), "p", PackagingConfig())
 
     base = {"sink": "internet_archive", "credentials": "ia.ini", "identifier": "x-{object_id}"}
     base["local_artifact_retention"] = "1h"
-    ok = _parse_delivery({**base, "multipart_threshold": 1 << 30}, "d", Path("/"))
+    ok = parse({**base, "multipart_threshold": 1 << 30})
     assert (ok.multipart_threshold, ok.multipart_part_size) == (1 << 30, 512 << 20)
-    assert _parse_delivery(base, "d", Path("/")).multipart_threshold is None
+    assert parse(base).multipart_threshold is None
     with pytest.raises(ConfigError, match="multipart_part_size"):
-        _parse_delivery({**base, "multipart_part_size": PART - 1}, "d", Path("/"))
+        parse({**base, "multipart_part_size": PART - 1})
     with pytest.raises(ConfigError, match="multipart_threshold"):
-        _parse_delivery({**base, "multipart_threshold": 0}, "d", Path("/"))
+        parse({**base, "multipart_threshold": 0})
 
 
 # --- IASink against the fake IA -----------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 
 from canner.cli.main import delivery_example
 from canner.config import ConfigError, parse_config, parse_size
-from canner.sinks.plan import PlanError, plan_package_file, validate_delivery
+from canner.sinks.ia_config import validate_delivery
+from canner.sinks.plan import PlanError, plan_package_file
 
 DELIVERY: dict[str, Any] = {
     "sink": "internet_archive",
@@ -158,10 +159,8 @@ def test_package_files_plan_into_one_item(tmp_path: Path) -> None:
 def test_megawarc_metadata_may_not_name_one_object(tmp_path: Path) -> None:
     """An item of many objects has no single {object_id} for its metadata."""
     raw = config({"mode": "megawarc"}, metadata={"title": ["Object {object_id}"]})
-    delivery = parse_config(raw, tmp_path).projects["example"].delivery
-    assert delivery is not None
     with pytest.raises(ConfigError) as caught:
-        validate_delivery("example", delivery, "megawarc")
+        parse_config(raw, tmp_path)
     assert caught.value.key == "projects.example.delivery.metadata.title"
 
 

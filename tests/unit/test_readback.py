@@ -26,9 +26,9 @@ from twisted.web.iweb import IResponse
 
 from canner.blocking import run_inline
 from canner.checksum import delivery_digests
-from canner.config import READBACK_ALL, DeliveryConfig
 from canner.sinks.base import RemoteCheck
 from canner.sinks.credentials import Credentials
+from canner.sinks.ia_config import READBACK_ALL, IADelivery
 from canner.sinks.internet_archive import IADeliverySink, IASink
 from canner.sinks.plan import ItemPlan, plan_upload
 from canner.sinks.readback import ReadBack, choose_ranges, parse_content_range
@@ -94,8 +94,8 @@ class World:
             **kwargs,
         )
 
-    def delivery(self, **changes: Any) -> DeliveryConfig:
-        base = DeliveryConfig(
+    def delivery(self, **changes: Any) -> IADelivery:
+        base = IADelivery(
             sink="internet_archive",
             credentials=Path("/nonexistent"),
             identifier="example-{object_id}",

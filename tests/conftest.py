@@ -1,0 +1,3 @@
+"""Every test may parse a config: the sinks it names are registered on import."""
+
+import canner.sinks.registry  # noqa: F401
