@@ -4,8 +4,8 @@ What is checked:
 
 - every fenced ```` ```toml ```` block in ``docs/``, ``conf/`` and ``README.md``: parsed by
   ``tomllib``, laid over a minimal base config (an issuer, one project) when it is a fragment, and
-  validated by :func:`canner.config.parse_config` and, for every project with a delivery table,
-  :func:`canner.sinks.plan.validate_delivery` (what both daemons run at start);
+  validated by :func:`canner.config.parse_config`, which checks every delivery table by its
+  sink's rules (what both daemons run at start);
 - every ``conf/*.toml`` file whole, the same way, and each commented-out table in it (a
   ``# [table]`` line and the ``# key = value`` lines after it, uncommented): what an operator
   would get by uncommenting it;
