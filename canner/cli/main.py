@@ -208,13 +208,16 @@ class Account:
     groups: tuple[int, ...]
 
 
-def daemon_account(data_dir: Path) -> Account | None:
-    """Run as root, the user the daemons run as: the ``canner`` account when it exists (the
-    packaged units' ``User=``), else the owner of ``data_dir`` (whom every other command runs
-    as); None when not root, or when that user is root."""
+def daemon_account(config_path: Path, data_dir: Path) -> Account | None:
+    """Run as root, the user the daemons run as: for the packaged config (``DEFAULT_CONFIG``,
+    which the packaged units start the daemons on) the ``canner`` account when it exists (their
+    ``User=``), else the owner of ``data_dir`` (whom every other command runs as); None when not
+    root, or when that user is root."""
     if os.geteuid() != 0:
         return None
     try:
+        if config_path.resolve() != DEFAULT_CONFIG.resolve():
+            raise KeyError(DAEMON_ACCOUNT)  # daemons started by hand run as whoever owns the data
         user = pwd.getpwnam(DAEMON_ACCOUNT)
     except KeyError:
         owner = data_dir.stat()
@@ -381,7 +384,7 @@ def check_config(config_path: Path, io: Io) -> int:
     check_data_dir(config)
     # The daemons' own start-up check, as their user: a data directory they would refuse to
     # start on fails here with their line (the path, the user and the fix).
-    with acting_as(daemon_account(config.data_dir)):
+    with acting_as(daemon_account(config_path, config.data_dir)):
         check_writes(config, DELIVER_WRITES)
     now = io.now()
     examples = {pid: delivery_example(config, pid, now) for pid in config.projects}
