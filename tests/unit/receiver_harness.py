@@ -32,10 +32,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
+from canner.accept.intake import UploadIntake
 from canner.blocking import run_inline
 from canner.config import Config, parse_config
 from canner.daemon.roots import receiver_parts
-from canner.doors.tus.intake import UploadIntake
 from canner.ops.metrics import RECEIVER, Metrics
 from canner.ops.problems import RecentProblems
 from canner.store.receipts import Origin, Receipt, ReceiptStore
