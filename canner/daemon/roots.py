@@ -39,7 +39,6 @@ from canner.daemon.services import (
     DaemonRoot,
     Listening,
     LogObservers,
-    PeriodicService,
     ShutdownHook,
     freeze_startup_objects,
 )
@@ -71,6 +70,7 @@ from canner.ops.status_page import StatusSource
 from canner.ops.trends import SAMPLE_INTERVAL, record_sample
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
+from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
 from canner.store.datadir import (
     DELIVER_WRITES,
