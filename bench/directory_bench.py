@@ -58,9 +58,27 @@ def write_payload(path: Path, size: int) -> tuple[str, str]:
 
 def row(object_id: str, size: int, checksum: str, md5: str) -> QueueRow:
     return QueueRow(
-        object_id, "bench", "payload.bin", size, checksum, 1784764800, "delivering", 1, 0.0,
-        None, 0, md5, None, None, None, None, None, None, None, 0.0,
-    )  # fmt: skip
+        object_id,
+        "bench",
+        "payload.bin",
+        size,
+        checksum,
+        1784764800,
+        "delivering",
+        1,
+        0.0,
+        None,
+        0,
+        md5,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+    )
 
 
 def main() -> None:

@@ -249,11 +249,22 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
             "INSERT OR IGNORE INTO objects (object_id, project, filename, downloader, size_bytes,"
             " checksum, accepted_at, content_md5, remote_name, purge_after, purged_at, updated_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (o.object_id, o.project, o.filename, o.downloader, o.size_bytes, o.checksum,
-             o.accepted_at,
-             *((None,) * 4 if d is None else (d.content_md5, d.remote_name, d.purge_after,
-                                              d.purged_at)), now),
-        )  # fmt: skip
+            (
+                o.object_id,
+                o.project,
+                o.filename,
+                o.downloader,
+                o.size_bytes,
+                o.checksum,
+                o.accepted_at,
+                *(
+                    (None,) * 4
+                    if d is None
+                    else (d.content_md5, d.remote_name, d.purge_after, d.purged_at)
+                ),
+                now,
+            ),
+        )
         if cur.rowcount == 1:
             fresh.append(o)
     outbound.add(cur, OBJECT, [(o.object_id, o.project) for o in fresh if not o.delivery], now)
@@ -574,8 +585,9 @@ def record_failure(
 ) -> bool:
     """``delivering -> retry_wait``; False when the row was not delivering."""
     remember_attempt(cur, object_id, "failed", error[:2000], now)
-    return outbound.record_failure(cur, OBJECT, object_id, error, next_attempt_at,
-                                   needs_operator, now)  # fmt: skip
+    return outbound.record_failure(
+        cur, OBJECT, object_id, error, next_attempt_at, needs_operator, now
+    )
 
 
 ATTEMPTS_KEPT = 50
@@ -645,8 +657,9 @@ def record_follow_up(
 ) -> None:
     """Postpone verification or purge (a lookup found nothing yet, a delete failed); see
     :func:`canner.delivery.outbound.record_check`."""
-    outbound.record_check(cur, OBJECT, object_id, next_check_at, error, needs_operator, now,
-                          force_upload)  # fmt: skip
+    outbound.record_check(
+        cur, OBJECT, object_id, next_check_at, error, needs_operator, now, force_upload
+    )
 
 
 def redeliver(
@@ -693,8 +706,9 @@ def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:
     """The ids of ``object_ids`` (a bounded batch) that the index already holds."""
     if not object_ids:
         return set()
-    cur.execute(f"SELECT object_id FROM objects WHERE object_id IN ({_marks(object_ids)})",
-                object_ids)  # fmt: skip
+    cur.execute(
+        f"SELECT object_id FROM objects WHERE object_id IN ({_marks(object_ids)})", object_ids
+    )
     return {row[0] for row in cur.fetchall()}
 
 
