@@ -411,7 +411,7 @@ def deliver_service(
         io,
         reactor,
         index=index,
-        scheduler=outbound,
+        outbound=outbound,
         packaging=packaging,
         packages=packages,
         packaging_sql=packaging_sql,

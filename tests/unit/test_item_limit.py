@@ -18,7 +18,7 @@ from tests.packaging_support import warc_bytes
 from tests.unit.test_config import _delivery, config
 from tests.unit.test_ia import ACCEPTED, OID, delivery
 from tests.unit.test_packaging import Harness as PackagingHarness
-from tests.unit.test_scheduler import Harness
+from tests.unit.test_object_delivery import Harness
 
 MD5 = hashlib.md5(b"").hexdigest()
 

@@ -29,7 +29,7 @@ from canner.ops.status_page import DeliveryTarget, StatusView, render_status
 from canner.ops.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from canner.sinks.base import RemoteCheck
 from tests.fakes import SyncIndex
-from tests.unit.test_scheduler import Harness
+from tests.unit.test_object_delivery import Harness
 
 IDS = ObjectIds()
 
