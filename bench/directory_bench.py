@@ -35,7 +35,7 @@ from twisted.internet.threads import deferToThread  # noqa: E402
 
 from canner.blocking import BlockingRunner  # noqa: E402
 from canner.config import DeliveryConfig  # noqa: E402
-from canner.delivery.index import QueueRow  # noqa: E402
+from canner.delivery.index import ObjectRow  # noqa: E402
 from canner.delivery.objects import plan_row  # noqa: E402
 from canner.sinks.directory import DirectorySink  # noqa: E402
 
@@ -56,8 +56,8 @@ def write_payload(path: Path, size: int) -> tuple[str, str]:
     return "blake3:" + b3.hexdigest(), md5.hexdigest()
 
 
-def row(object_id: str, size: int, checksum: str, md5: str) -> QueueRow:
-    return QueueRow(
+def row(object_id: str, size: int, checksum: str, md5: str) -> ObjectRow:
+    return ObjectRow(
         object_id,
         "bench",
         "payload.bin",

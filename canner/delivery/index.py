@@ -485,7 +485,7 @@ _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM object_delivery"
 
 
 @frozen
-class QueueRow:
+class ObjectRow:
     """One object with its delivery facts (a row of the ``object_delivery`` view)."""
 
     object_id: str
@@ -520,11 +520,15 @@ class QueueRow:
         return {name: getattr(self, name) for name in COLUMNS}
 
 
-def _rows(cur: sqlite3.Cursor) -> list[QueueRow]:
-    return [QueueRow(*row) for row in cur.fetchall()]
+# The name from before the outbound table; only canner/cli/ still uses it (TODO #35: rename there).
+QueueRow = ObjectRow
 
 
-def _rows_of(cur: sqlite3.Cursor, object_ids: list[str]) -> list[QueueRow]:
+def _rows(cur: sqlite3.Cursor) -> list[ObjectRow]:
+    return [ObjectRow(*row) for row in cur.fetchall()]
+
+
+def _rows_of(cur: sqlite3.Cursor, object_ids: list[str]) -> list[ObjectRow]:
     """The rows of ``object_ids``, in that order."""
     if not object_ids:
         return []
@@ -540,7 +544,7 @@ def reset_delivering(cur: sqlite3.Cursor, now: float) -> int:
 
 def claim_due(
     cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
-) -> list[QueueRow]:
+) -> list[ObjectRow]:
     """Move up to ``limit`` due objects of ``projects`` to ``delivering``, oldest due first;
     each claim counts an attempt."""
     return _rows_of(cur, outbound.claim_due(cur, OBJECT, now, limit, projects))
@@ -628,7 +632,7 @@ def follow_ups_due(
     limit: int,
     projects: Iterable[str],
     busy: Iterable[str] = (),
-) -> list[QueueRow]:
+) -> list[ObjectRow]:
     """Delivered objects of ``projects`` whose next verification or purge is due, oldest due
     first, leaving out the ``busy`` ones (being checked now)."""
     return _rows_of(cur, outbound.follow_ups_due(cur, OBJECT, now, limit, projects, busy))
@@ -717,7 +721,7 @@ def count_objects(cur: sqlite3.Cursor) -> int:
     return int(cur.fetchone()[0])
 
 
-def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) -> list[QueueRow]:
+def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) -> list[ObjectRow]:
     """Up to ``limit`` rows in acceptance order, after the ``(accepted_at, object_id)`` key of
     the previous page: listings stream in bounded pages instead of loading every row."""
     if after is None:
@@ -731,7 +735,7 @@ def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) ->
     return _rows(cur)
 
 
-def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[QueueRow]:
+def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[ObjectRow]:
     """Every row in acceptance order, read a page at a time."""
     after: tuple[int, str] | None = None
     while rows := rows_page(cur, after, page):
@@ -739,7 +743,7 @@ def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[QueueRow]:
         after = (rows[-1].accepted_at, rows[-1].object_id)
 
 
-def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:
+def get_row(cur: sqlite3.Cursor, object_id: str) -> ObjectRow | None:
     cur.execute(_SELECT + " WHERE object_id = ?", (object_id,))
     rows = _rows(cur)
     return rows[0] if rows else None

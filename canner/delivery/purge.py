@@ -11,7 +11,7 @@ archived object then leaves only its receipt for the ledger to delete).
 from __future__ import annotations
 
 from canner import fs
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.store.journal import JournalLog
 from canner.store.receipts import (
     DeliveryRecord,
@@ -23,7 +23,7 @@ from canner.store.receipts import (
 from canner.store.uploads import UploadStore
 
 
-def purge_is_due(row: QueueRow, now: float) -> bool:
+def purge_is_due(row: ObjectRow, now: float) -> bool:
     """True when ``row`` may lose its local payload now."""
     return (
         row.state == "delivered"
@@ -34,7 +34,7 @@ def purge_is_due(row: QueueRow, now: float) -> bool:
     )
 
 
-def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
+def delivery_record(row: ObjectRow, now: float) -> DeliveryRecord:
     """What the receipts directory keeps about ``row``'s delivery once its payload is gone."""
     assert row.remote_identifier and row.remote_name and row.content_md5
     assert row.delivered_at is not None and row.verified_at is not None
@@ -51,7 +51,7 @@ def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
 
 
 def delete_payload(
-    uploads: UploadStore, receipts: ReceiptStore, journal: JournalLog, row: QueueRow, now: float
+    uploads: UploadStore, receipts: ReceiptStore, journal: JournalLog, row: ObjectRow, now: float
 ) -> None:
     """Record the origin and the delivery in the facts journal (durably), then delete the
     artifact and its tus info sidecar, then the origin's file; missing is done.  (A tus temp

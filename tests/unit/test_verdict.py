@@ -11,7 +11,7 @@ import attrs
 from twisted.logger import Logger, LogPublisher
 
 from canner.config import parse_config
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.delivery.liveness import Heartbeat
 from canner.ids import ObjectIds
 from canner.ops.inventory import IndexSummary, Survey, take_survey
@@ -26,7 +26,7 @@ IDS = ObjectIds()
 OID = "ab" * 16
 
 
-def row(**fields: object) -> QueueRow:
+def row(**fields: object) -> ObjectRow:
     values: dict[str, object] = {
         "object_id": OID,
         "project": "example",
@@ -50,7 +50,7 @@ def row(**fields: object) -> QueueRow:
         "updated_at": NOW,
     }
     values.update(fields)
-    return QueueRow(**values)  # type: ignore[arg-type]
+    return ObjectRow(**values)  # type: ignore[arg-type]
 
 
 def survey(*, needs_operator: int = 0, beat_age: float | None = 1.0, **fields: object) -> Survey:
