@@ -452,7 +452,7 @@ def receiver_feed(
     return IndexFeed(index, path).enqueue, pool, index
 
 
-# -- the delivery queue ----------------------------------------------------------------------
+# -- objects with their outbound rows --------------------------------------------------------
 
 COLUMNS = (
     "object_id",

@@ -1,10 +1,10 @@
 """The one outbound service: claim, send, verify and report back, for every kind of file.
 
 Every file that leaves the node is a row of the ``outbound`` table
-(:mod:`canner.delivery.outbound`),
-and its owner (objects, megawarc packages, ledgers) is an :class:`Owner`.  Every second the
-service claims due rows of every kind, oldest due first, into one set of
-``delivery_concurrency`` slots, and starts one attempt per row; a freed slot is filled at once.
+(:mod:`canner.delivery.outbound`), and its owner (objects, megawarc packages, ledgers) is an
+:class:`Owner`.  Every second the service claims due rows of every kind, oldest due first, into
+one set of ``delivery_concurrency`` slots, and starts one attempt per row; a freed slot is filled
+at once.
 An attempt asks the owner for a :class:`Shipment` (the files, planned), hands each file to the
 project's sink, and records the outcome with one failure policy whatever the kind: back off 1 min
 doubling to 1 h with the sink's ``Retry-After`` as a lower bound, the wait at the cap for errors

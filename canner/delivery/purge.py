@@ -1,7 +1,9 @@
 """Local purge after verified delivery: selection (pure), then deletion (blocking I/O).
 
-A delivered object's payload may go once IA's metadata shows the remote file with the right size
-and MD5 (``verified_at``) and its project's retention has passed since delivery.  Deleting is
+A delivered object's payload may go once its sink has verified the copy (``verified_at``: IA's
+listing shows the file with the right size and MD5 and a read-back of the bytes IA serves matches
+the local copy, unless ``readback_bytes = 0``; a directory's copy hashes to the receipt) and its
+project's retention has passed since delivery (``purge_after``).  Deleting is
 idempotent: a file already gone counts as deleted.  The receipt always stays; the object's origin
 and a delivery record are appended to the facts journal first, so a rebuilt index knows the purged
 object and that it was delivered, and the origin's file in ``receipts/`` goes with the payload (an
