@@ -30,6 +30,21 @@ def have_rsync() -> bool:
     return shutil.which("rsync") is not None
 
 
+def seesaw_command(src: Path, target: str, bwlimit: str, extra: Sequence[str] = ()) -> list[str]:
+    """The rsync command line a seesaw worker runs, reading its file list from stdin."""
+    return [
+        "rsync",
+        *SEESAW_ARGS,
+        "--bwlimit",
+        bwlimit,
+        *PIPELINE_EXTRA,
+        *extra,
+        "--files-from=-",
+        f"{src}/",
+        target,
+    ]
+
+
 def seesaw_rsync(
     src: Path,
     names: Iterable[str],
@@ -41,17 +56,7 @@ def seesaw_rsync(
 ) -> subprocess.CompletedProcess[bytes]:
     """Upload ``names`` (relative to ``src``) to ``target`` as a seesaw worker does."""
     return subprocess.run(
-        [
-            "rsync",
-            *SEESAW_ARGS,
-            "--bwlimit",
-            bwlimit,
-            *PIPELINE_EXTRA,
-            *extra,
-            "--files-from=-",
-            f"{src}/",
-            target,
-        ],
+        seesaw_command(src, target, bwlimit, extra),
         input="".join(f"{n}\n" for n in names).encode(),
         capture_output=True,
         timeout=timeout,
@@ -64,16 +69,7 @@ def seesaw_rsync_started(
 ) -> subprocess.Popen[bytes]:
     """The same command, left running (a slow transfer the test watches)."""
     proc = subprocess.Popen(
-        [
-            "rsync",
-            *SEESAW_ARGS,
-            "--bwlimit",
-            bwlimit,
-            *PIPELINE_EXTRA,
-            "--files-from=-",
-            f"{src}/",
-            target,
-        ],
+        seesaw_command(src, target, bwlimit),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -53,39 +53,11 @@ def previous_release_index(db: Path, states: dict[str, tuple[Any, ...]]) -> None
             conn.executescript((SCHEMA / f"v{number}.sql").read_text(encoding="utf-8"))
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
         for row in objects:
-            (
-                state,
-                attempts,
-                due,
-                error,
-                flag,
-                md5,
-                identifier,
-                name,
-                delivered,
-                verified,
-                purge_after,
-                check,
-            ) = states[row[0]]
+            # The previous release's columns: the state facts, purged_at (NULL), next_check_at.
+            *facts, check = states[row[0]]
             conn.execute(
                 f"INSERT INTO objects ({PREVIOUS_COLUMNS}) VALUES ({', '.join('?' * 20)})",
-                (
-                    *row,
-                    state,
-                    attempts,
-                    due,
-                    error,
-                    flag,
-                    md5,
-                    identifier,
-                    name,
-                    delivered,
-                    verified,
-                    purge_after,
-                    None,
-                    check,
-                    time.time(),
-                ),
+                (*row, *facts, None, check, time.time()),
             )
     finally:
         conn.close()

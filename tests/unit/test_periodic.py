@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
@@ -15,6 +16,17 @@ def _capture() -> tuple[list[LogEvent], Any]:
     events: list[LogEvent] = []
     globalLogPublisher.addObserver(events.append)
     return events, lambda: globalLogPublisher.removeObserver(events.append)
+
+
+def held(pending: list[Deferred[None]]) -> Callable[[], Deferred[None]]:
+    """A job whose every run waits until the test fires its Deferred (kept in ``pending``)."""
+
+    def job() -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        pending.append(d)
+        return d
+
+    return job
 
 
 def test_a_periodic_job_runs_at_start_and_every_interval() -> None:
@@ -50,12 +62,7 @@ def test_runs_never_overlap() -> None:
     """A run that has not ended holds the next one back until it has."""
     clock = Clock()
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     service = PeriodicService(clock=clock, interval=1.0, job=job, label="job")
     service.startService()
     clock.advance(5.0)
@@ -101,12 +108,7 @@ def test_stopping_waits_for_the_run_in_progress() -> None:
     """stopService fires only once the run in progress has ended, and no run follows."""
     clock = Clock()
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     service = PeriodicService(clock=clock, interval=1.0, job=job, label="job")
     service.startService()
     stopped = service.stopService()
@@ -151,12 +153,7 @@ def test_asked_while_idle_it_runs_at_once() -> None:
 def test_asks_during_a_run_make_exactly_one_more_run() -> None:
     """However many asks come during a run, one more run follows it, and then none."""
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     once = OnceMore(job, "job")
     first = once.ask()
     waits = [once.ask() for _ in range(3)]
@@ -196,12 +193,7 @@ def test_a_failing_run_is_logged_and_never_reaches_who_asked() -> None:
     """A failed run is logged under the label; the asker's Deferred still fires, and the run
     asked for meanwhile still comes."""
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     events, stop_capture = _capture()
     try:
         once = OnceMore(job, "the job")
@@ -222,12 +214,7 @@ def test_a_failing_run_is_logged_and_never_reaches_who_asked() -> None:
 def test_after_stop_nothing_more_runs() -> None:
     """stop fires once the run in progress ends; no run asked for follows, nor any later ask."""
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     once = OnceMore(job, "job")
     once.ask()
     once.ask()
@@ -243,12 +230,7 @@ def test_after_stop_nothing_more_runs() -> None:
 def test_idle_fires_once_no_run_is_left() -> None:
     """idle fires at once when nothing runs, else after the run in progress and the one more."""
     pending: list[Deferred[None]] = []
-
-    def job() -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        pending.append(d)
-        return d
-
+    job = held(pending)
     once = OnceMore(job, "job")
     fired: list[object] = []
     once.idle().addCallback(fired.append)
