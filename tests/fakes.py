@@ -10,7 +10,7 @@ from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
-from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.delivery.index import ObjectRow, configure_connection, upgrade_schema
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.plan import ItemPlan
@@ -86,7 +86,7 @@ class FakeSink:
         return succeed(self.checks.get(plan.object_id, default))
 
 
-def fake_plan(row: QueueRow) -> ItemPlan:
+def fake_plan(row: ObjectRow) -> ItemPlan:
     """A planner for FakeSink: the place FakeSink.succeed reports."""
     return ItemPlan(
         project=row.project,

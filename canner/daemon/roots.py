@@ -40,7 +40,6 @@ from canner.daemon.services import (
     DaemonRoot,
     Listening,
     LogObservers,
-    PeriodicService,
     ShutdownHook,
     freeze_startup_objects,
 )
@@ -71,6 +70,7 @@ from canner.ops.status_page import StatusSource
 from canner.ops.trends import SAMPLE_INTERVAL, record_sample
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
+from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
 from canner.store.datadir import (
     DELIVER_WRITES,
@@ -275,29 +275,53 @@ def receiver_service(
     if index is not None:
         _trend_sampler(config, index, reactor).setServiceParent(top)
     manhole = daemon_manhole(
-        config, RECEIVER, top, io, reactor,
-        index=index, intake=parts.intake, acceptance=parts.acceptance, uploads=uploads,
-        receipts=receipts, site=parts.site, hq=parts.hq, metrics=metrics,
-    )  # fmt: skip
+        config,
+        RECEIVER,
+        top,
+        io,
+        reactor,
+        index=index,
+        intake=parts.intake,
+        acceptance=parts.acceptance,
+        uploads=uploads,
+        receipts=receipts,
+        site=parts.site,
+        hq=parts.hq,
+        metrics=metrics,
+    )
     if manhole is not None:
         manhole.setServiceParent(top)
     Listening(
         description=config.listen, factory=parts.site, reactor=reactor, what="listen"
     ).setServiceParent(top)
     sweep = StaleSweep(
-        uploads=uploads, receipts=receipts, journal=parts.journal, ids=config.object_ids,
-        retention=config.partial_upload_retention, run=io, clock=reactor, observer=metrics,
-        promises=parts.intake.promises, adopting=adoption_dir(config.data_dir),
-    )  # fmt: skip
+        uploads=uploads,
+        receipts=receipts,
+        journal=parts.journal,
+        ids=config.object_ids,
+        retention=config.partial_upload_retention,
+        run=io,
+        clock=reactor,
+        observer=metrics,
+        promises=parts.intake.promises,
+        adopting=adoption_dir(config.data_dir),
+    )
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
     if config.rsync is not None:
         RsyncIntake.for_config(
-            config, config.rsync, acceptance=parts.acceptance, origins=parts.origins,
-            uploads=uploads, receipts=receipts, io=io, hashing=hashing, reactor=reactor,
+            config,
+            config.rsync,
+            acceptance=parts.acceptance,
+            origins=parts.origins,
+            uploads=uploads,
+            receipts=receipts,
+            io=io,
+            hashing=hashing,
+            reactor=reactor,
             observer=metrics,
-        ).setServiceParent(top)  # fmt: skip
+        ).setServiceParent(top)
     ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
@@ -381,11 +405,22 @@ def deliver_service(
     for service in deliver_metrics(base, survey_cache):
         service.setServiceParent(top)
     manhole = daemon_manhole(
-        config, DELIVER, top, io, reactor,
-        index=index, scheduler=outbound, packaging=packaging, packages=packages,
-        packaging_sql=packaging_sql, ledger=ledger and ledger.service, sinks=sinks, uploads=uploads,
-        receipts=receipts, metrics=metrics,
-    )  # fmt: skip
+        config,
+        DELIVER,
+        top,
+        io,
+        reactor,
+        index=index,
+        outbound=outbound,
+        packaging=packaging,
+        packages=packages,
+        packaging_sql=packaging_sql,
+        ledger=ledger and ledger.service,
+        sinks=sinks,
+        uploads=uploads,
+        receipts=receipts,
+        metrics=metrics,
+    )
     if manhole is not None:
         manhole.setServiceParent(top)
     # Ready once the index answers a query through the daemon's own connection.

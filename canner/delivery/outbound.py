@@ -309,9 +309,17 @@ def redeliver(
         " force_upload = max(force_upload, ?),"
         " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
         " WHERE kind = ? AND ref = ? AND state = 'delivered' AND verified_at IS NULL",
-        (now if due is None else due, reason[:2000], int(needs_operator), int(force_upload),
-         int(by_operator), now, kind.value, ref),
-    )  # fmt: skip
+        (
+            now if due is None else due,
+            reason[:2000],
+            int(needs_operator),
+            int(force_upload),
+            int(by_operator),
+            now,
+            kind.value,
+            ref,
+        ),
+    )
     return cur.rowcount == 1
 
 

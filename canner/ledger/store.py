@@ -238,10 +238,18 @@ def record_ledger_failure(
 def record_written(cur: sqlite3.Cursor, ledger_id: int, values: dict[str, Any], now: float) -> bool:
     """``writing -> written`` with ``values``; its upload is due now (guarded)."""
     if not update_ledger(
-        cur, ledger_id, "writing",
-        {**values, "state": "written", "attempts": 0, "next_attempt_at": 0, "last_error": None,
-         "needs_operator": 0},
-    ):  # fmt: skip
+        cur,
+        ledger_id,
+        "writing",
+        {
+            **values,
+            "state": "written",
+            "attempts": 0,
+            "next_attempt_at": 0,
+            "last_error": None,
+            "needs_operator": 0,
+        },
+    ):
         return False
     outbound.add(cur, LEDGER, [(str(ledger_id), "")], now)
     return True
@@ -259,8 +267,9 @@ def record_upload_failure(
     needs_operator: bool,
     now: float,
 ) -> bool:
-    return outbound.record_failure(cur, LEDGER, str(ledger_id), error, retry_at,
-                                   needs_operator, now)  # fmt: skip
+    return outbound.record_failure(
+        cur, LEDGER, str(ledger_id), error, retry_at, needs_operator, now
+    )
 
 
 def send_again(
@@ -273,8 +282,16 @@ def send_again(
 ) -> bool:
     """Upload the ledger again at ``due``: IA lost it, or (``wrong_copy``) serves other bytes,
     which flags it and makes the next upload go through over a matching listing."""
-    return outbound.redeliver(cur, LEDGER, str(ledger_id), error, now, due=due,
-                              needs_operator=wrong_copy, force_upload=wrong_copy)  # fmt: skip
+    return outbound.redeliver(
+        cur,
+        LEDGER,
+        str(ledger_id),
+        error,
+        now,
+        due=due,
+        needs_operator=wrong_copy,
+        force_upload=wrong_copy,
+    )
 
 
 def record_verified(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
@@ -282,10 +299,17 @@ def record_verified(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
     if not outbound.record_verified(cur, LEDGER, str(ledger_id), now, None):
         return False
     return update_ledger(
-        cur, ledger_id, "written",
-        {"state": "deleting", "attempts": 0, "next_attempt_at": 0, "last_error": None,
-         "needs_operator": 0},
-    )  # fmt: skip
+        cur,
+        ledger_id,
+        "written",
+        {
+            "state": "deleting",
+            "attempts": 0,
+            "next_attempt_at": 0,
+            "last_error": None,
+            "needs_operator": 0,
+        },
+    )
 
 
 def adopt_manifest(
