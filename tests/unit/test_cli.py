@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from canner.checksum import parse_checksum
-from canner.cli.main import Io, main, with_utc
+from canner.cli.base import Io, with_utc
+from canner.cli.main import main
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
