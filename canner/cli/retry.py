@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 from canner.cli.base import (
     CommandError,
@@ -17,10 +16,14 @@ from canner.cli.base import (
 )
 from canner.config import Config, load_config
 from canner.delivery import index as sql
+from canner.delivery import outbound
 from canner.delivery.index import UNKNOWN_PROJECT, QueueRow
 from canner.delivery.queue import State
 from canner.ledger import store as ledger_store
 from canner.packaging import batches as psql
+
+# What an operator names besides objects, tried in this order before an object id (a prefix).
+NAMED = (psql.BY_NAME, ledger_store.BY_NAME)
 
 
 def _retry_one(
@@ -55,23 +58,6 @@ def _retry_flagged(
     return done, left
 
 
-def _clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
-    """Flagged rows that are delivered and verified: nothing to send, the flags are cleared."""
-    cur.execute(
-        "SELECT object_id FROM object_delivery WHERE needs_operator != 0 AND state = 'delivered'"
-        " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
-        " ORDER BY accepted_at, object_id",
-        (project, project),
-    )
-    cleared = []
-    for (oid,) in cur.fetchall():
-        before = sql.get_row(cur, oid)
-        if sql.clear_flag(cur, oid, now):
-            assert before is not None
-            cleared.append(before)
-    return cleared
-
-
 def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> int:
     """Every row flagged for an operator (of ``project``) is retried (see :func:`retry`)."""
     config = load_config(config_path)
@@ -85,14 +71,14 @@ def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> in
     for row, why in left:
         name = "project unknown" if row.project == UNKNOWN_PROJECT else row.project
         io.out.write(f"{row.object_id} ({name}) is not retried: {why}\n")
-    for row in transact(data_dir, _clear_verified_flags, project, io.now()):
+    for row in transact(data_dir, sql.clear_verified_flags, project, io.now()):
         io.out.write(
             f"{row.object_id} ({row.project}) is delivered and verified: its flag is cleared;"
             f" it said: {row.last_error}\n"
         )
-    files = transact(data_dir, _retry_flagged_files, project, io.now())
-    for kind, name, last_error in files:
-        _say_file_retried(kind, name, last_error, io)
+    files = transact(data_dir, outbound.retry_flagged, NAMED, project, io.now())
+    for file in files:
+        _say_file_retried(file, io)
     io.out.write(
         f"{len(rows) + len(files)} deliveries needing an operator are due now: canner-deliver"
         " retries them within a second\n"
@@ -100,44 +86,10 @@ def retry_needing_operator(config_path: Path, project: str | None, io: Io) -> in
     return 0
 
 
-def _retry_file(cur: sqlite3.Cursor, name: str, now: float) -> tuple[str, Any] | None:
-    """A megawarc package or a ledger named ``name`` retried: ("package" | "ledger", its row
-    before); ("package" | "ledger", None) when it exists but there is nothing to retry; None
-    when no package or ledger has that name."""
-    before = psql.operator_retry(cur, name, now)
-    if before is not None:
-        return "package", before
-    cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (name,))
-    if cur.fetchone() is not None:
-        return "package", None
-    ledger = ledger_store.operator_retry(cur, name, now)
-    if ledger is not None:
-        return "ledger", ledger
-    cur.execute("SELECT 1 FROM ledgers WHERE name = ?", (name,))
-    return ("ledger", None) if cur.fetchone() is not None else None
-
-
-def _retry_flagged_files(
-    cur: sqlite3.Cursor, project: str | None, now: float
-) -> list[tuple[str, str, str | None]]:
-    """Every flagged package (of ``project``) and, without a project, every flagged ledger,
-    retried: (kind, name, last error)."""
-    done = []
-    for package_id in psql.flagged_packages(cur, project):
-        row = psql.operator_retry(cur, package_id, now)
-        if row is not None:
-            done.append(("package", package_id, row.last_error))
-    for name in ledger_store.flagged_ledgers(cur) if project is None else []:
-        ledger = ledger_store.operator_retry(cur, name, now)
-        if ledger is not None:
-            done.append(("ledger", name, ledger.last_error))
-    return done
-
-
-def _say_file_retried(kind: str, name: str, last_error: str | None, io: Io) -> None:
+def _say_file_retried(file: outbound.Retried, io: Io) -> None:
     io.out.write(
-        f"{kind} {name} is due now: canner-deliver sends it again within a second"
-        f" (last error: {last_error or 'none'})\n"
+        f"{file.kind.value} {file.name} is due now: canner-deliver sends it again within a"
+        f" second (last error: {file.last_error or 'none'})\n"
     )
 
 
@@ -145,16 +97,15 @@ def retry(config_path: Path, object_id: str, io: Io) -> int:
     config = load_config(config_path)
     data_dir = existing_data_dir(config)
     become_data_dir_owner(data_dir)
-    named = transact(data_dir, _retry_file, object_id, io.now())
+    named = transact(data_dir, outbound.retry_named, NAMED, object_id, io.now())
     if named is not None:
-        kind, before = named
-        if before is None:
+        if not named.due:
             raise CommandError(
-                f"{kind} {object_id} has nothing to retry: it is delivered and verified, or"
-                " on its way (a retry takes one waiting for an attempt, or delivered and not"
-                " verified)"
+                f"{named.kind.value} {object_id} has nothing to retry: it is delivered and"
+                " verified, or on its way (a retry takes one waiting for an attempt, or"
+                " delivered and not verified)"
             )
-        _say_file_retried(kind, object_id, before.last_error, io)
+        _say_file_retried(named, io)
         return 0
     oid = resolve_object_id(config, object_id)
     known = transact(data_dir, sql.get_row, oid)

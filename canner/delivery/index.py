@@ -689,6 +689,24 @@ def flagged_objects(cur: sqlite3.Cursor, project: str | None = None) -> list[str
     return outbound.flagged(cur, OBJECT, project)
 
 
+def clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[QueueRow]:
+    """Flagged objects (of ``project``) that are delivered and verified: nothing to send, so
+    their flags are cleared (see :func:`clear_flag`); the rows before."""
+    cur.execute(
+        "SELECT object_id FROM object_delivery WHERE needs_operator != 0 AND state = 'delivered'"
+        " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
+        " ORDER BY accepted_at, object_id",
+        (project, project),
+    )
+    cleared = []
+    for (oid,) in cur.fetchall():
+        before = get_row(cur, oid)
+        if clear_flag(cur, oid, now):
+            assert before is not None
+            cleared.append(before)
+    return cleared
+
+
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:
     """The ids of ``object_ids`` (a bounded batch) that the index already holds."""
     if not object_ids:
