@@ -11,13 +11,16 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ParamSpec, TextIO, TypeVar
 
 from attrs import define
 
 from canner.config import Config
-from canner.delivery.index import ConnectionIndex, configure_connection
+from canner.delivery.index import ConnectionIndex, CursorFunction, configure_connection
 from canner.ops import inventory
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class CommandError(Exception):
@@ -103,7 +106,7 @@ def become_data_dir_owner(data_dir: Path) -> None:
     os.setuid(owner.st_uid)
 
 
-def transact(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
+def transact(data_dir: Path, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     """Run the cursor function ``f`` in one write transaction on the index."""
     path = data_dir / inventory.INDEX_NAME
     if not path.exists():
@@ -111,6 +114,6 @@ def transact(data_dir: Path, f: Callable[..., Any], *args: Any) -> Any:
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         configure_connection(conn)
-        return ConnectionIndex(conn).transact(f, *args)
+        return ConnectionIndex(conn).transact(f, *args, **kwargs)
     finally:
         conn.close()
