@@ -136,8 +136,10 @@ def flush_ledger(config_path: Path, timeout: float, io: Io) -> int:
         if time.monotonic() > deadline:
             for doc in _ledger_docs(data_dir):
                 if doc["state"] != "done":
-                    io.err.write(f"canner: ledger {doc['name']} is {doc['state']}: "
-                                 f"{doc['last_error'] or 'in progress'}\n")  # fmt: skip
+                    io.err.write(
+                        f"canner: ledger {doc['name']} is {doc['state']}: "
+                        f"{doc['last_error'] or 'in progress'}\n"
+                    )
             raise CommandError(f"the flush did not finish within {timeout:.0f}s")
         time.sleep(0.2)
     for doc in _ledger_docs(data_dir):

@@ -1,46 +1,10 @@
-"""The ``canner`` command: inspection and a few repairs for operators.
+"""The ``canner`` command's entry point: its arguments, and the table that dispatches each
+sub-command to the module of its group (``canner --help`` lists them; docs/operator-guide.md
+says how to read what they print).
 
-``--config FILE`` (default ``/etc/canner/canner.toml``) goes before or after the subcommand;
-``canner --version`` prints the version::
-
-    canner check-config       validate, print the resolved config and example IA destinations
-    canner status [--json]    deliver's state, objects by delivery state, bytes pending, free
-                              space; exit 0 ok (or draining), 1 warning, 2 critical (reasons
-                              on stderr)
-    canner show ID            receipt, tus sidecar, local payload, delivery row and attempts
-    canner deliveries [--state S] [--project P] [--since D] [--needs-operator]
-                              one JSON line per object in the delivery index
-    canner retry ID           make a retry_wait delivery due now, send a delivered but
-                              unverified one (unlisted, mismatched, flagged) to be delivered
-                              again (guarded updates), or let a packed object that failed its
-                              receipt check join a batch again
-    canner retry --needs-operator [--project P]
-                              the same for every flagged row (after a fix)
-    canner packages           one JSON line per megawarc batch and package (state, members,
-                              bytes, item, files, times)
-    canner rebuild-index      add every receipt missing from delivery.sqlite, and every package
-                              in the packages directory (canner-deliver must be stopped: it
-                              refuses while deliver.lock is held); refuses a damaged index,
-                              which --replace-damaged first moves aside
-    canner adopt-go DATA_DIR [--apply]
-                              take a Go canner's data directory over (both systems' daemons
-                              stopped): a dry run prints the plan per object
-    canner drain [--reason R] stop taking new uploads (a durable marker in the data directory);
-                              uploads in progress and deliveries go on
-    canner undrain            take new uploads again
-    canner import-go-config CONFIG.json [--output PATH]
-                              a Go canner config as canner TOML; every change on stderr
-    canner manhole-proxy ROLE relay stdin/stdout to ROLE's manhole unix socket: ssh's
-                              ProxyCommand (conf/manhole.md), needing nothing but canner
-
-IDs may be given by a unique prefix of at least 4 characters (the status page shows 8).
-Every Unix time in the JSON output is followed by ``<key>_utc``, the same instant in ISO 8601
-UTC, for people; the number stays for scripts.
-
-Reads use read-only SQLite connections, safe while both daemons run.  Run as root, the command
-first becomes the owner of the data directory, so any file SQLite creates there (``-wal``,
-``-shm``, a new index) stays usable by the daemons.  Errors go to stderr as ``canner: ...`` with
-exit status 1 (2 for usage errors); a config error names its key.
+``--config FILE`` (default ``/etc/canner/canner.toml``) goes before or after the sub-command.
+An expected failure is one ``canner: ...`` line on stderr and exit status 1 (2 for a usage
+error); a config error names its key.
 """
 
 from __future__ import annotations
@@ -141,13 +105,17 @@ def _parser() -> argparse.ArgumentParser:
     ).add_argument("role", choices=["receiver", "deliver"], help="whose manhole")
     conf = command("rsyncd-conf", "write the rsync daemon's config: one module per project")
     conf.add_argument(
-        "--templates", type=Path, default=Path("/etc/canner/rsyncd"),
+        "--templates",
+        type=Path,
+        default=Path("/etc/canner/rsyncd"),
         help="the directory of rsyncd.conf and module.conf (default /etc/canner/rsyncd)",
-    )  # fmt: skip
+    )
     conf.add_argument(
-        "--runtime-dir", type=Path, default=Path("/run/canner/rsyncd"),
+        "--runtime-dir",
+        type=Path,
+        default=Path("/run/canner/rsyncd"),
         help="the daemon's runtime directory (its lock file)",
-    )  # fmt: skip
+    )
     conf.add_argument("--output", type=Path, help="write here instead of standard output")
     go = command("import-go-config", "print a Go canner config.json as canner TOML")
     go.add_argument("json_config", metavar="CONFIG.json", type=Path)

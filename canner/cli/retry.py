@@ -1,5 +1,8 @@
-"""``canner retry ID`` and ``canner retry --needs-operator``: make waiting or unverified
-deliveries due now (guarded updates)."""
+"""``canner retry ID`` and ``canner retry --needs-operator``: a delivery waiting for a retry
+is due now, a delivered one not verified (unlisted, mismatched) is delivered again, a packed
+object that failed its receipt check joins a batch again, a verified one that was flagged has
+its flag cleared (guarded updates).  ``ID`` is a megawarc package id, a ledger name, or an
+object id (or a unique prefix of one).  The rows move in :mod:`canner.delivery.outbound`."""
 
 from __future__ import annotations
 
