@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from attrs import define, field, frozen
 from twisted.enterprise.adbapi import ConnectionPool
@@ -303,10 +303,16 @@ def open_pool(path: Path) -> ConnectionPool:
     )
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+# A cursor function: one transaction's statements, over a cursor and the caller's arguments.
+CursorFunction = Callable[Concatenate[sqlite3.Cursor, P], T]
+
+
 class Index(Protocol):
     """What the services need of the index: cursor functions run in a transaction."""
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]: ...
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]: ...
 
 
 @define(eq=False)
@@ -319,19 +325,22 @@ class DeliveryIndex:
     def insert(self, objects: list[AcceptedObject]) -> Deferred[int]:
         return self.run(insert_objects, objects, self._clock.seconds())
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
         """Run a cursor function in a transaction, retrying transient SQLite errors.
 
         "database is locked", "disk I/O error" and the like are retried with growing pauses
         (:data:`RETRY_PAUSES`); after the last one the error is returned to the caller, which logs
         it and tries again on its next tick.
         """
-        return Deferred.fromCoroutine(self._run_with_retries(f, args))
+        return Deferred.fromCoroutine(self._run_with_retries(f, args, kwargs))
 
-    async def _run_with_retries(self, f: Any, args: tuple[Any, ...]) -> Any:
+    async def _run_with_retries(
+        self, f: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> T:
         for pause in (*RETRY_PAUSES, None):
             try:
-                return await self._pool.runInteraction(f, *args)
+                result: T = await self._pool.runInteraction(f, *args, **kwargs)
+                return result
             except sqlite3.OperationalError as e:
                 if pause is None:
                     raise
@@ -350,22 +359,22 @@ class ConnectionIndex:
 
     _conn: sqlite3.Connection
 
-    def transact(self, f: Any, *args: Any) -> Any:
+    def transact(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the cursor function ``f`` in one write transaction; rolled back if it raises."""
         cur = self._conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            result = f(cur, *args)
+            result = f(cur, *args, **kwargs)
         except BaseException:
             cur.execute("ROLLBACK")
             raise
         cur.execute("COMMIT")
         return result
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
         """:meth:`transact` as an :class:`Index`: the Deferred has already fired."""
         try:
-            return succeed(self.transact(f, *args))
+            return succeed(self.transact(f, *args, **kwargs))
         except Exception:
             return fail()
 
@@ -518,10 +527,6 @@ class ObjectRow:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in COLUMNS}
-
-
-# The name from before the outbound table; only canner/cli/ still uses it (TODO #35: rename there).
-QueueRow = ObjectRow
 
 
 def _rows(cur: sqlite3.Cursor) -> list[ObjectRow]:
@@ -704,6 +709,24 @@ def clear_flag(cur: sqlite3.Cursor, object_id: str, now: float) -> bool:
 def flagged_objects(cur: sqlite3.Cursor, project: str | None = None) -> list[str]:
     """Objects flagged for an operator that a retry can send again."""
     return outbound.flagged(cur, OBJECT, project)
+
+
+def clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[ObjectRow]:
+    """Flagged objects (of ``project``) that are delivered and verified: nothing to send, so
+    their flags are cleared (see :func:`clear_flag`); the rows before."""
+    cur.execute(
+        "SELECT object_id FROM object_delivery WHERE needs_operator != 0 AND state = 'delivered'"
+        " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
+        " ORDER BY accepted_at, object_id",
+        (project, project),
+    )
+    cleared = []
+    for (oid,) in cur.fetchall():
+        before = get_row(cur, oid)
+        if clear_flag(cur, oid, now):
+            assert before is not None
+            cleared.append(before)
+    return cleared
 
 
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:

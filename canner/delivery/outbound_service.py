@@ -335,7 +335,8 @@ class OutboundService(Service):
         now = self._clock.seconds()
         if failure.check(CancelledError) and self._stopping.is_set():
             reason = "interrupted by shutdown"
-            return self._index.run(owner.record_failure, ref, reason, now, False, now)
+            recorded = self._index.run(owner.record_failure, ref, reason, now, False, now)
+            return recorded.addCallback(lambda _: None)
         if failure.check(TimeoutError, CancelledError):
             reason, kind = f"the attempt was cut off after {ATTEMPT_LIMIT:.0f}s", "timeout"
         else:

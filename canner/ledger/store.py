@@ -212,13 +212,27 @@ def operator_retry(cur: sqlite3.Cursor, name: str, now: float) -> LedgerRow | No
     return row if retried else None
 
 
-def flagged_ledgers(cur: sqlite3.Cursor) -> list[str]:
-    """Names of the unfinished ledgers flagged for an operator."""
+def flagged_ledgers(cur: sqlite3.Cursor, project: str | None = None) -> list[str]:
+    """Names of the unfinished ledgers flagged for an operator; none of a ``project`` (a
+    ledger holds the records of every project)."""
+    if project is not None:
+        return []
     cur.execute(
         _SELECT + f" WHERE l.state != 'done' AND {_either('needs_operator')} != 0"
         " ORDER BY l.ledger_id"
     )
     return [LedgerRow(*row).name for row in cur.fetchall()]
+
+
+def ledger_exists(cur: sqlite3.Cursor, name: str) -> bool:
+    cur.execute("SELECT 1 FROM ledgers WHERE name = ?", (name,))
+    return cur.fetchone() is not None
+
+
+# ``canner retry LEDGER`` and ``canner retry --needs-operator``.
+BY_NAME = outbound.Named(
+    LEDGER, exists=ledger_exists, retry=operator_retry, flagged=flagged_ledgers
+)
 
 
 def record_ledger_failure(

@@ -568,6 +568,17 @@ def flagged_packages(cur: sqlite3.Cursor, project: str | None) -> list[str]:
     return [row.package_id for row in rows if row.package_id is not None]
 
 
+def package_exists(cur: sqlite3.Cursor, package_id: str) -> bool:
+    cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (package_id,))
+    return cur.fetchone() is not None
+
+
+# ``canner retry PACKAGE`` and ``canner retry --needs-operator``.
+BY_NAME = outbound.Named(
+    PACKAGE, exists=package_exists, retry=operator_retry, flagged=flagged_packages
+)
+
+
 def record_purged(cur: sqlite3.Cursor, batch_id: int, now: float) -> bool:
     """The package's local files are deleted (guarded: verified at IA first)."""
     if not outbound.settle(cur, PACKAGE, str(batch_id), now):

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from canner.checksum import parse_checksum
-from canner.cli import main as cli_main
-from canner.cli.main import Io, main, with_utc
+from canner.cli import base as cli_base
+from canner.cli.base import Io, with_utc
+from canner.cli.main import main
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
@@ -378,10 +379,10 @@ def _purged(run: Run, ns: range) -> str:
     return Journal(run.data_dir / "journal").append(records)
 
 
-def _rows(run: Run) -> dict[str, sql.QueueRow]:
+def _rows(run: Run) -> dict[str, sql.ObjectRow]:
     index = run.index()
     try:
-        rows: list[sql.QueueRow] = index.run(lambda cur: list(sql.all_rows(cur))).result
+        rows: list[sql.ObjectRow] = index.run(lambda cur: list(sql.all_rows(cur))).result
     finally:
         index.close()
     return {row.object_id: row for row in rows}
@@ -795,7 +796,7 @@ def test_check_config_as_root_checks_as_the_canner_account(monkeypatch: pytest.M
         run = Run(root)
         code, out, err = run("check-config")
         assert code == 0 and "cannot write" not in err, err
-        monkeypatch.setattr(cli_main, "DEFAULT_CONFIG", run.config)
+        monkeypatch.setattr(cli_base, "DEFAULT_CONFIG", run.config)
         data = run.data_dir
         code, out, err = run("check-config")
         assert (code, out) == (1, ""), err

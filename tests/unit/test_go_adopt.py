@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from canner.cli.main import Io, main
+from canner.cli.base import Io
+from canner.cli.main import main
 from canner.fs import DataDirLock
 from canner.go_canner.godir import GoDataDir
 from canner.store.uploads import UploadStore
