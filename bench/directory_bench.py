@@ -34,7 +34,7 @@ from twisted.internet import defer, task  # noqa: E402
 from twisted.internet.threads import deferToThread  # noqa: E402
 
 from canner.blocking import BlockingRunner  # noqa: E402
-from canner.delivery.index import QueueRow  # noqa: E402
+from canner.delivery.index import ObjectRow  # noqa: E402
 from canner.delivery.objects import plan_row  # noqa: E402
 from canner.sinks.directory import DirectoryDelivery, DirectorySink  # noqa: E402
 
@@ -55,11 +55,29 @@ def write_payload(path: Path, size: int) -> tuple[str, str]:
     return "blake3:" + b3.hexdigest(), md5.hexdigest()
 
 
-def row(object_id: str, size: int, checksum: str, md5: str) -> QueueRow:
-    return QueueRow(
-        object_id, "bench", "payload.bin", size, checksum, 1784764800, "delivering", 1, 0.0,
-        None, 0, md5, None, None, None, None, None, None, None, 0.0,
-    )  # fmt: skip
+def row(object_id: str, size: int, checksum: str, md5: str) -> ObjectRow:
+    return ObjectRow(
+        object_id,
+        "bench",
+        "payload.bin",
+        size,
+        checksum,
+        1784764800,
+        "delivering",
+        1,
+        0.0,
+        None,
+        0,
+        md5,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+    )
 
 
 def main() -> None:

@@ -184,10 +184,20 @@ def pinned(cpu: int | None) -> list[str]:
 def spawn(role: str, config: Path, log: Path, cpu: int | None = None) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [*pinned(cpu), str(VENV / "twistd"), "--nodaemon", "--pidfile=", f"canner-{role}",
-             "--config", str(config)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                *pinned(cpu),
+                str(VENV / "twistd"),
+                "--nodaemon",
+                "--pidfile=",
+                f"canner-{role}",
+                "--config",
+                str(config),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -269,14 +279,29 @@ def status_and_release(
         spy = None
         if os.environ.get("HQ_BENCH_PROFILE"):
             spy = subprocess.Popen(
-                [str(VENV / "py-spy"), "record", "-p", str(proc.pid), "-d", str(int(seconds)),
-                 "-f", "raw", "-o", os.environ["HQ_BENCH_PROFILE"], "--threads"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    str(VENV / "py-spy"),
+                    "record",
+                    "-p",
+                    str(proc.pid),
+                    "-d",
+                    str(int(seconds)),
+                    "-f",
+                    "raw",
+                    "-o",
+                    os.environ["HQ_BENCH_PROFILE"],
+                    "--threads",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         out = subprocess.run(
             [*pinned(1 if pin else None), "node", str(BENCH / "node" / "get_load.js"), str(load)],
-            capture_output=True, text=True, timeout=seconds + 60, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+            check=True,
+        )
         cpu = cpu_seconds(proc.pid) - cpu0
         if spy is not None:
             spy.wait(60)
@@ -327,11 +352,24 @@ def archive(work: Path, count: int) -> dict[str, Any]:
     fake_dir.mkdir()
     (work / "keys").write_text("bench-access\nbench-secret\n")
     fake = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fake_ia.py"), "--port", "0", "--dir",
-         str(fake_dir / "store"), "--port-file", str(fake_dir / "port"), "--access",
-         "bench-access", "--secret", "bench-secret"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "tests" / "fake_ia.py"),
+            "--port",
+            "0",
+            "--dir",
+            str(fake_dir / "store"),
+            "--port-file",
+            str(fake_dir / "port"),
+            "--access",
+            "bench-access",
+            "--secret",
+            "bench-secret",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deliver = None
     try:
         while not (fake_dir / "port").exists():
@@ -359,10 +397,12 @@ def archive(work: Path, count: int) -> dict[str, Any]:
         time.sleep(3)  # deliver is up (its start-up rescan holds the ledger until it ends)
         t = time.monotonic()
         out = subprocess.run(
-            [str(VENV / "canner"), "ledger", "flush", "--timeout", "1800", "--config",
-             str(config)],
-            capture_output=True, text=True, timeout=2000, check=False,
-        )  # fmt: skip
+            [str(VENV / "canner"), "ledger", "flush", "--timeout", "1800", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=2000,
+            check=False,
+        )
         elapsed = time.monotonic() - t
         running.clear()
         sampler.join()

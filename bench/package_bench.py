@@ -73,8 +73,10 @@ def write_members(src: Path, count: int, total: int, kind: str) -> list[Member]:
             templates.append((random.Random(t).randbytes(size), ".bin"))
         else:
             templates.append((warc_gz(size, t), ".warc.gz"))
-    digests = {t: ("blake3:" + blake3.blake3(data).hexdigest(), len(data)) for t, (data, _) in
-               enumerate(templates)}  # fmt: skip
+    digests = {
+        t: ("blake3:" + blake3.blake3(data).hexdigest(), len(data))
+        for t, (data, _) in enumerate(templates)
+    }
     members = []
     for i in range(count):
         data, ext = templates[i % len(templates)]
@@ -191,10 +193,16 @@ def bench_batching(root: Path, backlog: int) -> None:
     cur = conn.cursor()
     cur.execute("BEGIN")
     objects = [
-        AcceptedObject(f"{i:032x}", "bench", None, 1 + (i * 7919) % (4 * MiB),
-                       "blake3:" + "0" * 64, 1_700_000_000 + i)
+        AcceptedObject(
+            f"{i:032x}",
+            "bench",
+            None,
+            1 + (i * 7919) % (4 * MiB),
+            "blake3:" + "0" * 64,
+            1_700_000_000 + i,
+        )
         for i in range(backlog)
-    ]  # fmt: skip
+    ]
     insert_objects(cur, objects, 0.0)
     cur.execute("COMMIT")
     packaging = {"bench": PackagingConfig("megawarc", 1 << 30, 86400.0)}

@@ -37,8 +37,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SEESAW = ["-rltv", "--timeout=300", "--contimeout=300", "--progress", "--bwlimit", "0",
-          "--recursive", "--min-size", "1", "--no-compress"]  # fmt: skip
+SEESAW = [
+    "-rltv",
+    "--timeout=300",
+    "--contimeout=300",
+    "--progress",
+    "--bwlimit",
+    "0",
+    "--recursive",
+    "--min-size",
+    "1",
+    "--no-compress",
+]
 
 
 def free_port() -> int:
@@ -69,8 +79,9 @@ def send(src: Path, names: list[str], target: str) -> None:
     done = subprocess.run(
         ["rsync", *SEESAW, "--files-from=-", f"{src}/", target],
         input="".join(f"{n}\n" for n in names).encode(),
-        capture_output=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"rsync failed: {done.stderr.decode()}")
 
@@ -98,21 +109,45 @@ def main() -> None:
             encoding="utf-8",
         )
         subprocess.run(
-            [BIN / "canner", "rsyncd-conf", "--config", config, "--templates",
-             REPO / "conf" / "rsyncd", "--runtime-dir", root, "--output", root / "rsyncd.conf"],
+            [
+                BIN / "canner",
+                "rsyncd-conf",
+                "--config",
+                config,
+                "--templates",
+                REPO / "conf" / "rsyncd",
+                "--runtime-dir",
+                root,
+                "--output",
+                root / "rsyncd.conf",
+            ],
             check=True,
-        )  # fmt: skip
+        )
         log = open(root / "receiver.log", "wb")
-        procs.append(subprocess.Popen(
-            [BIN / "twistd", "--nodaemon", "--pidfile=", "canner-receiver", "--config", config],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [BIN / "twistd", "--nodaemon", "--pidfile=", "canner-receiver", "--config", config],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         (data / "incoming" / "bench").mkdir(parents=True, exist_ok=True)
         as_root = ["--dparam=uid=0", "--dparam=gid=0"] if os.geteuid() == 0 else []
-        procs.append(subprocess.Popen(
-            ["rsync", "--daemon", "--no-detach", "--address=127.0.0.1", f"--port={rsync_port}",
-             f"--config={root / 'rsyncd.conf'}", f"--log-file={root / 'rsyncd.log'}", *as_root],
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    "rsync",
+                    "--daemon",
+                    "--no-detach",
+                    "--address=127.0.0.1",
+                    f"--port={rsync_port}",
+                    f"--config={root / 'rsyncd.conf'}",
+                    f"--log-file={root / 'rsyncd.log'}",
+                    *as_root,
+                ],
+            )
+        )
         wait_until(lambda: (data / "adopting").is_dir(), 30, "the receiver", 0.05)
         time.sleep(0.5)
         target = f"rsync://127.0.0.1:{rsync_port}/bench/worker/"
@@ -130,9 +165,11 @@ def main() -> None:
         if latencies:
             latencies.sort()
             p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]
-            print(f"latency, rsync exit -> receipt, {len(latencies)} one-file items:"
-                  f" median {statistics.median(latencies) * 1000:.1f} ms,"
-                  f" p95 {p95 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")  # fmt: skip
+            print(
+                f"latency, rsync exit -> receipt, {len(latencies)} one-file items:"
+                f" median {statistics.median(latencies) * 1000:.1f} ms,"
+                f" p95 {p95 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms"
+            )
 
         names = [f"batch{i:05d}.warc.gz" for i in range(args.files)]
         for name in names:
@@ -143,19 +180,24 @@ def main() -> None:
         exited = time.monotonic()
         wait_until(lambda: receipts(data) >= before + args.files, 600, "every receipt", 0.01)
         ended = time.monotonic()
-        print(f"rate, {args.files} files of {args.size} bytes in one rsync run:"
-              f" rsync {exited - started:.2f} s, last receipt {ended - exited:.2f} s after its"
-              f" exit; {args.files / (ended - started):.0f} files/s end to end")  # fmt: skip
+        print(
+            f"rate, {args.files} files of {args.size} bytes in one rsync run:"
+            f" rsync {exited - started:.2f} s, last receipt {ended - exited:.2f} s after its"
+            f" exit; {args.files / (ended - started):.0f} files/s end to end"
+        )
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
         values = dict(
-            line.split(" ", 1) for line in metrics.decode().splitlines()
+            line.split(" ", 1)
+            for line in metrics.decode().splitlines()
             if line.startswith("canner_rsync_adoption_seconds_")
             and not line.startswith("canner_rsync_adoption_seconds_bucket")
-        )  # fmt: skip
+        )
         count = float(values["canner_rsync_adoption_seconds_count"])
         total = float(values["canner_rsync_adoption_seconds_sum"])
-        print(f"adoption, rsync's rename -> receipt (canner_rsync_adoption_seconds), {count:.0f}"
-              f" files: mean {total / count * 1000:.1f} ms")  # fmt: skip
+        print(
+            f"adoption, rsync's rename -> receipt (canner_rsync_adoption_seconds), {count:.0f}"
+            f" files: mean {total / count * 1000:.1f} ms"
+        )
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)

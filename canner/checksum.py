@@ -51,9 +51,11 @@ def parse_checksum(text: str) -> Checksum:
 
 
 def _read_through(
-    path: Path, consumers: Iterable[Callable[[memoryview], object]], buffer_size: int,
+    path: Path,
+    consumers: Iterable[Callable[[memoryview], object]],
+    buffer_size: int,
     stop: threading.Event | None,
-) -> int:  # fmt: skip
+) -> int:
     """Feed the whole file at ``path`` to ``consumers`` in one sequential read; return the bytes
     read (see :func:`_read_from`)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -64,9 +66,12 @@ def _read_through(
 
 
 def _read_from(
-    fd: int, start: int, consumers: list[Callable[[memoryview], object]], buffer_size: int,
+    fd: int,
+    start: int,
+    consumers: list[Callable[[memoryview], object]],
+    buffer_size: int,
     stop: threading.Event | None,
-) -> int:  # fmt: skip
+) -> int:
     """Feed the file open at ``fd``, from ``start`` to its end, to ``consumers``; return the
     bytes read.  Raises :class:`HashCancelled` soon after ``stop`` is set, so a shutdown never
     waits for a 100 GiB hash.  A read error is raised as the ``OSError`` it is (never a short
@@ -82,9 +87,12 @@ def _read_from(
 
 
 def _read_in_turn(
-    fd: int, start: int, consumers: list[Callable[[memoryview], object]], buffer_size: int,
+    fd: int,
+    start: int,
+    consumers: list[Callable[[memoryview], object]],
+    buffer_size: int,
     stop: threading.Event | None,
-) -> int:  # fmt: skip
+) -> int:
     """Read, then consume, in the calling thread: for a single buffer's worth, where a second
     thread would cost more than it saves."""
     view = memoryview(bytearray(buffer_size))
@@ -99,9 +107,12 @@ def _read_in_turn(
 
 
 def _read_ahead(
-    fd: int, start: int, consumers: list[Callable[[memoryview], object]], buffer_size: int,
+    fd: int,
+    start: int,
+    consumers: list[Callable[[memoryview], object]],
+    buffer_size: int,
     stop: threading.Event | None,
-) -> int:  # fmt: skip
+) -> int:
     """Read the next buffer in a helper thread while the calling thread consumes this one.
 
     Copying out of the page cache costs a third of hashing a file with BLAKE3; overlapping the

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
-from canner.delivery.index import QueueRow, configure_connection, upgrade_schema
+from canner.delivery.index import CursorFunction, ObjectRow, configure_connection, upgrade_schema
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.plan import ItemPlan
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @define(eq=False)
@@ -28,11 +31,11 @@ class SyncIndex:
         self.conn = sqlite3.connect(self.path, isolation_level=None)
         configure_connection(self.conn)
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
         cur = self.conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            result = f(cur, *args)
+            result = f(cur, *args, **kwargs)
         except Exception:
             cur.execute("ROLLBACK")
             return fail()
@@ -86,7 +89,7 @@ class FakeSink:
         return succeed(self.checks.get(plan.object_id, default))
 
 
-def fake_plan(row: QueueRow) -> ItemPlan:
+def fake_plan(row: ObjectRow) -> ItemPlan:
     """A planner for FakeSink: the place FakeSink.succeed reports."""
     return ItemPlan(
         project=row.project,

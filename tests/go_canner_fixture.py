@@ -242,9 +242,17 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
         db.execute(
             "INSERT INTO artifacts (object_id, project, filename, checksum, size_bytes,"
             " accepted_at, package_id, source_purged_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (obj.oid, obj.project, obj.filename, obj.checksum, len(obj.data), accepted,
-             package_id, accepted + 60 if source_purged else None),
-        )  # fmt: skip
+            (
+                obj.oid,
+                obj.project,
+                obj.filename,
+                obj.checksum,
+                len(obj.data),
+                accepted,
+                package_id,
+                accepted + 60 if source_purged else None,
+            ),
+        )
 
     def package(
         members: list[GoObject],
@@ -286,36 +294,62 @@ def write_go_data_dir(root: Path, project: str = "example") -> GoDir:
             " state, size_bytes, checksum, member_count, next_build_at, updated_at, created_at,"
             " sealed_at, purge_after, next_purge_attempt_at, purged_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (pid, project, packager, filename, manifest, state,
-             len(payload) if sealed else None, checksum_of(payload) if sealed else None,
-             len(members), 0, accepted, accepted, accepted + 30 if sealed else None,
-             (NOW + DAY if not purged else accepted + 200) if done else None,
-             (NOW + DAY if not purged else accepted + 200) if done else None,
-             accepted + 230 if purged else None),
-        )  # fmt: skip
+            (
+                pid,
+                project,
+                packager,
+                filename,
+                manifest,
+                state,
+                len(payload) if sealed else None,
+                checksum_of(payload) if sealed else None,
+                len(members),
+                0,
+                accepted,
+                accepted,
+                accepted + 30 if sealed else None,
+                (NOW + DAY if not purged else accepted + 200) if done else None,
+                (NOW + DAY if not purged else accepted + 200) if done else None,
+                accepted + 230 if purged else None,
+            ),
+        )
         if delivery is not None:
             identifier = f"saveweb-{project}-{pid[:24]}"
             db.execute(
                 "INSERT INTO deliveries (package_id, sink_id, state, plan, attempts,"
                 " next_attempt_at, last_error, remote_id, updated_at, delivered_at)"
                 " VALUES (?, 'internet_archive', ?, ?, ?, ?, ?, ?, ?, ?)",
-                (pid, delivery, _plan(identifier, filename, filename), 1 if done else 3,
-                 0, None if done else "503 SlowDown", identifier if done else None,
-                 accepted + 100, accepted + 100 if done else None),
-            )  # fmt: skip
+                (
+                    pid,
+                    delivery,
+                    _plan(identifier, filename, filename),
+                    1 if done else 3,
+                    0,
+                    None if done else "503 SlowDown",
+                    identifier if done else None,
+                    accepted + 100,
+                    accepted + 100 if done else None,
+                ),
+            )
         return pid
 
     o = go.objects
     package([o["delivered_purged"]], "identity", "sealed", "delivered", purged=True)
     package([o["delivered_kept"]], "identity", "sealed", "delivered", purged=False)
-    package([o["merge_delivered_a"], o["merge_delivered_b"]], "mergewarc", "sealed", "delivered",
-            purged=True)  # fmt: skip
+    package(
+        [o["merge_delivered_a"], o["merge_delivered_b"]],
+        "mergewarc",
+        "sealed",
+        "delivered",
+        purged=True,
+    )
     accept(o["accepted"], None, source_purged=False)
     package([o["sealed_pending"]], "identity", "sealed", "pending", purged=False)
     package([o["building"]], "identity", "building", None, purged=False)
     package([o["delivering"]], "identity", "sealed", "delivering", purged=False, keep_sources=True)
-    package([o["merge_retry_a"], o["merge_retry_b"]], "mergewarc", "sealed", "retry_wait",
-            purged=False)  # fmt: skip
+    package(
+        [o["merge_retry_a"], o["merge_retry_b"]], "mergewarc", "sealed", "retry_wait", purged=False
+    )
     blocked = package([o["blocked"]], "mergewarc", "blocked", None, purged=False)
     db.execute(
         "UPDATE artifacts SET packaging_error = 'not a WARC-Zstd file' WHERE object_id = ?",
@@ -373,8 +407,10 @@ def kill_writer_after(root: Path, sql: str, *params: object) -> None:
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(root / "delivery.sqlite"), sql, json.dumps(params)],
-        capture_output=True, timeout=30, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert (root / "delivery.sqlite-wal").stat().st_size > 0
     assert (root / "delivery.sqlite-shm").exists()

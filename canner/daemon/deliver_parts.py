@@ -21,7 +21,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config, ConfigError, ProjectConfig
-from canner.daemon.services import DaemonRoot, Listening, PeriodicService
+from canner.daemon.services import DaemonRoot, Listening
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.liveness import InFlight
 from canner.delivery.objects import ObjectOwner, planner
@@ -36,6 +36,7 @@ from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
 from canner.packaging.package_owner import PackageOwner
 from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
+from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
 from canner.sinks.credentials import CredentialsError, load_credentials
 from canner.sinks.ia_config import READBACK_ALL

@@ -10,7 +10,7 @@ heartbeat) only once every other service has stopped, and the index and the lock
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -22,6 +22,7 @@ from twisted.logger import Logger, LogPublisher, globalLogPublisher
 from twisted.python.failure import Failure
 
 from canner.accept.acceptance import Acceptance
+from canner.accept.intake import UploadIntake
 from canner.accept.origins import AcceptedOrigins, index_at_start
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
@@ -39,7 +40,6 @@ from canner.daemon.services import (
     DaemonRoot,
     Listening,
     LogObservers,
-    PeriodicService,
     ShutdownHook,
     freeze_startup_objects,
 )
@@ -54,11 +54,10 @@ from canner.delivery.index import (
     receiver_feed,
 )
 from canner.delivery.liveness import HeartbeatService, InFlight, index_answers
+from canner.doors.base import DoorFactory, DoorParts
+from canner.doors.router import DOORS, DoorRouter
 from canner.doors.rsync.incoming import adoption_dir
 from canner.doors.rsync.intake import RsyncIntake
-from canner.doors.seesaw import SeesawDoor, SeesawRoutes
-from canner.doors.tus.intake import UploadIntake
-from canner.doors.tus.routes import TusRoutes
 from canner.fs import DataDirLock
 from canner.hq.objects import ObjectReader
 from canner.hq.routes import HQRoutes, Lookups, Releases, hq_tokens
@@ -71,6 +70,7 @@ from canner.ops.status_page import StatusSource
 from canner.ops.trends import SAMPLE_INTERVAL, record_sample
 from canner.packaging import batches as packaging_sql
 from canner.packaging.store import PackageStore
+from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
 from canner.store.datadir import (
     DELIVER_WRITES,
@@ -144,13 +144,14 @@ def receiver_parts(
     metrics: Metrics,
     problems: RecentProblems,
     connection_limits: ConnectionLimits | None,
+    doors: Sequence[DoorFactory] = DOORS,
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners.  What a stop left of whole-file uploads is removed, every upload
     in flight is cut back to its durable offset after a restart of the machine, and the promises
     to uploads in flight are rebuilt from ``uploads/``, here (blocking, before anything listens;
-    the caller holds ``receiver.lock``)."""
+    the caller holds ``receiver.lock``).  ``doors`` make the doors over HTTP (tests add one)."""
     remove_whole_files(uploads, receipts, config.object_ids)
     cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
@@ -197,7 +198,7 @@ def receiver_parts(
     )
     site = receiver_site(
         intake=intake,
-        tus=TusRoutes(intake, config.max_upload_bytes),
+        doors=DoorRouter.build(DoorParts(config=config, intake=intake, clock=clock), doors),
         ids=config.object_ids,
         data_dir=config.data_dir,
         run=run,
@@ -209,7 +210,6 @@ def receiver_parts(
         header_timeout=config.connections.header_timeout,
         hq=hq.app.resource(),
         reactor=clock,
-        seesaw=(SeesawDoor(config=config, intake=intake, run=run, clock=clock), SeesawRoutes()),
     )
     return ReceiverParts(acceptance, intake, hq, site, floor, journal, origins)
 
@@ -275,29 +275,53 @@ def receiver_service(
     if index is not None:
         _trend_sampler(config, index, reactor).setServiceParent(top)
     manhole = daemon_manhole(
-        config, RECEIVER, top, io, reactor,
-        index=index, intake=parts.intake, acceptance=parts.acceptance, uploads=uploads,
-        receipts=receipts, site=parts.site, hq=parts.hq, metrics=metrics,
-    )  # fmt: skip
+        config,
+        RECEIVER,
+        top,
+        io,
+        reactor,
+        index=index,
+        intake=parts.intake,
+        acceptance=parts.acceptance,
+        uploads=uploads,
+        receipts=receipts,
+        site=parts.site,
+        hq=parts.hq,
+        metrics=metrics,
+    )
     if manhole is not None:
         manhole.setServiceParent(top)
     Listening(
         description=config.listen, factory=parts.site, reactor=reactor, what="listen"
     ).setServiceParent(top)
     sweep = StaleSweep(
-        uploads=uploads, receipts=receipts, journal=parts.journal, ids=config.object_ids,
-        retention=config.partial_upload_retention, run=io, clock=reactor, observer=metrics,
-        promises=parts.intake.promises, adopting=adoption_dir(config.data_dir),
-    )  # fmt: skip
+        uploads=uploads,
+        receipts=receipts,
+        journal=parts.journal,
+        ids=config.object_ids,
+        retention=config.partial_upload_retention,
+        run=io,
+        clock=reactor,
+        observer=metrics,
+        promises=parts.intake.promises,
+        adopting=adoption_dir(config.data_dir),
+    )
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"
     ).setServiceParent(top)
     if config.rsync is not None:
         RsyncIntake.for_config(
-            config, config.rsync, acceptance=parts.acceptance, origins=parts.origins,
-            uploads=uploads, receipts=receipts, io=io, hashing=hashing, reactor=reactor,
+            config,
+            config.rsync,
+            acceptance=parts.acceptance,
+            origins=parts.origins,
+            uploads=uploads,
+            receipts=receipts,
+            io=io,
+            hashing=hashing,
+            reactor=reactor,
             observer=metrics,
-        ).setServiceParent(top)  # fmt: skip
+        ).setServiceParent(top)
     ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
@@ -381,11 +405,22 @@ def deliver_service(
     for service in deliver_metrics(base, survey_cache):
         service.setServiceParent(top)
     manhole = daemon_manhole(
-        config, DELIVER, top, io, reactor,
-        index=index, scheduler=outbound, packaging=packaging, packages=packages,
-        packaging_sql=packaging_sql, ledger=ledger and ledger.service, sinks=sinks, uploads=uploads,
-        receipts=receipts, metrics=metrics,
-    )  # fmt: skip
+        config,
+        DELIVER,
+        top,
+        io,
+        reactor,
+        index=index,
+        outbound=outbound,
+        packaging=packaging,
+        packages=packages,
+        packaging_sql=packaging_sql,
+        ledger=ledger and ledger.service,
+        sinks=sinks,
+        uploads=uploads,
+        receipts=receipts,
+        metrics=metrics,
+    )
     if manhole is not None:
         manhole.setServiceParent(top)
     # Ready once the index answers a query through the daemon's own connection.

@@ -1,11 +1,11 @@
 """The process-level services both daemons are built from, whatever they serve.
 
 :class:`DaemonRoot` is each daemon's top service and fixes the order things stop in;
-:class:`PeriodicService` runs a job on a timer that never dies quietly; :class:`Listening`
-listens on a strports description and turns a refusal into one line; :class:`LogObservers`
-feeds log observers (metrics, the status page's recent problems) while the daemon runs;
-:class:`ShutdownHook` tells a domain object the process is stopping.  Nothing here knows what
-canner does: ``canner.daemon.roots`` builds the daemons out of them.
+:class:`Listening` listens on a strports description and turns a refusal into one line;
+:class:`LogObservers` feeds log observers (metrics, the status page's recent problems) while the
+daemon runs; :class:`ShutdownHook` tells a domain object the process is stopping.  Periodic jobs
+run on :class:`canner.periodic.PeriodicService`.  Nothing here knows what canner does:
+``canner.daemon.roots`` builds the daemons out of them.
 """
 
 from __future__ import annotations
@@ -20,42 +20,11 @@ from twisted.application import strports
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
-from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogPublisher
 
 log = Logger()
 
 Observer = Callable[[Mapping[str, Any]], None]
-
-
-@define(eq=False, kw_only=True)
-class PeriodicService(Service):
-    """Runs ``job`` every ``interval`` seconds on the given clock; a failing run is logged, never
-    fatal, and runs never overlap (the next waits for a returned Deferred)."""
-
-    _clock: Any
-    _interval: float
-    _job: Callable[[], Deferred[Any]]
-    _label: str
-    _loop: LoopingCall = field(init=False)
-    _done: Deferred[Any] | None = None
-
-    def __attrs_post_init__(self) -> None:
-        self._loop = LoopingCall(self._guarded)
-        self._loop.clock = self._clock
-
-    def _guarded(self) -> Deferred[Any]:
-        return self._job().addErrback(lambda f: log.failure("{label} failed", f, label=self._label))
-
-    def startService(self) -> None:
-        super().startService()
-        self._done = self._loop.start(self._interval, now=True)
-
-    def stopService(self) -> Deferred[Any] | None:
-        super().stopService()
-        if self._loop.running:
-            self._loop.stop()
-        return self._done
 
 
 @define(eq=False)

@@ -1,12 +1,12 @@
-"""The receiver's HTTP surface: tus at ``/files/``, receipt lookup, health, status, metrics.
+"""The receiver's HTTP surface: its doors, receipt lookup, health, status, metrics.
 
-A small root resource hands each request to the app of its route: ``/files...`` to
-:class:`TusRoutes`, ``/seesaw/...`` (Archive Team's curl uploads) to ``canner.doors.seesaw``, HQ's
-API to ``canner.hq.routes`` and everything else to
-:class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``, ``GET /readyz``, the
-status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).  :func:`receiver_site`
-builds the streaming :class:`~canner.web.channel.ReceiverSite` around it, and reports every
-finished request to the metrics.
+A small root resource hands each request to the app of its route: a door's route (``/files...``
+for tus, ``/seesaw/...`` for Archive Team's curl uploads, a path a door declared) to that door's
+resource (:class:`~canner.doors.router.DoorRouter`), HQ's API to ``canner.hq.routes`` and
+everything else to :class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET /healthz``,
+``GET /readyz``, the status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).
+:func:`receiver_site` builds the streaming :class:`~canner.web.channel.ReceiverSite` around it,
+with the router of doors as its body router, and reports every finished request to the metrics.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
 from canner import fs
+from canner.accept.intake import UploadIntake
 from canner.blocking import BlockingRunner
-from canner.doors.tus.intake import UploadIntake
-from canner.doors.tus.routes import TusRoutes, render_error
+from canner.doors.router import DoorRouter
 from canner.ids import ObjectIds
 from canner.ops.humane import shorten_ids
 from canner.ops.metrics import Metrics
 from canner.ops.readiness import Readiness
 from canner.ops.status_page import StatusSource, render_status
+from canner.web.answer import render_error
 from canner.web.channel import BodyRouter, ReceiverSite
 from canner.web.connections import ConnectionLimits
 from canner.web.errors import HTTPError
@@ -112,32 +113,24 @@ class ReceiverRoutes:
 
 
 class _Root(Resource):
-    """Sends each request to the app of its route's surface (``canner.web.routing``): tus, HQ's API
-    or :class:`ReceiverRoutes`."""
+    """Sends each request to the app of its route (``canner.web.routing``): its door's resource,
+    HQ's API or :class:`ReceiverRoutes`."""
 
-    def __init__(
-        self,
-        tus: IResource,
-        rest: IResource,
-        hq: IResource | None = None,
-        seesaw: IResource | None = None,
-    ) -> None:
+    def __init__(self, doors: DoorRouter, rest: IResource, hq: IResource | None = None) -> None:
         super().__init__()
-        self._tus = tus
+        self._doors = doors
         self._rest = rest
         self._hq = hq
-        self._seesaw = seesaw
 
     def getChildWithDefault(self, path: bytes, request: IRequest) -> IResource:
-        surface = getattr(request, "route", OTHER).surface
-        if surface is Surface.TUS:
-            return self._tus  # mounted at /files: it sees the rest of the path
+        route = getattr(request, "route", OTHER)
+        door = self._doors.resource_of(route)
+        if door is not None:
+            return door  # a leaf mounted at the route's first segment: it renders from the route
         # Undo the traversal step so the Klein app sees the whole path.
         request.postpath.insert(0, request.prepath.pop())
-        if surface is Surface.HQ and self._hq is not None:
+        if route.surface is Surface.HQ and self._hq is not None:
             return self._hq
-        if surface is Surface.SEESAW and self._seesaw is not None:
-            return self._seesaw
         return self._rest
 
 
@@ -197,7 +190,7 @@ class MeteredSite(ReceiverSite):
 def receiver_site(
     *,
     intake: UploadIntake,
-    tus: TusRoutes,
+    doors: DoorRouter,
     ids: ObjectIds,
     data_dir: Path,
     run: BlockingRunner,
@@ -209,21 +202,20 @@ def receiver_site(
     header_timeout: float | None = None,
     hq: IResource | None = None,
     reactor: IReactorTime | None = None,
-    seesaw: tuple[BodyRouter, IResource] | None = None,
 ) -> ReceiverSite:
     """The receiver's site; ``reactor`` (the global one when None) times its connections.
-    ``seesaw`` is the ``PUT /seesaw/`` door: its body router (which hands the other routes to
-    ``intake``) and its resource."""
+    ``doors`` route, open and answer every door's requests (its body router); ``intake``
+    serves the receipt lookup."""
     routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
-    router: BodyRouter = intake if seesaw is None else seesaw[0]
-    root = _Root(tus, routes.app.resource(), hq, None if seesaw is None else seesaw[1])
+    root = _Root(doors, routes.app.resource(), hq)
     site = MeteredSite(
         root,
-        router,
+        doors,
         metrics,
         access_log,
         connection_limits=connection_limits,
         header_timeout=header_timeout,
+        door_paths=doors.paths,
         timeout=HTTP_IDLE_TIMEOUT,
         reactor=reactor,
     )

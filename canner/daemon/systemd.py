@@ -19,8 +19,9 @@ from attrs import define, field
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorCore, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from canner.periodic import PeriodicService
 
 log = Logger()
 
@@ -67,7 +68,7 @@ class SystemdNotifier(Service):
     _ready: Callable[[], Deferred[Any] | None] = lambda: None
     _environ: Mapping[str, str] = field(factory=lambda: os.environ)
     _send: Callable[[str], bool] | None = None
-    _loop: LoopingCall | None = None
+    _watchdog: PeriodicService | None = None
 
     def _say(self, message: str) -> bool:
         if self._send is not None:
@@ -86,14 +87,16 @@ class SystemdNotifier(Service):
         interval = watchdog_interval(self._environ)
         if interval is not None and self.running:
             clock: IReactorTime = self._reactor
-            self._loop = LoopingCall(self._say, "WATCHDOG=1")
-            self._loop.clock = clock
-            self._loop.start(interval, now=True).addErrback(
-                lambda f: log.failure("the systemd watchdog ping failed", f)
+            self._watchdog = PeriodicService(
+                clock=clock,
+                interval=interval,
+                job=lambda: self._say("WATCHDOG=1"),
+                label="the systemd watchdog ping",
             )
+            self._watchdog.startService()
 
     def stopService(self) -> None:
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        if self._watchdog is not None and self._watchdog.running:
+            self._watchdog.stopService()  # the ping is synchronous: nothing to wait for
         self._say("STOPPING=1")

@@ -59,7 +59,7 @@ class DeliveredCopy:
 
 
 class DeliveredRow(Protocol):
-    """The delivery facts every owner's row shows (``QueueRow``, ``PackageRow``)."""
+    """The delivery facts every owner's row shows (``ObjectRow``, ``PackageRow``)."""
 
     @property
     def project(self) -> str: ...

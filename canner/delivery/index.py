@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from attrs import define, field, frozen
 from twisted.enterprise.adbapi import ConnectionPool
@@ -249,11 +249,22 @@ def insert_objects(cur: sqlite3.Cursor, objects: Iterable[AcceptedObject], now: 
             "INSERT OR IGNORE INTO objects (object_id, project, filename, downloader, size_bytes,"
             " checksum, accepted_at, content_md5, remote_name, purge_after, purged_at, updated_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (o.object_id, o.project, o.filename, o.downloader, o.size_bytes, o.checksum,
-             o.accepted_at,
-             *((None,) * 4 if d is None else (d.content_md5, d.remote_name, d.purge_after,
-                                              d.purged_at)), now),
-        )  # fmt: skip
+            (
+                o.object_id,
+                o.project,
+                o.filename,
+                o.downloader,
+                o.size_bytes,
+                o.checksum,
+                o.accepted_at,
+                *(
+                    (None,) * 4
+                    if d is None
+                    else (d.content_md5, d.remote_name, d.purge_after, d.purged_at)
+                ),
+                now,
+            ),
+        )
         if cur.rowcount == 1:
             fresh.append(o)
     outbound.add(cur, OBJECT, [(o.object_id, o.project) for o in fresh if not o.delivery], now)
@@ -292,10 +303,16 @@ def open_pool(path: Path) -> ConnectionPool:
     )
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+# A cursor function: one transaction's statements, over a cursor and the caller's arguments.
+CursorFunction = Callable[Concatenate[sqlite3.Cursor, P], T]
+
+
 class Index(Protocol):
     """What the services need of the index: cursor functions run in a transaction."""
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]: ...
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]: ...
 
 
 @define(eq=False)
@@ -308,19 +325,22 @@ class DeliveryIndex:
     def insert(self, objects: list[AcceptedObject]) -> Deferred[int]:
         return self.run(insert_objects, objects, self._clock.seconds())
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
         """Run a cursor function in a transaction, retrying transient SQLite errors.
 
         "database is locked", "disk I/O error" and the like are retried with growing pauses
         (:data:`RETRY_PAUSES`); after the last one the error is returned to the caller, which logs
         it and tries again on its next tick.
         """
-        return Deferred.fromCoroutine(self._run_with_retries(f, args))
+        return Deferred.fromCoroutine(self._run_with_retries(f, args, kwargs))
 
-    async def _run_with_retries(self, f: Any, args: tuple[Any, ...]) -> Any:
+    async def _run_with_retries(
+        self, f: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> T:
         for pause in (*RETRY_PAUSES, None):
             try:
-                return await self._pool.runInteraction(f, *args)
+                result: T = await self._pool.runInteraction(f, *args, **kwargs)
+                return result
             except sqlite3.OperationalError as e:
                 if pause is None:
                     raise
@@ -339,22 +359,22 @@ class ConnectionIndex:
 
     _conn: sqlite3.Connection
 
-    def transact(self, f: Any, *args: Any) -> Any:
+    def transact(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the cursor function ``f`` in one write transaction; rolled back if it raises."""
         cur = self._conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            result = f(cur, *args)
+            result = f(cur, *args, **kwargs)
         except BaseException:
             cur.execute("ROLLBACK")
             raise
         cur.execute("COMMIT")
         return result
 
-    def run(self, f: Any, *args: Any) -> Deferred[Any]:
+    def run(self, f: CursorFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
         """:meth:`transact` as an :class:`Index`: the Deferred has already fired."""
         try:
-            return succeed(self.transact(f, *args))
+            return succeed(self.transact(f, *args, **kwargs))
         except Exception:
             return fail()
 
@@ -441,7 +461,7 @@ def receiver_feed(
     return IndexFeed(index, path).enqueue, pool, index
 
 
-# -- the delivery queue ----------------------------------------------------------------------
+# -- objects with their outbound rows --------------------------------------------------------
 
 COLUMNS = (
     "object_id",
@@ -474,7 +494,7 @@ _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM object_delivery"
 
 
 @frozen
-class QueueRow:
+class ObjectRow:
     """One object with its delivery facts (a row of the ``object_delivery`` view)."""
 
     object_id: str
@@ -509,11 +529,11 @@ class QueueRow:
         return {name: getattr(self, name) for name in COLUMNS}
 
 
-def _rows(cur: sqlite3.Cursor) -> list[QueueRow]:
-    return [QueueRow(*row) for row in cur.fetchall()]
+def _rows(cur: sqlite3.Cursor) -> list[ObjectRow]:
+    return [ObjectRow(*row) for row in cur.fetchall()]
 
 
-def _rows_of(cur: sqlite3.Cursor, object_ids: list[str]) -> list[QueueRow]:
+def _rows_of(cur: sqlite3.Cursor, object_ids: list[str]) -> list[ObjectRow]:
     """The rows of ``object_ids``, in that order."""
     if not object_ids:
         return []
@@ -529,7 +549,7 @@ def reset_delivering(cur: sqlite3.Cursor, now: float) -> int:
 
 def claim_due(
     cur: sqlite3.Cursor, now: float, limit: int, projects: Iterable[str]
-) -> list[QueueRow]:
+) -> list[ObjectRow]:
     """Move up to ``limit`` due objects of ``projects`` to ``delivering``, oldest due first;
     each claim counts an attempt."""
     return _rows_of(cur, outbound.claim_due(cur, OBJECT, now, limit, projects))
@@ -574,8 +594,9 @@ def record_failure(
 ) -> bool:
     """``delivering -> retry_wait``; False when the row was not delivering."""
     remember_attempt(cur, object_id, "failed", error[:2000], now)
-    return outbound.record_failure(cur, OBJECT, object_id, error, next_attempt_at,
-                                   needs_operator, now)  # fmt: skip
+    return outbound.record_failure(
+        cur, OBJECT, object_id, error, next_attempt_at, needs_operator, now
+    )
 
 
 ATTEMPTS_KEPT = 50
@@ -616,7 +637,7 @@ def follow_ups_due(
     limit: int,
     projects: Iterable[str],
     busy: Iterable[str] = (),
-) -> list[QueueRow]:
+) -> list[ObjectRow]:
     """Delivered objects of ``projects`` whose next verification or purge is due, oldest due
     first, leaving out the ``busy`` ones (being checked now)."""
     return _rows_of(cur, outbound.follow_ups_due(cur, OBJECT, now, limit, projects, busy))
@@ -645,8 +666,9 @@ def record_follow_up(
 ) -> None:
     """Postpone verification or purge (a lookup found nothing yet, a delete failed); see
     :func:`canner.delivery.outbound.record_check`."""
-    outbound.record_check(cur, OBJECT, object_id, next_check_at, error, needs_operator, now,
-                          force_upload)  # fmt: skip
+    outbound.record_check(
+        cur, OBJECT, object_id, next_check_at, error, needs_operator, now, force_upload
+    )
 
 
 def redeliver(
@@ -689,12 +711,31 @@ def flagged_objects(cur: sqlite3.Cursor, project: str | None = None) -> list[str
     return outbound.flagged(cur, OBJECT, project)
 
 
+def clear_verified_flags(cur: sqlite3.Cursor, project: str | None, now: float) -> list[ObjectRow]:
+    """Flagged objects (of ``project``) that are delivered and verified: nothing to send, so
+    their flags are cleared (see :func:`clear_flag`); the rows before."""
+    cur.execute(
+        "SELECT object_id FROM object_delivery WHERE needs_operator != 0 AND state = 'delivered'"
+        " AND verified_at IS NOT NULL AND (? IS NULL OR project = ?)"
+        " ORDER BY accepted_at, object_id",
+        (project, project),
+    )
+    cleared = []
+    for (oid,) in cur.fetchall():
+        before = get_row(cur, oid)
+        if clear_flag(cur, oid, now):
+            assert before is not None
+            cleared.append(before)
+    return cleared
+
+
 def known_among(cur: sqlite3.Cursor, object_ids: list[str]) -> set[str]:
     """The ids of ``object_ids`` (a bounded batch) that the index already holds."""
     if not object_ids:
         return set()
-    cur.execute(f"SELECT object_id FROM objects WHERE object_id IN ({_marks(object_ids)})",
-                object_ids)  # fmt: skip
+    cur.execute(
+        f"SELECT object_id FROM objects WHERE object_id IN ({_marks(object_ids)})", object_ids
+    )
     return {row[0] for row in cur.fetchall()}
 
 
@@ -703,7 +744,7 @@ def count_objects(cur: sqlite3.Cursor) -> int:
     return int(cur.fetchone()[0])
 
 
-def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) -> list[QueueRow]:
+def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) -> list[ObjectRow]:
     """Up to ``limit`` rows in acceptance order, after the ``(accepted_at, object_id)`` key of
     the previous page: listings stream in bounded pages instead of loading every row."""
     if after is None:
@@ -717,7 +758,7 @@ def rows_page(cur: sqlite3.Cursor, after: tuple[int, str] | None, limit: int) ->
     return _rows(cur)
 
 
-def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[QueueRow]:
+def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[ObjectRow]:
     """Every row in acceptance order, read a page at a time."""
     after: tuple[int, str] | None = None
     while rows := rows_page(cur, after, page):
@@ -725,7 +766,7 @@ def all_rows(cur: sqlite3.Cursor, page: int = 1000) -> Iterator[QueueRow]:
         after = (rows[-1].accepted_at, rows[-1].object_id)
 
 
-def get_row(cur: sqlite3.Cursor, object_id: str) -> QueueRow | None:
+def get_row(cur: sqlite3.Cursor, object_id: str) -> ObjectRow | None:
     cur.execute(_SELECT + " WHERE object_id = ?", (object_id,))
     rows = _rows(cur)
     return rows[0] if rows else None

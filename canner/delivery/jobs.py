@@ -15,9 +15,10 @@ from typing import Any, Generic, TypeVar
 from attrs import define, field
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from canner.periodic import PeriodicService
 
 log = Logger()
 
@@ -81,8 +82,7 @@ class Ticker:
     _tick: Callable[[], Deferred[None]]
     _what: str
     stopping: threading.Event = field(factory=threading.Event)
-    _loop: LoopingCall | None = None
-    _loop_done: Deferred[Any] | None = None
+    _loop: PeriodicService | None = None
     _starting: Deferred[Any] | None = None
     _lanes: list[Jobs[Any]] = field(factory=list)
 
@@ -94,29 +94,24 @@ class Ticker:
 
     def start(self, start_up: Callable[[], Deferred[Any]]) -> None:
         self.stopping.clear()
-        loop = self._loop = LoopingCall(self._guarded)
-        loop.clock = self._clock
+        loop = self._loop = PeriodicService(
+            clock=self._clock, interval=self._interval, job=self._tick, label=f"{self._what} tick"
+        )
         started = start_up()
 
         def begin(_: object) -> None:
             if not self.stopping.is_set():
-                self._loop_done = loop.start(self._interval, now=True)
+                loop.startService()
 
         started.addCallback(begin)
         started.addErrback(lambda f: log.failure("starting the {what}", f, what=self._what))
         self._starting = started
 
-    def _guarded(self) -> Deferred[None]:
-        return self._tick().addErrback(
-            lambda f: log.failure("{what} tick failed", f, what=self._what)
-        )
-
     def stop(self) -> Deferred[Any]:
         """Stop the loop and cancel its lanes' jobs; fires once the start-up step, the last
         tick and every job have ended (so nothing runs on after the index or the pools close)."""
         self.stopping.set()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        last_tick = self._loop.stopService() if self._loop and self._loop.running else None
         running = [d for j in self._lanes for d in j.cancel()]
-        waits = [d for d in (self._starting, self._loop_done) if d is not None] + running
+        waits = [d for d in (self._starting, last_tick) if d is not None] + running
         return DeferredList(waits, consumeErrors=True)

@@ -22,10 +22,10 @@ from attrs import define, evolve, field, frozen
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from canner.delivery.index import Index
+from canner.periodic import PeriodicService
 from canner.version import version
 
 log = Logger()
@@ -409,15 +409,17 @@ class HeartbeatService(Service):
     _interval: float = HEARTBEAT_INTERVAL
     _pid: int = field(factory=os.getpid)
     _started_at: float = 0.0
-    _loop: LoopingCall | None = None
-    _done: Deferred[Any] | None = None
+    _beats: PeriodicService = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._beats = PeriodicService(
+            clock=self._clock, interval=self._interval, job=self._beat, label="deliver heartbeat"
+        )
 
     def startService(self) -> None:
         super().startService()
         self._started_at = self._clock.seconds()
-        self._loop = LoopingCall(self._beat)
-        self._loop.clock = self._clock
-        self._done = self._loop.start(self._interval, now=True)
+        self._beats.startService()
 
     def _heartbeat(self, stopped: bool = False) -> Heartbeat:
         now = self._clock.seconds()
@@ -436,8 +438,13 @@ class HeartbeatService(Service):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        # After the beat in progress: a late beat must not overwrite "stopped".
+        await self._beats.stopService()
         last = evolve(self._heartbeat(stopped=True), in_flight=())
-        d: Deferred[None] = self._index.run(write_heartbeat, last)
-        return d.addErrback(lambda f: log.failure("writing the deliver heartbeat", f))
+        try:
+            await self._index.run(write_heartbeat, last)
+        except Exception:
+            log.failure("writing the deliver heartbeat")

@@ -21,7 +21,7 @@ from canner.checksum import HashCancelled, delivery_digests
 from canner.config import DeliveryTable
 from canner.delivery import follow_up
 from canner.delivery import index as sql
-from canner.delivery.index import Index, QueueRow
+from canner.delivery.index import Index, ObjectRow
 from canner.delivery.outbound_service import Copy, Parcel, Shipment, Unshippable
 from canner.delivery.purge import delete_payload, purge_is_due
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT
@@ -51,7 +51,7 @@ class ObjectOwner:
     _journal: JournalLog
     _sinks: Mapping[str, Sink]
     # Where a row goes (plan_row with its project's delivery table, in the daemon).
-    _planner: Callable[[QueueRow], ItemPlan]
+    _planner: Callable[[ObjectRow], ItemPlan]
     _retention: Mapping[str, float]
     _run: BlockingRunner
     _hash: BlockingRunner
@@ -84,7 +84,7 @@ class ObjectOwner:
             overwrite=bool(row.force_upload),
         )
 
-    async def _prepare(self, row: QueueRow, stopping: threading.Event) -> QueueRow:
+    async def _prepare(self, row: ObjectRow, stopping: threading.Event) -> ObjectRow:
         """Check the local payload against its receipt, once, and store its MD5."""
         if row.content_md5 is not None:
             return row
@@ -160,12 +160,12 @@ class ObjectOwner:
         return True
 
 
-def delivered_copy(row: QueueRow) -> follow_up.DeliveredCopy:
+def delivered_copy(row: ObjectRow) -> follow_up.DeliveredCopy:
     """A delivered object as its follow-up sees it."""
     return follow_up.DeliveredCopy.of(row, OBJECT, row.object_id, row.object_id, "canner retry")
 
 
-def plan_row(delivery: DeliveryTable, row: QueueRow) -> ItemPlan:
+def plan_row(delivery: DeliveryTable, row: ObjectRow) -> ItemPlan:
     """Where ``row`` goes, from its stable values only, so a retry resolves the same place
     (the MD5 is computed before the first attempt)."""
     assert row.content_md5 is not None, "the owner computes the MD5 before delivering"
@@ -181,12 +181,12 @@ def plan_row(delivery: DeliveryTable, row: QueueRow) -> ItemPlan:
     return evolve(plan, checksum=row.checksum)
 
 
-def planner(deliveries: Mapping[str, DeliveryTable]) -> Callable[[QueueRow], ItemPlan]:
+def planner(deliveries: Mapping[str, DeliveryTable]) -> Callable[[ObjectRow], ItemPlan]:
     """The daemon's planner: each row by its project's delivery table."""
     return lambda row: plan_row(deliveries[row.project], row)
 
 
-def located(row: QueueRow) -> ItemPlan:
+def located(row: ObjectRow) -> ItemPlan:
     """A delivered row as a plan to verify: where it went (as recorded at its delivery, even if
     the templates changed since) and what must be there."""
     assert row.remote_identifier is not None and row.remote_name is not None

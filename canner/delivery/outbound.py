@@ -18,7 +18,8 @@ follow-ups with :func:`settle`.  ``ref`` is the owner's key as text.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from attrs import frozen
 
@@ -309,9 +310,17 @@ def redeliver(
         " force_upload = max(force_upload, ?),"
         " redeliveries = CASE WHEN ? THEN 0 ELSE redeliveries + 1 END, updated_at = ?"
         " WHERE kind = ? AND ref = ? AND state = 'delivered' AND verified_at IS NULL",
-        (now if due is None else due, reason[:2000], int(needs_operator), int(force_upload),
-         int(by_operator), now, kind.value, ref),
-    )  # fmt: skip
+        (
+            now if due is None else due,
+            reason[:2000],
+            int(needs_operator),
+            int(force_upload),
+            int(by_operator),
+            now,
+            kind.value,
+            ref,
+        ),
+    )
     return cur.rowcount == 1
 
 
@@ -351,6 +360,67 @@ def flagged(cur: sqlite3.Cursor, kind: Outbound, project: str | None = None) -> 
         (kind.value, project, project),
     )
     return [row[0] for row in cur.fetchall()]
+
+
+# -- an operator's retry by name (``canner retry``) ----------------------------------------------
+
+
+class WasFlagged(Protocol):
+    """An owner's row as it was before an operator's retry."""
+
+    @property
+    def last_error(self) -> str | None: ...
+
+
+@frozen
+class Named:
+    """The rows of one owner as an operator names them (a package id, a ledger name), as
+    cursor functions over the owner's own table: whether ``name`` is one of its rows; retry it
+    (the row as it was before, or None when nothing was retried); the names flagged for an
+    operator (of a project, or all when None)."""
+
+    kind: Outbound
+    exists: Callable[[sqlite3.Cursor, str], bool]
+    retry: Callable[[sqlite3.Cursor, str, float], WasFlagged | None]
+    flagged: Callable[[sqlite3.Cursor, str | None], list[str]]
+
+
+@frozen
+class Retried:
+    """What an operator's retry of ``name`` did: made it due now, or nothing (``due`` False:
+    it is delivered and verified, or on its way); ``last_error`` is the row's before."""
+
+    kind: Outbound
+    name: str
+    due: bool
+    last_error: str | None = None
+
+
+def retry_named(
+    cur: sqlite3.Cursor, owners: Sequence[Named], name: str, now: float
+) -> Retried | None:
+    """Retry the row called ``name`` by the first of ``owners`` that has one; None when none
+    has (see :func:`operator_retry` for what a retry does to the outbound row)."""
+    for owner in owners:
+        before = owner.retry(cur, name, now)
+        if before is not None:
+            return Retried(owner.kind, name, True, before.last_error)
+        if owner.exists(cur, name):
+            return Retried(owner.kind, name, False)
+    return None
+
+
+def retry_flagged(
+    cur: sqlite3.Cursor, owners: Sequence[Named], project: str | None, now: float
+) -> list[Retried]:
+    """Retry every row of ``owners`` flagged for an operator (of ``project``): those made due."""
+    done = []
+    for owner in owners:
+        for name in owner.flagged(cur, project):
+            before = owner.retry(cur, name, now)
+            if before is not None:
+                done.append(Retried(owner.kind, name, True, before.last_error))
+    return done
 
 
 # -- every kind at once (the outbound service) ---------------------------------------------------

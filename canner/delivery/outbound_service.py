@@ -1,10 +1,10 @@
 """The one outbound service: claim, send, verify and report back, for every kind of file.
 
 Every file that leaves the node is a row of the ``outbound`` table
-(:mod:`canner.delivery.outbound`),
-and its owner (objects, megawarc packages, ledgers) is an :class:`Owner`.  Every second the
-service claims due rows of every kind, oldest due first, into one set of
-``delivery_concurrency`` slots, and starts one attempt per row; a freed slot is filled at once.
+(:mod:`canner.delivery.outbound`), and its owner (objects, megawarc packages, ledgers) is an
+:class:`Owner`.  Every second the service claims due rows of every kind, oldest due first, into
+one set of ``delivery_concurrency`` slots, and starts one attempt per row; a freed slot is filled
+at once.
 An attempt asks the owner for a :class:`Shipment` (the files, planned), hands each file to the
 project's sink, and records the outcome with one failure policy whatever the kind: back off 1 min
 doubling to 1 h with the sink's ``Retry-After`` as a lower bound, the wait at the cap for errors
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from attrs import Factory, define, field, frozen
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -40,6 +40,7 @@ from canner.delivery.jobs import Jobs, Ticker
 from canner.delivery.liveness import Attempt, InFlight
 from canner.delivery.queue import MAX_RETRY, PURGE_RETRY, retry_delay
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver, counting_sent
+from canner.periodic import OnceMore
 from canner.sinks.base import Delivered, DeliveryFailed, Sink
 from canner.sinks.plan import ItemPlan, PlanError
 
@@ -151,16 +152,16 @@ class OutboundService(Service):
         default=Factory(lambda self: InFlight(self._clock), takes_self=True)
     )
     observer: OutboundObserver = UNOBSERVED
-    _claiming: bool = False
-    _claim_again: bool = False
     _orphans_checked: float = 0.0
     _sending: Jobs[tuple[Outbound, str]] = field(init=False)
     _checking: Jobs[tuple[Outbound, str]] = field(init=False)
     _ticker: Ticker = field(init=False)
     _stopping: threading.Event = field(init=False)
+    _claims: OnceMore = field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._ticker = Ticker(self._clock, self._interval, self.tick, "outbound queue")
+        self._claims = OnceMore(self._claim_round, "claiming deliveries")
         self._sending, self._checking = self._ticker.lane(), self._ticker.lane()
         self._stopping = self._ticker.stopping
 
@@ -181,8 +182,9 @@ class OutboundService(Service):
 
     def stopService(self) -> Deferred[Any]:
         super().stopService()
-        # Stopped while still starting: the start's query ends before the index closes.
-        return self._ticker.stop()
+        # Stopped while still starting: the start's query ends before the index closes; so
+        # does a claim an ended attempt asked for.
+        return DeferredList([self._ticker.stop(), self._claims.idle()], consumeErrors=True)
 
     @property
     def active(self) -> list[dict[str, Any]]:
@@ -221,37 +223,27 @@ class OutboundService(Service):
             lambda failure: self._follow_up_failed(failure, kind, ref),
         )
 
-    async def _claim(self) -> None:
+    def _claim(self) -> Deferred[None]:
         """Fill free slots with due rows.  Runs from the tick and whenever an attempt ends, so a
         freed slot never idles until the next tick; one claim runs at a time, so slots are never
         over-filled, and a request during a claim runs it again after."""
-        if self._claiming:
-            self._claim_again = True
-            return
-        self._claiming = True
-        try:
-            while True:
-                self._claim_again = False
-                now = self._clock.seconds()
-                if now - self._orphans_checked >= ORPHAN_CHECK_INTERVAL:
-                    # Here, between claims, every claimed row is already in _sending.
-                    self._orphans_checked = now
-                    await self._index.run(outbound.release_orphans_any, self._sending.keys(), now)
-                free = self._concurrency - len(self._sending)
-                if free > 0 and not self._stopping.is_set():
-                    claimed = await self._index.run(outbound.claim_due_any, now, free, self.lanes())
-                    for kind, ref, attempt in claimed:
-                        self._start((kind, ref), attempt)
-                if not self._claim_again:
-                    break
-        finally:
-            self._claiming = False
+        return self._claims.ask()
+
+    async def _claim_round(self) -> None:
+        now = self._clock.seconds()
+        if now - self._orphans_checked >= ORPHAN_CHECK_INTERVAL:
+            # Here, between claims, every claimed row is already in _sending.
+            self._orphans_checked = now
+            await self._index.run(outbound.release_orphans_any, self._sending.keys(), now)
+        free = self._concurrency - len(self._sending)
+        if free > 0 and not self._stopping.is_set():
+            claimed = await self._index.run(outbound.claim_due_any, now, free, self.lanes())
+            for kind, ref, attempt in claimed:
+                self._start((kind, ref), attempt)
 
     def _refill(self) -> None:
         if self.running and not self._stopping.is_set():
-            Deferred.fromCoroutine(self._claim()).addErrback(
-                lambda f: log.failure("claiming deliveries", f)
-            )
+            self._claim()
 
     # -- attempts ---------------------------------------------------------------------------
 
@@ -343,7 +335,8 @@ class OutboundService(Service):
         now = self._clock.seconds()
         if failure.check(CancelledError) and self._stopping.is_set():
             reason = "interrupted by shutdown"
-            return self._index.run(owner.record_failure, ref, reason, now, False, now)
+            recorded = self._index.run(owner.record_failure, ref, reason, now, False, now)
+            return recorded.addCallback(lambda _: None)
         if failure.check(TimeoutError, CancelledError):
             reason, kind = f"the attempt was cut off after {ATTEMPT_LIMIT:.0f}s", "timeout"
         else:

@@ -1,7 +1,9 @@
 """Local purge after verified delivery: selection (pure), then deletion (blocking I/O).
 
-A delivered object's payload may go once IA's metadata shows the remote file with the right size
-and MD5 (``verified_at``) and its project's retention has passed since delivery.  Deleting is
+A delivered object's payload may go once its sink has verified the copy (``verified_at``: IA's
+listing shows the file with the right size and MD5 and a read-back of the bytes IA serves matches
+the local copy, unless ``readback_bytes = 0``; a directory's copy hashes to the receipt) and its
+project's retention has passed since delivery (``purge_after``).  Deleting is
 idempotent: a file already gone counts as deleted.  The receipt always stays; the object's origin
 and a delivery record are appended to the facts journal first, so a rebuilt index knows the purged
 object and that it was delivered, and the origin's file in ``receipts/`` goes with the payload (an
@@ -11,7 +13,7 @@ archived object then leaves only its receipt for the ledger to delete).
 from __future__ import annotations
 
 from canner import fs
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.store.journal import JournalLog
 from canner.store.receipts import (
     DeliveryRecord,
@@ -23,7 +25,7 @@ from canner.store.receipts import (
 from canner.store.uploads import UploadStore
 
 
-def purge_is_due(row: QueueRow, now: float) -> bool:
+def purge_is_due(row: ObjectRow, now: float) -> bool:
     """True when ``row`` may lose its local payload now."""
     return (
         row.state == "delivered"
@@ -34,7 +36,7 @@ def purge_is_due(row: QueueRow, now: float) -> bool:
     )
 
 
-def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
+def delivery_record(row: ObjectRow, now: float) -> DeliveryRecord:
     """What the receipts directory keeps about ``row``'s delivery once its payload is gone."""
     assert row.remote_identifier and row.remote_name and row.content_md5
     assert row.delivered_at is not None and row.verified_at is not None
@@ -51,7 +53,7 @@ def delivery_record(row: QueueRow, now: float) -> DeliveryRecord:
 
 
 def delete_payload(
-    uploads: UploadStore, receipts: ReceiptStore, journal: JournalLog, row: QueueRow, now: float
+    uploads: UploadStore, receipts: ReceiptStore, journal: JournalLog, row: ObjectRow, now: float
 ) -> None:
     """Record the origin and the delivery in the facts journal (durably), then delete the
     artifact and its tus info sidecar, then the origin's file; missing is done.  (A tus temp

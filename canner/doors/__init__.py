@@ -1,2 +1,3 @@
 """The ways in: tus (``doors/tus``), seesaw's PUT (``doors/seesaw``) and the rsync intake
-(``doors/rsync``).  A door never imports another door."""
+(``doors/rsync``); ``doors/router`` dispatches a request's body on its route's door.  A door never
+imports another door."""

@@ -21,9 +21,9 @@ failed, acceptance failed) leaves nothing behind, and nothing promised: a whole 
 resumed, the worker sends it again.  What a crash left of one goes when the receiver starts
 (:func:`canner.store.sweep.remove_whole_files`).
 
-:func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (it is the
-site's body router, and hands every other route to the tus intake); :class:`SeesawRoutes`
-renders the outcome.
+:func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (through
+the door-neutral intake, :mod:`canner.accept.intake`); :class:`SeesawRoutes` renders the outcome;
+:func:`door` is both, for :mod:`canner.doors.router`.
 """
 
 from __future__ import annotations
@@ -41,17 +41,17 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request
+from twisted.web.server import Request
 
-from canner.blocking import BlockingRunner
+from canner.accept.intake import Outcome, UploadIntake
 from canner.config import Config
-from canner.doors.tus.intake import Outcome, UploadIntake
-from canner.doors.tus.routes import TusRoutes, render_error
+from canner.doors.base import Door, DoorParts
 from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadInfo
+from canner.web.answer import answer_later, render_error
 from canner.web.channel import BodySink, ReceiverRequest
 from canner.web.errors import HTTPError
 from canner.web.routing import OTHER, Kind, Route, Surface, single_header
-from canner.web.stream import BodyStream
+from canner.web.stream import body_stream
 
 # A name is one path segment of at most this many bytes (UTF-8), as on every common filesystem.
 NAME_MAX_BYTES = 255
@@ -134,19 +134,17 @@ def declared_digests(headers: Headers) -> dict[str, str]:
 
 @define(eq=False, kw_only=True)
 class SeesawDoor:
-    """Admission of ``PUT /seesaw/...`` bodies; the site's body router (other routes go to the
-    tus intake)."""
+    """Admission of ``PUT /seesaw/...`` bodies."""
 
     _config: Config
     _intake: UploadIntake
-    _run: BlockingRunner
     _clock: IReactorTime
 
     def open_body(
         self, request: ReceiverRequest, route: Route, length: int | None
     ) -> BodySink | None:
         if route.kind is not Kind.PUT:
-            return self._intake.open_body(request, route, length)
+            return None
         admission = partial(self._admit, request.requestHeaders, route.target, length)
         intake = self._intake
         return intake.open_stream(request, admission, intake.finish_whole, intake.discard_whole)
@@ -176,8 +174,7 @@ class SeesawDoor:
             metadata=metadata,
             created_at=int(self._clock.seconds()),
         )
-        created = self._run(self._intake.create_whole, info)
-        return created.addCallback(self._intake.whole_created)
+        return self._intake.admit_creation(info)
 
 
 class SeesawRoutes(Resource):
@@ -191,19 +188,11 @@ class SeesawRoutes(Resource):
         if route.surface is not Surface.SEESAW or route.kind is not Kind.PUT:
             request.setHeader("Allow", "PUT")
             return render_error(request, HTTPError(405, "only PUT: upload a file here"))
-        stream = getattr(request, "body_sink", None)
-        if not isinstance(stream, BodyStream):
-            return render_error(request, HTTPError(404, "no such upload"))
-        answered = maybeDeferred(stream.result).addCallback(_receipted, request)
-        # A connection that drops first cancels the wait (never the upload's stream).
-        request.notifyFinish().addErrback(lambda _: answered.cancel())
-        answered.addCallbacks(
-            TusRoutes._write,
-            TusRoutes._refusal,
-            callbackArgs=(request,),
-            errbackArgs=(request,),
-        )
-        return NOT_DONE_YET
+        try:
+            stream = body_stream(request)
+        except HTTPError as e:
+            return render_error(request, e)
+        return answer_later(request, maybeDeferred(stream.result).addCallback(_receipted, request))
 
 
 def _receipted(outcome: Outcome, request: IRequest) -> bytes:
@@ -217,3 +206,9 @@ def _receipted(outcome: Outcome, request: IRequest) -> bytes:
     request.setHeader("Artifact-Receipt", receipt.header_value())
     request.setHeader("Cache-Control", "no-store")
     return receipt.to_json()
+
+
+def door(parts: DoorParts) -> Door:
+    """The seesaw door: ``/seesaw/`` (:data:`~canner.web.routing.Surface.SEESAW`)."""
+    admission = SeesawDoor(config=parts.config, intake=parts.intake, clock=parts.clock)
+    return Door(name="seesaw", serves=Surface.SEESAW, body=admission, resource=SeesawRoutes())

@@ -176,9 +176,13 @@ class ObjectReader:
         """
         try:
             found = ids_by_origin(
-                self._cursor(), project, filename, downloader, downloader is None,
+                self._cursor(),
+                project,
+                filename,
+                downloader,
+                downloader is None,
                 ORIGIN_MATCHES_MAX + 1,
-            )  # fmt: skip
+            )
         except sqlite3.Error as e:
             self._local.conn = None
             raise IndexUnavailable(str(e)) from None

@@ -82,7 +82,7 @@ class LedgerOwner:
         return [NO_PROJECT]
 
     async def _row(self, ref: str) -> store.LedgerRow | None:
-        return await self._index.run(store.get_ledger, int(ref))  # type: ignore[no-any-return]
+        return await self._index.run(store.get_ledger, int(ref))
 
     async def shipment(self, ref: str, stopping: threading.Event) -> Shipment:
         row = await self._row(ref)

@@ -215,7 +215,7 @@ class LedgerService(Service):
         updated = await self._index.run(store.get_ledger, row.ledger_id)
         if updated is None or updated.state == row.state:
             return None
-        return updated  # type: ignore[no-any-return]
+        return updated
 
     async def _write(self, row: store.LedgerRow, now: float) -> None:
         try:

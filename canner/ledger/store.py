@@ -212,13 +212,27 @@ def operator_retry(cur: sqlite3.Cursor, name: str, now: float) -> LedgerRow | No
     return row if retried else None
 
 
-def flagged_ledgers(cur: sqlite3.Cursor) -> list[str]:
-    """Names of the unfinished ledgers flagged for an operator."""
+def flagged_ledgers(cur: sqlite3.Cursor, project: str | None = None) -> list[str]:
+    """Names of the unfinished ledgers flagged for an operator; none of a ``project`` (a
+    ledger holds the records of every project)."""
+    if project is not None:
+        return []
     cur.execute(
         _SELECT + f" WHERE l.state != 'done' AND {_either('needs_operator')} != 0"
         " ORDER BY l.ledger_id"
     )
     return [LedgerRow(*row).name for row in cur.fetchall()]
+
+
+def ledger_exists(cur: sqlite3.Cursor, name: str) -> bool:
+    cur.execute("SELECT 1 FROM ledgers WHERE name = ?", (name,))
+    return cur.fetchone() is not None
+
+
+# ``canner retry LEDGER`` and ``canner retry --needs-operator``.
+BY_NAME = outbound.Named(
+    LEDGER, exists=ledger_exists, retry=operator_retry, flagged=flagged_ledgers
+)
 
 
 def record_ledger_failure(
@@ -238,10 +252,18 @@ def record_ledger_failure(
 def record_written(cur: sqlite3.Cursor, ledger_id: int, values: dict[str, Any], now: float) -> bool:
     """``writing -> written`` with ``values``; its upload is due now (guarded)."""
     if not update_ledger(
-        cur, ledger_id, "writing",
-        {**values, "state": "written", "attempts": 0, "next_attempt_at": 0, "last_error": None,
-         "needs_operator": 0},
-    ):  # fmt: skip
+        cur,
+        ledger_id,
+        "writing",
+        {
+            **values,
+            "state": "written",
+            "attempts": 0,
+            "next_attempt_at": 0,
+            "last_error": None,
+            "needs_operator": 0,
+        },
+    ):
         return False
     outbound.add(cur, LEDGER, [(str(ledger_id), "")], now)
     return True
@@ -259,8 +281,9 @@ def record_upload_failure(
     needs_operator: bool,
     now: float,
 ) -> bool:
-    return outbound.record_failure(cur, LEDGER, str(ledger_id), error, retry_at,
-                                   needs_operator, now)  # fmt: skip
+    return outbound.record_failure(
+        cur, LEDGER, str(ledger_id), error, retry_at, needs_operator, now
+    )
 
 
 def send_again(
@@ -273,8 +296,16 @@ def send_again(
 ) -> bool:
     """Upload the ledger again at ``due``: IA lost it, or (``wrong_copy``) serves other bytes,
     which flags it and makes the next upload go through over a matching listing."""
-    return outbound.redeliver(cur, LEDGER, str(ledger_id), error, now, due=due,
-                              needs_operator=wrong_copy, force_upload=wrong_copy)  # fmt: skip
+    return outbound.redeliver(
+        cur,
+        LEDGER,
+        str(ledger_id),
+        error,
+        now,
+        due=due,
+        needs_operator=wrong_copy,
+        force_upload=wrong_copy,
+    )
 
 
 def record_verified(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
@@ -282,10 +313,17 @@ def record_verified(cur: sqlite3.Cursor, ledger_id: int, now: float) -> bool:
     if not outbound.record_verified(cur, LEDGER, str(ledger_id), now, None):
         return False
     return update_ledger(
-        cur, ledger_id, "written",
-        {"state": "deleting", "attempts": 0, "next_attempt_at": 0, "last_error": None,
-         "needs_operator": 0},
-    )  # fmt: skip
+        cur,
+        ledger_id,
+        "written",
+        {
+            "state": "deleting",
+            "attempts": 0,
+            "next_attempt_at": 0,
+            "last_error": None,
+            "needs_operator": 0,
+        },
+    )
 
 
 def adopt_manifest(

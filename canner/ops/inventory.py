@@ -24,7 +24,7 @@ from attrs import field, frozen
 
 from canner import fs
 from canner.delivery import index as sql
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
 from canner.ids import ObjectIds
@@ -92,8 +92,8 @@ class IndexSummary:
     purge_overdue: int
     oldest_purge_due: float | None
     # retry_wait rows (their latest attempt failed), newest first
-    recent_failures: tuple[QueueRow, ...] = ()
-    recent_deliveries: tuple[QueueRow, ...] = ()
+    recent_failures: tuple[ObjectRow, ...] = ()
+    recent_deliveries: tuple[ObjectRow, ...] = ()
     heartbeat: Heartbeat | None = None
     # megawarc batches and packages by phase (PACKAGE_PHASES): count, and bytes of members
     packages: Mapping[str, int] = field(factory=dict)
@@ -245,13 +245,13 @@ def summarize_index(
     cur.execute(
         _SELECT + " WHERE state = 'retry_wait' ORDER BY updated_at DESC LIMIT ?", (failures,)
     )
-    recent = tuple(QueueRow(*row) for row in cur.fetchall())
+    recent = tuple(ObjectRow(*row) for row in cur.fetchall())
     cur.execute(
         _SELECT + " WHERE state = 'delivered' AND delivered_at IS NOT NULL"
         " ORDER BY delivered_at DESC LIMIT ?",
         (RECENT_DELIVERIES,),
     )
-    delivered = tuple(QueueRow(*row) for row in cur.fetchall())
+    delivered = tuple(ObjectRow(*row) for row in cur.fetchall())
     phases, phase_bytes, flagged_packages = package_phases(cur)
     flagged_ledgers = len(ledger_store.flagged_ledgers(cur))
     return IndexSummary(
@@ -271,7 +271,7 @@ def summarize_index(
     )
 
 
-def stuck_rows(cur: sqlite3.Cursor, attempts_over: int = STUCK_ATTEMPTS) -> list[QueueRow]:
+def stuck_rows(cur: sqlite3.Cursor, attempts_over: int = STUCK_ATTEMPTS) -> list[ObjectRow]:
     """Rows in ``retry_wait`` that need an operator or have failed more than ``attempts_over``,
     and delivered rows flagged before verification (lost or altered at the destination)."""
     cur.execute(
@@ -280,7 +280,7 @@ def stuck_rows(cur: sqlite3.Cursor, attempts_over: int = STUCK_ATTEMPTS) -> list
         " ORDER BY accepted_at, object_id",
         (attempts_over,),
     )
-    return [QueueRow(*row) for row in cur.fetchall()]
+    return [ObjectRow(*row) for row in cur.fetchall()]
 
 
 def read_index(path: Path, f: Any, *args: Any) -> Any:
@@ -499,7 +499,7 @@ def local_record(data_dir: Path, object_id: str) -> LocalRecord:
 
 def describe_object(
     local: LocalRecord,
-    row: QueueRow | None,
+    row: ObjectRow | None,
     attempts: list[dict[str, Any]] | None = None,
     archived: Archived | None = None,
 ) -> dict[str, Any]:

@@ -8,7 +8,7 @@ listed in the ``authorized_keys`` file (any user name; the file is re-read at ea
 
 The shell's namespace holds the daemon's objects (``config``, ``services``, ``index``, ``metrics``
 and the role's own: the receiver's ``intake``/``acceptance``/``uploads``/``receipts``, the deliver
-process's ``scheduler``/``sinks``) and helpers that return Deferreds, which the shell prints when
+process's ``outbound``/``sinks``) and helpers that return Deferreds, which the shell prints when
 they fire: ``lookup(object_id)``, ``stuck(attempts_over=5)`` and ``survey()``.  ``conf/manhole.md``
 is the operator's note.
 """
@@ -299,6 +299,16 @@ def manhole_service(
     return top
 
 
+# Old names an operator may have typed (in notes, in shell history), each to the name it now has.
+ALIASES = {"scheduler": "outbound"}  # the OutboundService, before it had that name
+
+
+def with_aliases(namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with each old name of :data:`ALIASES` bound beside its new one."""
+    old = {alias: namespace[name] for alias, name in ALIASES.items() if name in namespace}
+    return {**namespace, **old}
+
+
 def daemon_manhole(
     config: Config,
     role: str,
@@ -312,6 +322,6 @@ def daemon_manhole(
     cursor functions) and the helpers."""
     if config.manhole is None:
         return None
-    namespace = {"config": config, "services": services, **shell, "sql": sql}
+    namespace = with_aliases({"config": config, "services": services, **shell, "sql": sql})
     helpers = OperatorHelpers(config.data_dir, config.object_ids, run, reactor)
     return manhole_service(config.manhole, role, helpers.bind(namespace), reactor)

@@ -165,9 +165,11 @@ class Metrics:
             registry=rcv,
         )
         self.rsync_adopted = Counter(
-            "canner_rsync_adopted", "rsync files adopted (receipt committed)", ["project"],
+            "canner_rsync_adopted",
+            "rsync files adopted (receipt committed)",
+            ["project"],
             registry=rcv,
-        )  # fmt: skip
+        )
         self.rsync_adoption_seconds = Histogram(
             "canner_rsync_adoption_seconds",
             "Seconds from rsync's rename of a file into place to its durable receipt",

@@ -154,12 +154,13 @@ class StatusSource:
             delivers=any(p.delivery is not None for p in config.projects.values()),
             started_at=clock.seconds(),
             rsync_backlog=(
-                partial(count_waiting, config.rsync.incoming, tuple(config.projects),
-                        config.data_dir)
+                partial(
+                    count_waiting, config.rsync.incoming, tuple(config.projects), config.data_dir
+                )
                 if config.rsync is not None
                 else None
             ),
-        )  # fmt: skip
+        )
 
     def view(self) -> Deferred[StatusView]:
         if self._started_at is None:

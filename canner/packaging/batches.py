@@ -492,8 +492,9 @@ def record_delivery_failure(
     now: float,
 ) -> bool:
     """``delivering -> retry_wait``."""
-    return outbound.record_failure(cur, PACKAGE, str(batch_id), error, next_attempt_at,
-                                   needs_operator, now)  # fmt: skip
+    return outbound.record_failure(
+        cur, PACKAGE, str(batch_id), error, next_attempt_at, needs_operator, now
+    )
 
 
 def follow_ups_due(
@@ -526,8 +527,9 @@ def record_check(
 ) -> None:
     """Postpone a remote verification or purge of a delivered package; ``force_upload`` (a
     read-back found IA's bytes wrong) makes its next delivery upload every file."""
-    outbound.record_check(cur, PACKAGE, str(batch_id), next_check_at, error, needs_operator,
-                          now, force_upload)  # fmt: skip
+    outbound.record_check(
+        cur, PACKAGE, str(batch_id), next_check_at, error, needs_operator, now, force_upload
+    )
 
 
 def redeliver(
@@ -564,6 +566,17 @@ def flagged_packages(cur: sqlite3.Cursor, project: str | None) -> list[str]:
     delivered and not verified), of ``project`` (all when None)."""
     rows = _packages_of(cur, sorted(_ids(outbound.flagged(cur, PACKAGE, project))))
     return [row.package_id for row in rows if row.package_id is not None]
+
+
+def package_exists(cur: sqlite3.Cursor, package_id: str) -> bool:
+    cur.execute("SELECT 1 FROM packages WHERE package_id = ?", (package_id,))
+    return cur.fetchone() is not None
+
+
+# ``canner retry PACKAGE`` and ``canner retry --needs-operator``.
+BY_NAME = outbound.Named(
+    PACKAGE, exists=package_exists, retry=operator_retry, flagged=flagged_packages
+)
 
 
 def record_purged(cur: sqlite3.Cursor, batch_id: int, now: float) -> bool:
@@ -619,9 +632,11 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
     cur.executemany(
         "INSERT OR IGNORE INTO objects (object_id, project, filename, size_bytes, checksum,"
         " accepted_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        [(m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now)
-         for m in restored],
-    )  # fmt: skip
+        [
+            (m.object_id, m.project, m.filename, m.size_bytes, m.checksum, m.accepted_at, now)
+            for m in restored
+        ],
+    )
     outbound.add(cur, Outbound.OBJECT, [(m.object_id, m.project) for m in restored], now)
     ids = [m.object_id for m in p.members]
     held = 0
@@ -678,11 +693,16 @@ def restore_package(cur: sqlite3.Cursor, p: RestoredPackage) -> bool:
         "INSERT OR REPLACE INTO package_files (batch_id, suffix, size_bytes, content_md5,"
         " remote_name) VALUES (?, ?, ?, ?, ?)",
         [
-            (batch_id, suffix, size, (d.get("md5") or {}).get(suffix),
-             (d.get("remote_names") or {}).get(suffix))
+            (
+                batch_id,
+                suffix,
+                size,
+                (d.get("md5") or {}).get(suffix),
+                (d.get("remote_names") or {}).get(suffix),
+            )
             for suffix, size in p.files
         ],
-    )  # fmt: skip
+    )
     cur.executemany(
         "UPDATE objects SET batch_id = ?, packed_file = ?, packed_offset = ? WHERE object_id = ?",
         [(batch_id, suffix, offset, oid) for oid, suffix, offset in p.placements],
@@ -749,10 +769,14 @@ def package_listing(cur: sqlite3.Cursor, row: PackageRow) -> dict[str, Any]:
     """A package row with its files, as ``canner packages`` prints it."""
     doc = row.as_dict()
     doc["files"] = [
-        {"suffix": f.suffix, "size_bytes": f.size_bytes, "content_md5": f.content_md5,
-         "remote_name": f.remote_name}
+        {
+            "suffix": f.suffix,
+            "size_bytes": f.size_bytes,
+            "content_md5": f.content_md5,
+            "remote_name": f.remote_name,
+        }
         for f in package_files(cur, row.batch_id)
-    ]  # fmt: skip
+    ]
     return doc
 
 

@@ -1,30 +1,11 @@
 """Building and re-reading a megawarc package (blocking; run it in a thread).
 
-:func:`build_package` reads each member once: the same chunks feed its BLAKE3, its test
-(complete gzip, or complete zstd with its dictionary, whose output starts as a WARC record does)
-and the container it is appended to.  The package holds megawarcs laid out as ``megawarc pack``
-lays them out, so that ArchiveTeam's ``megawarc restore`` gives every member back: the gzip one,
-``B.megawarc.{warc.gz,tar,json.gz}`` (valid ``.warc.gz`` members in the WARC, everything else
-in the tar), and one per zstd dictionary, ``B.<dict id>.megawarc.{warc.zst,tar,json.gz}``,
-whose WARC starts with that dictionary's skippable frame and holds the valid ``.warc.zst``
-members of that dictionary (the ones that fail their test go to its tar).  A ``.warc.zst``
-member's dictionary is the frame it starts with, else the one its name gives
-(``.<project>.<10-digit dict id>.warc.zst``, see :mod:`canner.packaging.dictionaries`).  Each
-index has one line per member in megawarc's format (``docs/reference/megawarc.md``: container
-``warc`` or ``tar``) plus a ``canner`` object: object id, receipt id, checksum, size, project,
-and the file and offset of the member's bytes.  A member whose bytes do not hash to its receipt
-raises :class:`MemberMismatch` and nothing of it is kept.  (Packages built before the zstd
-megawarcs were apart have one index for all, whose zstd lines say ``zst``: they are still
-read, verified and restored from disk.)
-
-:func:`verify_package` re-reads the sealed files once: every member's bytes at its offsets must
-hash to its receipt; it returns each file's MD5 for delivery.  Memory stays bounded by the chunk
-size (and the decompressors' windows), whatever the member count and sizes: chunks are read
-into a pool of at most :data:`LANE_DEPTH` buffers per lane, at most :data:`MAX_PENDING` members'
-checks (and :data:`MAX_HELD` bytes of zstd dictionaries) are in flight, and gzip output is
-taken a chunk at a time.  One zstd call's output is not capped by the library; input goes in
-:data:`ZSTD_SLICE` slices, which bounds it for real WARCs (a crafted member of nothing but RLE
-blocks could still inflate one slice to a few hundred MiB).
+:func:`build_package` writes a batch's members as ArchiveTeam's ``megawarc pack`` lays them out
+(``docs/reference/megawarc.md``: a gzip megawarc, and one per zstd dictionary), so ``megawarc
+restore`` gives every member back; each index line also carries a ``canner`` object naming the
+member's object, receipt and bytes.  :func:`verify_package` re-reads a sealed package and checks
+every member against its receipt.  Both read each member once, a chunk at a time, so memory stays
+bounded by the limits below whatever the member count and sizes.
 """
 
 from __future__ import annotations
@@ -84,7 +65,9 @@ SKIPPABLE_MAGIC = b"\x5d\x2a\x4d\x18"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A dictionary frame larger than this is not one a worker would send: the member goes to the tar.
 MAX_DICTIONARY = 32 << 20
-# Input slice per zstd call: bounds the output one call can produce.
+# Input slice per zstd call: bounds the output one call can produce, which the library does not
+# cap (enough for real WARCs; a crafted member of nothing but RLE blocks could still inflate one
+# slice to a few hundred MiB).
 ZSTD_SLICE = 64 << 10
 # Input slice per inflate call: bounds what the inflater copies at each gzip member's end.
 INFLATE_SLICE = 32 << 10

@@ -137,8 +137,11 @@ def remove_whole_files(uploads: UploadStore, receipts: ReceiptStore, ids: Object
         try:
             gone = _remove_unlocked(uploads, receipts, upload_id)
         except OSError as e:
-            log.warn("{object_id} stays for the sweep: {error}", object_id=upload_id,
-                     error=e.strerror or str(e))  # fmt: skip
+            log.warn(
+                "{object_id} stays for the sweep: {error}",
+                object_id=upload_id,
+                error=e.strerror or str(e),
+            )
             continue
         if gone:
             removed.append(upload_id)

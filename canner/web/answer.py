@@ -11,7 +11,9 @@ It is rendered one of two ways, from the same value:
   is malformed, too large or too slow, a connection over the cap.  Those always close the
   connection.
 
-Nothing else in the receiver writes HTTP bytes.
+A door's resource answers through :func:`render_error` and :func:`answer_later` (the body its
+handler's Deferred fires with, or the refusal it fails with); nothing else in the receiver writes
+HTTP bytes.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import frozen
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES
+from twisted.web.iweb import IRequest
+from twisted.web.server import NOT_DONE_YET, Request
 
 from canner.web.errors import TUS_VERSION, HTTPError, reason
+
+log = Logger()
 
 _TEXT = "text/plain; charset=utf-8"
 
@@ -74,3 +83,36 @@ HEAD_TOO_SLOW = Answer(408)
 OVER_CAPACITY = Answer(503, headers=(("Retry-After", "5"),))
 # The interim answer a client that sent ``Expect: 100-continue`` waits for before its body.
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def render_error(request: IRequest, error: HTTPError) -> bytes:
+    """A refusal given once the request reached its route: status and headers set on
+    ``request``, the body to return."""
+    return Answer.of(error).apply(request)
+
+
+def answer_later(request: Request, answered: Deferred[bytes]) -> int:
+    """Answer ``request`` once ``answered`` fires: with the body it fires with (status and
+    headers set by its handler), or with the refusal it fails with (an :class:`HTTPError`;
+    anything else is a 500 with the failure logged).  A connection that drops first cancels the
+    wait (never an upload's stream).  What a resource's ``render`` returns."""
+    request.notifyFinish().addErrback(lambda _: answered.cancel())
+    answered.addCallbacks(_write, _refusal, callbackArgs=(request,), errbackArgs=(request,))
+    return NOT_DONE_YET
+
+
+def _write(body: bytes, request: Any) -> None:
+    if not request.finished and request.channel is not None:
+        request.write(body)
+        request.finish()
+
+
+def _refusal(failure: Failure, request: Any) -> None:
+    if failure.check(CancelledError):
+        return  # the connection went first: nobody to answer
+    error = failure.value
+    if not isinstance(error, HTTPError):
+        log.failure("answering {method} {path}", failure, method=request.method, path=request.path)
+        error = HTTPError(500, "internal error")
+    if not request.finished and request.channel is not None:
+        _write(render_error(request, error), request)

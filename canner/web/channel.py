@@ -26,6 +26,7 @@ Twisted's private names: only ``HTTPChannel._respondToBadRequestAndDisconnect`` 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from io import BytesIO
 from typing import Any, Protocol
 
@@ -47,7 +48,15 @@ from canner.web.answer import (
 )
 from canner.web.connections import ConnectionLimits
 from canner.web.errors import TUS_VERSION, HTTPError
-from canner.web.routing import BAD_HOST_MESSAGE, OTHER, Route, bindable_host, method_override, route
+from canner.web.routing import (
+    BAD_HOST_MESSAGE,
+    OTHER,
+    DoorPath,
+    Route,
+    bindable_host,
+    method_override,
+    route,
+)
 
 log = Logger()
 
@@ -71,7 +80,8 @@ class BodySink(Protocol):
 
 
 class BodyRouter(Protocol):
-    """Opens the sink of an upload body (a creation or an append) from the request head."""
+    """Opens the sink of an upload body (a creation, an append, a whole file) from the request
+    head: the site has one, the router of doors (``canner.doors.router``)."""
 
     def open_body(
         self, request: ReceiverRequest, route: Route, length: int | None
@@ -289,7 +299,8 @@ def _peer_host(transport: Any) -> str:
 
 
 class ReceiverSite(Site):
-    """A Site whose requests stream upload bodies through ``body_router`` (HTTP/1.1 only)."""
+    """A Site whose requests stream upload bodies through ``body_router`` (HTTP/1.1 only),
+    routed with the paths doors declared (``door_paths``) besides those routing knows."""
 
     protocol = ReceiverChannel  # type: ignore[assignment]
 
@@ -299,12 +310,18 @@ class ReceiverSite(Site):
         body_router: BodyRouter,
         connection_limits: ConnectionLimits | None = None,
         header_timeout: float | None = None,
+        door_paths: Sequence[DoorPath] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(resource, requestFactory=ReceiverRequest, **kwargs)
         self.body_router = body_router
         self.connection_limits = connection_limits
         self.header_timeout = header_timeout
+        self.door_paths = tuple(door_paths)
+
+    def route(self, method: bytes, path: bytes) -> Route:
+        """The route of a request (:func:`canner.web.routing.route`), decided once per request."""
+        return route(method, path, self.door_paths)
 
     def log(self, request: Any) -> None:
         """No Twisted access log (subclasses report requests their own way)."""
@@ -334,7 +351,8 @@ class ReceiverRequest(Request):
         self._line = line = channel.request_line
         self._body_length = length
         if line is not None:
-            self.route = route(method_override(line.method, self.requestHeaders), line.path)
+            method = method_override(line.method, self.requestHeaders)
+            self.route = channel.site.route(method, line.path)
         if not bindable_host(self.getRequestHostname()):
             self._refuse_host()
             return

@@ -24,6 +24,32 @@ class HTTPError(Exception):
         return f"{self.status} {self.message}"
 
 
+# The storage's refusals, the same through every door: the client sends again later.
+def _retry_later(status: int, message: str) -> HTTPError:
+    return HTTPError(status, message, (("Retry-After", "60"),))
+
+
+def no_space(available: int, required: int) -> HTTPError:
+    """429: the data filesystem has less than ``min_free_bytes`` available."""
+    return _retry_later(429, f"insufficient storage: {available} bytes free, {required} required")
+
+
+def overpromised(reason: str) -> HTTPError:
+    """503: the free space is promised to uploads in flight; create the upload later (or on
+    another node)."""
+    return _retry_later(503, f"insufficient storage for a new upload: {reason}")
+
+
+def space_unknown() -> HTTPError:
+    """503: free space on the data filesystem could not be determined."""
+    return _retry_later(503, "free space on the data directory cannot be determined")
+
+
+def storage_trouble(message: str, retry_after: int = 60) -> HTTPError:
+    """503: the storage failed or is full; send again later (HEAD says from where)."""
+    return HTTPError(503, message, (("Retry-After", str(retry_after)),))
+
+
 # Reason phrases Twisted's table lacks (it would send "Unknown Status") or words otherwise than
 # RFC 9110 ("Request Time-out").
 _REASONS = {

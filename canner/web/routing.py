@@ -5,12 +5,15 @@ host can be served at all: :func:`bindable_host`).
 the streaming seam asks it, as soon as a request's head is in, whether the body goes to an upload
 (creation or append); the root resource asks it which app serves the request (tus, HQ's API or
 the rest); the metrics ask it whether a response answered a creation.  Within an app, Klein keeps
-matching the routes it serves (and validating ids); nothing here touches the filesystem.
+matching the routes it serves (and validating ids); nothing here touches the filesystem.  A door
+this module does not know declares its own :class:`DoorPath` (``canner.doors.router`` hands the
+site every declared one): requests under its prefix are its, without an edit here.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from urllib.parse import unquote_to_bytes
 
 from attrs import frozen
@@ -26,6 +29,7 @@ class Surface(enum.Enum):
     SEESAW = "seesaw"  # /seesaw/...: canner.doors.seesaw (Archive Team's curl uploads)
     HQ = "hq"  # /api/v1/objects..., /api/v1/releases: canner.hq.routes
     RECEIVER = "receiver"  # everything else: receipts, health, status page, metrics
+    DOOR = "door"  # /{prefix}/...: a door that declared its DoorPath (Route.door names it)
 
 
 class Kind(enum.Enum):
@@ -34,6 +38,7 @@ class Kind(enum.Enum):
     CREATE = "create"  # POST /files/ (or /files): a new upload, maybe with its first bytes
     APPEND = "append"  # PATCH /files/{id}: bytes for an upload
     PUT = "put"  # PUT /seesaw/{project}/{downloader}/{filename}: a whole file
+    BODY = "body"  # a body method of a declared DoorPath: an upload body
     UPLOAD = "upload"  # another method on /files/{id} (HEAD, OPTIONS)
     COLLECTION = "collection"  # another method on /files/ (OPTIONS)
     RECEIPT = "receipt"  # /api/v1/receipts/{id}
@@ -49,16 +54,27 @@ class Kind(enum.Enum):
 class Route:
     """A request's route: its kind, the app that serves it and the id its path names (the
     percent-decoded last segment for uploads and receipts, unvalidated; for ``/seesaw/`` the
-    rest of the path after it, still percent-encoded; "" otherwise)."""
+    rest of the path after it, still percent-encoded, as after a declared door's prefix; ""
+    otherwise) and, on a door's declared path, that door's prefix."""
 
     kind: Kind
     surface: Surface
     target: str = ""
+    door: str = ""
 
     @property
     def streams_body(self) -> bool:
         """True when the body is an upload's bytes, streamed to disk as it arrives."""
-        return self.kind in (Kind.CREATE, Kind.APPEND, Kind.PUT)
+        return self.kind in (Kind.CREATE, Kind.APPEND, Kind.PUT, Kind.BODY)
+
+
+@frozen
+class DoorPath:
+    """The requests of a door this module does not know: ``/{prefix}`` and below, where
+    ``body_methods`` carry an upload body (:attr:`Kind.BODY`); never a path routed otherwise."""
+
+    prefix: str
+    body_methods: frozenset[bytes]
 
 
 _FIXED = {
@@ -70,9 +86,21 @@ _FIXED = {
 OTHER = Route(Kind.OTHER, Surface.RECEIVER)
 
 
-def route(method: bytes, path: bytes) -> Route:
+def route(method: bytes, path: bytes, declared: Sequence[DoorPath] = ()) -> Route:
     """The route of a request with ``method`` (after ``X-HTTP-Method-Override``) to ``path``
-    (the request target without its query)."""
+    (the request target without its query), under the ``declared`` paths of doors too."""
+    found = _known_route(method, path)
+    if found != OTHER:
+        return found
+    first, _, rest = path[1:].partition(b"/")
+    for door in declared:
+        if first == door.prefix.encode("ascii"):
+            kind = Kind.BODY if method in door.body_methods else Kind.OTHER
+            return Route(kind, Surface.DOOR, rest.decode("latin-1"), door.prefix)
+    return OTHER
+
+
+def _known_route(method: bytes, path: bytes) -> Route:
     segments = path.split(b"/")
     # segments[0] is "" for every path that starts with "/".
     if len(segments) >= 2 and segments[1] == b"files":

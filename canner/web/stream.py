@@ -349,3 +349,12 @@ def _deliver(waiter: Deferred[Any], result: object) -> None:
         waiter.errback(result)
     else:
         waiter.callback(result)
+
+
+def body_stream(request: object) -> BodyStream:
+    """The stream that wrote ``request``'s upload body (its ``body_sink``); 404 when it has
+    none (only a route whose body a door opened has one)."""
+    stream = getattr(request, "body_sink", None)
+    if not isinstance(stream, BodyStream):
+        raise HTTPError(404, "no such upload")
+    return stream

@@ -51,13 +51,28 @@ class FailingDisk:
         self.backing.mkdir(parents=True, exist_ok=True)
         self.mount.mkdir(parents=True, exist_ok=True)
         # Room for the whole image plus a little; fill() takes the rest.
-        _run("mount", "-t", "tmpfs", "-o", f"size={self.size + (8 << 20)}", "tmpfs",
-             str(self.backing))  # fmt: skip
+        _run(
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size={self.size + (8 << 20)}",
+            "tmpfs",
+            str(self.backing),
+        )
         self._backing_mounted = True
         with open(self.image, "wb") as f:
             f.truncate(self.size)
-        _run("mkfs.ext4", "-q", "-F", "-b", str(BLOCK),
-             "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard", str(self.image))  # fmt: skip
+        _run(
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-b",
+            str(BLOCK),
+            "-E",
+            "lazy_itable_init=0,lazy_journal_init=0,nodiscard",
+            str(self.image),
+        )
         _run("fallocate", "-l", str(self.size), str(self.image))
         self._mount()
         for rel in data_dirs:
@@ -102,8 +117,15 @@ class FailingDisk:
                     continue
                 first, _, last = part.partition("-")
                 start, end = int(first), int(last or first)
-                _run("fallocate", "--punch-hole", "--offset", str(start * BLOCK),
-                     "--length", str((end - start + 1) * BLOCK), str(self.image))  # fmt: skip
+                _run(
+                    "fallocate",
+                    "--punch-hole",
+                    "--offset",
+                    str(start * BLOCK),
+                    "--length",
+                    str((end - start + 1) * BLOCK),
+                    str(self.image),
+                )
 
     # -- faults ------------------------------------------------------------------------------------
 

@@ -30,6 +30,21 @@ def have_rsync() -> bool:
     return shutil.which("rsync") is not None
 
 
+def seesaw_command(src: Path, target: str, bwlimit: str, extra: Sequence[str] = ()) -> list[str]:
+    """The rsync command line a seesaw worker runs, reading its file list from stdin."""
+    return [
+        "rsync",
+        *SEESAW_ARGS,
+        "--bwlimit",
+        bwlimit,
+        *PIPELINE_EXTRA,
+        *extra,
+        "--files-from=-",
+        f"{src}/",
+        target,
+    ]
+
+
 def seesaw_rsync(
     src: Path,
     names: Iterable[str],
@@ -41,13 +56,12 @@ def seesaw_rsync(
 ) -> subprocess.CompletedProcess[bytes]:
     """Upload ``names`` (relative to ``src``) to ``target`` as a seesaw worker does."""
     return subprocess.run(
-        ["rsync", *SEESAW_ARGS, "--bwlimit", bwlimit, *PIPELINE_EXTRA, *extra,
-         "--files-from=-", f"{src}/", target],
+        seesaw_command(src, target, bwlimit, extra),
         input="".join(f"{n}\n" for n in names).encode(),
         capture_output=True,
         timeout=timeout,
         check=False,
-    )  # fmt: skip
+    )
 
 
 def seesaw_rsync_started(
@@ -55,12 +69,11 @@ def seesaw_rsync_started(
 ) -> subprocess.Popen[bytes]:
     """The same command, left running (a slow transfer the test watches)."""
     proc = subprocess.Popen(
-        ["rsync", *SEESAW_ARGS, "--bwlimit", bwlimit, *PIPELINE_EXTRA,
-         "--files-from=-", f"{src}/", target],
+        seesaw_command(src, target, bwlimit),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     assert proc.stdin is not None
     proc.stdin.write("".join(f"{n}\n" for n in names).encode())
     proc.stdin.close()
@@ -82,11 +95,22 @@ class RsyncDaemon:
         root.mkdir(parents=True, exist_ok=True)
         config_path = root / "rsyncd.conf"
         out = subprocess.run(
-            [venv_bin("canner"), "rsyncd-conf", "--config", str(canner_config),
-             "--templates", str(REPO / "conf" / "rsyncd"), "--runtime-dir", str(root),
-             "--output", str(config_path)],
-            capture_output=True, timeout=30, check=False,
-        )  # fmt: skip
+            [
+                venv_bin("canner"),
+                "rsyncd-conf",
+                "--config",
+                str(canner_config),
+                "--templates",
+                str(REPO / "conf" / "rsyncd"),
+                "--runtime-dir",
+                str(root),
+                "--output",
+                str(config_path),
+            ],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
         assert out.returncode == 0, f"canner rsyncd-conf failed: {out.stderr.decode()}"
         return cls(root=root, config_path=config_path, port=free_port())
 
@@ -97,10 +121,20 @@ class RsyncDaemon:
         as_root = ["--dparam=uid=0", "--dparam=gid=0"] if os.geteuid() == 0 else []
         log = open(self.root / "rsyncd.out", "ab")
         self.proc = subprocess.Popen(
-            ["rsync", "--daemon", "--no-detach", "--address=127.0.0.1", f"--port={self.port}",
-             f"--config={self.config_path}", f"--log-file={self.root / 'rsyncd.log'}", *as_root],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                "rsync",
+                "--daemon",
+                "--no-detach",
+                "--address=127.0.0.1",
+                f"--port={self.port}",
+                f"--config={self.config_path}",
+                f"--log-file={self.root / 'rsyncd.log'}",
+                *as_root,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while True:

@@ -46,8 +46,9 @@ def disk(tmp_path: Path) -> Iterator[FailingDisk]:
 
 @pytest.fixture
 def receiver(tmp_path: Path, disk: FailingDisk) -> Iterator[Receiver]:
-    rcv = Receiver.in_dir(tmp_path / "receiver", data_dir=disk.mount / "data",
-                          max_upload_bytes=256 << 20)  # fmt: skip
+    rcv = Receiver.in_dir(
+        tmp_path / "receiver", data_dir=disk.mount / "data", max_upload_bytes=256 << 20
+    )
     try:
         rcv.start()
         yield rcv
@@ -60,16 +61,27 @@ def _headers(**extra: str) -> dict[str, str]:
 
 
 def create(rcv: Receiver, data: bytes) -> str:
-    r = rcv.session.post(rcv.files_url, headers=_headers(**{
-        "Upload-Length": str(len(data)), "Upload-Metadata": upload_metadata(blake3_hex(data))}),
-        timeout=30)  # fmt: skip
+    r = rcv.session.post(
+        rcv.files_url,
+        headers=_headers(
+            **{
+                "Upload-Length": str(len(data)),
+                "Upload-Metadata": upload_metadata(blake3_hex(data)),
+            }
+        ),
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     return r.headers["Location"].rsplit("/", 1)[1]
 
 
 def patch(rcv: Receiver, oid: str, offset: int, body: object) -> requests.Response:
-    return rcv.session.patch(rcv.upload_url(oid), data=body, timeout=120, headers=_headers(**{
-        "Upload-Offset": str(offset), "Content-Type": OFFSET_TYPE}))  # fmt: skip
+    return rcv.session.patch(
+        rcv.upload_url(oid),
+        data=body,
+        timeout=120,
+        headers=_headers(**{"Upload-Offset": str(offset), "Content-Type": OFFSET_TYPE}),
+    )
 
 
 def worker_finishes(rcv: Receiver, oid: str, data: bytes) -> bytes:
@@ -98,8 +110,7 @@ def check_disk_after_remount(rcv: Receiver, disk: FailingDisk, served: dict[str,
     """Stop the receiver, remount, and compare every receipt with the bytes on disk."""
     rcv.stop()
     disk.remount()
-    on_disk = {p.stem: p.read_bytes() for p in rcv.receipts_dir.glob("*.json")
-               if "." not in p.stem}  # fmt: skip
+    on_disk = {p.stem: p.read_bytes() for p in rcv.receipts_dir.glob("*.json") if "." not in p.stem}
     for oid, receipt in served.items():
         assert on_disk.get(oid) == receipt, f"served receipt of {oid} is not on disk"
     for oid, receipt in on_disk.items():

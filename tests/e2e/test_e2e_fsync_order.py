@@ -75,9 +75,17 @@ def traced(tmp_path: Path) -> Iterator[tuple[Receiver, Path]]:
     trace = tmp_path / "strace.txt"
     rcv = Receiver.in_dir(tmp_path / "receiver")
     rcv.launch_prefix = [
-        "strace", "-f", "-y", "-ttt", "-s", "24", "-o", str(trace),
-        "-e", "trace=fsync,fdatasync,link,linkat,rename,renameat,renameat2,write,sendto,sendmsg",
-    ]  # fmt: skip
+        "strace",
+        "-f",
+        "-y",
+        "-ttt",
+        "-s",
+        "24",
+        "-o",
+        str(trace),
+        "-e",
+        "trace=fsync,fdatasync,link,linkat,rename,renameat,renameat2,write,sendto,sendmsg",
+    ]
     try:
         rcv.start(timeout=60)
         yield rcv, trace
@@ -151,8 +159,10 @@ def test_a_receipt_is_linked_only_after_everything_it_rests_on_is_durable(
         "receipts/ was not fsynced after the link"
     )
     answer = next(
-        c for c in calls
-        if c.name in ("write", "sendto", "sendmsg") and "HTTP/1.1 204" in c.args
+        c
+        for c in calls
+        if c.name in ("write", "sendto", "sendmsg")
+        and "HTTP/1.1 204" in c.args
         and c.started >= link.started
-    )  # fmt: skip
+    )
     assert directory_sync.ended <= answer.started, "the 204 went out before receipts/ was durable"

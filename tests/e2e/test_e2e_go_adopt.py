@@ -37,15 +37,23 @@ from tests.go_peer import GO_PEER
 def adopt_go(config: Path, go_dir: Path, *more: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [venv_bin("canner"), "adopt-go", str(go_dir), *more, "--config", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def canner(config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [venv_bin("canner"), *argv, "--config", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -61,10 +69,20 @@ def adopted(
         go = write_go_data_dir(tmp_path / "go")
         receipts = go.receipts
         run = subprocess.run(
-            [venv_bin("canner"), "adopt-go", str(go.root), "--apply",
-             "--config", str(receiver.config_path)],
-            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                venv_bin("canner"),
+                "adopt-go",
+                str(go.root),
+                "--apply",
+                "--config",
+                str(receiver.config_path),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         assert "uploads in flight 3, delivered 4, to deliver 7" in run.stdout
         receiver.start()
@@ -151,8 +169,12 @@ def test_the_shipped_proxy_examples_route_go_ids_to_the_adopting_node(tmp_path: 
     receipts = go.receipts
     run = subprocess.run(
         [venv_bin("canner"), "adopt-go", str(go.root), "--apply", "--config", str(n2.config_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     nodes = {"n1": n1.port, "n2": n2.port}
     haproxy, nginx = HAProxy(tmp_path / "haproxy"), Nginx(tmp_path / "nginx")
@@ -276,8 +298,11 @@ def test_dry_run_on_a_killed_go_canner_changes_no_byte(tmp_path: Path) -> None:
             files.append(path)
             up = subprocess.run(
                 [str(client), "upload", f"http://127.0.0.1:{port}/", "bench", str(path)],
-                capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             assert up.returncode == 0 and up.stdout.startswith("RECEIPT "), up.stdout + up.stderr
     finally:
         go.send_signal(signal.SIGKILL)

@@ -174,9 +174,13 @@ def as_from_a_terminal() -> None:
         ("a daemon ends", False, False),
         ("ctrl-c", False, True),
     ],
-    ids=["ctrl-c", "ctrl-c, suite started with SIGINT ignored", "a daemon ends",
-         "ctrl-c, CONFIG relative to the caller"],
-)  # fmt: skip
+    ids=[
+        "ctrl-c",
+        "ctrl-c, suite started with SIGINT ignored",
+        "a daemon ends",
+        "ctrl-c, CONFIG relative to the caller",
+    ],
+)
 def test_dev_daemons_sends_each_daemon_one_sigterm(
     tmp_path: Path, how: str, suite_ignores_sigint: bool, relative: bool
 ) -> None:

@@ -99,8 +99,14 @@ def check_at_ia(env: Env, uploaded: dict[str, bytes]) -> None:
 
 
 def all_delivered(env: Env, ids: list[str]) -> None:
-    env.wait_state(ids, 240, "every object delivered, verified and its upload purged",
-                   state="delivered", verified_at=..., purged_at=...)  # fmt: skip
+    env.wait_state(
+        ids,
+        240,
+        "every object delivered, verified and its upload purged",
+        state="delivered",
+        verified_at=...,
+        purged_at=...,
+    )
 
 
 def test_two_hundred_artifacts_become_packages_at_ia_and_survive_an_index_rebuild(

@@ -228,8 +228,12 @@ def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
         receiver = DirectoryReceiver.delivering_to(root, root / "archive", retention="1h")
         if config:
             receiver.write_config(**config)
-        node = Node(receiver, Deliver(receiver.config_path, receiver.data_dir, root / "d.log"),
-                    root / "archive", files)  # fmt: skip
+        node = Node(
+            receiver,
+            Deliver(receiver.config_path, receiver.data_dir, root / "d.log"),
+            root / "archive",
+            files,
+        )
         made.append(node)
         receiver.start()
         if deliver:

@@ -135,9 +135,14 @@ def _refusal_cases(oid: str, unknown: str) -> dict[str, tuple[int, str, dict[str
 @pytest.mark.parametrize("expect_continue", [False, True], ids=["plain", "expect-100"])
 @pytest.mark.parametrize(
     "case",
-    ["409-wrong-offset", "404-unknown-upload", "415-content-type", "412-tus-version",
-     "413-past-its-length"],
-)  # fmt: skip
+    [
+        "409-wrong-offset",
+        "404-unknown-upload",
+        "415-content-type",
+        "412-tus-version",
+        "413-past-its-length",
+    ],
+)
 def test_refusal_is_answered_before_any_body_byte(
     shared_receiver: Receiver, case: str, expect_continue: bool
 ) -> None:
@@ -168,8 +173,12 @@ def test_a_client_that_keeps_sending_after_a_refusal_is_cut_off(shared_receiver:
     block = b"x" * (64 * KiB)
     sent = 0
     with socket.create_connection(("127.0.0.1", rcv.port), timeout=10) as sock:
-        headers = {"Tus-Resumable": TUS_VERSION, "Content-Type": OFFSET_TYPE,
-                   "Upload-Offset": "7", "Content-Length": TWO_GIB}  # fmt: skip
+        headers = {
+            "Tus-Resumable": TUS_VERSION,
+            "Content-Type": OFFSET_TYPE,
+            "Upload-Offset": "7",
+            "Content-Length": TWO_GIB,
+        }
         sock.sendall(patch_head(rcv.port, f"/files/{oid}", headers))
         try:
             while sent < 512 * MiB:
@@ -185,8 +194,13 @@ def test_an_admitted_body_gets_100_continue_then_its_answer(shared_receiver: Rec
     rcv = shared_receiver
     data = payload(100 * KiB, seed=5)
     oid = rcv.new_upload(data)
-    headers = {"Tus-Resumable": TUS_VERSION, "Content-Type": OFFSET_TYPE, "Upload-Offset": "0",
-               "Content-Length": str(len(data)), "Expect": "100-continue"}  # fmt: skip
+    headers = {
+        "Tus-Resumable": TUS_VERSION,
+        "Content-Type": OFFSET_TYPE,
+        "Upload-Offset": "0",
+        "Content-Length": str(len(data)),
+        "Expect": "100-continue",
+    }
     with socket.create_connection(("127.0.0.1", rcv.port), timeout=10) as sock:
         sock.sendall(patch_head(rcv.port, f"/files/{oid}", headers))
         interim = b""
@@ -346,8 +360,9 @@ def test_request_heads_have_a_deadline(make_receiver: Callable[..., Receiver]) -
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,nr_inodes=64", "tmpfs", str(mount)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,nr_inodes=64", "tmpfs", str(mount)], check=True
+    )
     try:
         yield mount
     finally:
@@ -480,10 +495,28 @@ def test_uploads_over_an_ssl_listener_get_a_usable_location(tmp_path: Path) -> N
     the https URL the client used: tuspy (verifying nothing but the protocol) and the Go SDK's
     rules (verifying the certificate) get their receipts."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     rcv = Receiver.in_dir(tmp_path / "receiver")
     rcv.write_config(listen=f"ssl:{rcv.port}:privateKey={key}:certKey={cert}:interface=127.0.0.1")
     base = f"https://127.0.0.1:{rcv.port}"
@@ -499,9 +532,16 @@ def test_uploads_over_an_ssl_listener_get_a_usable_location(tmp_path: Path) -> N
                 assert time.monotonic() < deadline, rcv.log_tail()
                 time.sleep(0.1)
         data = payload(200 * KiB, seed=30)
-        created = requests.post(f"{base}/files/", verify=str(cert), timeout=10, headers={
-            "Tus-Resumable": TUS_VERSION, "Upload-Length": str(len(data)),
-            "Upload-Metadata": upload_metadata(blake3_hex(data))})  # fmt: skip
+        created = requests.post(
+            f"{base}/files/",
+            verify=str(cert),
+            timeout=10,
+            headers={
+                "Tus-Resumable": TUS_VERSION,
+                "Upload-Length": str(len(data)),
+                "Upload-Metadata": upload_metadata(blake3_hex(data)),
+            },
+        )
         assert created.status_code == 201
         assert urljoin(f"{base}/files/", created.headers["Location"]).startswith(f"{base}/files/")
         uploader = tus_client.TusClient(f"{base}/files/").uploader(

@@ -40,9 +40,13 @@ pytestmark = [
 # "not adopted" waits several rounds.
 RSYNC_TABLE = {"scan_interval": "500ms"}
 CRASH_POINTS = [
-    "rsync.claim_written", "rsync.claimed", "rsync.moved", "rsync.staged", "rsync.stored",
+    "rsync.claim_written",
+    "rsync.claimed",
+    "rsync.moved",
+    "rsync.staged",
+    "rsync.stored",
     "rsync.accepted",
-]  # fmt: skip
+]
 # The files a SIGKILL at each adoption step leaves (``{id}``: the object id the claim chose;
 # ``{temp}``: the random part of a temp file's name), in incoming/, adopting/ and uploads/.
 ITEM = "example/alice/item.warc.gz"
@@ -144,8 +148,11 @@ def rsync_waiting(rcv: Receiver) -> int:
     """``canner status --json``'s count of files waiting for adoption."""
     status = subprocess.run(
         [venv_bin("canner"), "status", "--json", "--config", str(rcv.config_path)],
-        cwd=REPO, capture_output=True, timeout=30, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
     return int(json.loads(status.stdout)["rsync_waiting"])
 
 
@@ -175,8 +182,12 @@ def test_seesaw_rsync_upload_is_adopted_receipted_and_delivered(
     done = seesaw_rsync(src, sent, daemon.target("example", "alice"))
     assert done.returncode == 0, done.stderr.decode()
 
-    stored = wait_for(lambda: len(objects(rcv.data_dir)) == 2 and objects(rcv.data_dir), 20,
-                      "two receipts", describe=rcv.log_tail)  # fmt: skip
+    stored = wait_for(
+        lambda: len(objects(rcv.data_dir)) == 2 and objects(rcv.data_dir),
+        20,
+        "two receipts",
+        describe=rcv.log_tail,
+    )
     by_name = {s.origin["filename"]: s for s in stored}
     for name, data in sent.items():
         check_object(by_name[name], data, name, "alice")
@@ -230,8 +241,12 @@ def test_a_receiver_killed_at_each_adoption_step_loses_nothing_and_makes_one_obj
     done = seesaw_rsync(src, sent, daemon.target("example", "alice"))
     assert done.returncode == 0, done.stderr.decode()
     assert rcv.proc is not None
-    wait_for(lambda: rcv.proc is not None and rcv.proc.poll() is not None, 20,
-             f"the receiver to die at {point}", describe=rcv.log_tail)  # fmt: skip
+    wait_for(
+        lambda: rcv.proc is not None and rcv.proc.poll() is not None,
+        20,
+        f"the receiver to die at {point}",
+        describe=rcv.log_tail,
+    )
     assert rcv.proc.returncode == -signal.SIGKILL
     # Before the restart: the bytes are somewhere canner will look, and the crash left exactly
     # the files of its step.
@@ -247,8 +262,9 @@ def test_a_receiver_killed_at_each_adoption_step_loses_nothing_and_makes_one_obj
             os.utime(temp, (time.time() - 2 * 3600,) * 2)
 
     rcv.start()
-    wait_for(lambda: objects(rcv.data_dir), 20, "a receipt after the restart",
-             describe=rcv.log_tail)  # fmt: skip
+    wait_for(
+        lambda: objects(rcv.data_dir), 20, "a receipt after the restart", describe=rcv.log_tail
+    )
     wait_for(lambda: adopted_all(rcv), 10, "the claim to be finished", describe=rcv.log_tail)
     stored = objects(rcv.data_dir)
     assert len(stored) == 1, f"{len(stored)} objects after a crash at {point}"
@@ -313,8 +329,9 @@ def test_a_file_rsync_is_still_writing_is_not_adopted(
     cleanup(lambda: end_process(proc, signal.SIGKILL, 5))
     temps = wait_for(
         lambda: alice.is_dir() and [p for p in alice.iterdir() if p.name.startswith(".slow")],
-        10, "rsync's temporary file",
-    )  # fmt: skip
+        10,
+        "rsync's temporary file",
+    )
     assert temps[0].name.startswith(".slow.warc.gz.")
     time.sleep(2.0)  # four scan rounds
     assert proc.poll() is None, "the transfer ended too early to watch"

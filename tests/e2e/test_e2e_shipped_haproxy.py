@@ -72,10 +72,26 @@ def check(tmp_path: Path, placed: bool) -> subprocess.CompletedProcess[str]:
     pem.write_bytes(self_signed_pem())
     haproxy = require("haproxy")
     return subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", PLACE_AND_CHECK, "sh",
-         pem, SHIPPED_MAP, haproxy, "place" if placed else "none", SHIPPED_CFG],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            PLACE_AND_CHECK,
+            "sh",
+            pem,
+            SHIPPED_MAP,
+            haproxy,
+            "place" if placed else "none",
+            SHIPPED_CFG,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 def test_shipped_haproxy_config_passes_with_cert_and_map_placed(tmp_path: Path) -> None:

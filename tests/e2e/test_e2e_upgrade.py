@@ -53,13 +53,12 @@ def previous_release_index(db: Path, states: dict[str, tuple[Any, ...]]) -> None
             conn.executescript((SCHEMA / f"v{number}.sql").read_text(encoding="utf-8"))
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
         for row in objects:
-            (state, attempts, due, error, flag, md5, identifier, name, delivered, verified,
-             purge_after, check) = states[row[0]]  # fmt: skip
+            # The previous release's columns: the state facts, purged_at (NULL), next_check_at.
+            *facts, check = states[row[0]]
             conn.execute(
                 f"INSERT INTO objects ({PREVIOUS_COLUMNS}) VALUES ({', '.join('?' * 20)})",
-                (*row, state, attempts, due, error, flag, md5, identifier, name, delivered,
-                 verified, purge_after, None, check, time.time()),
-            )  # fmt: skip
+                (*row, *facts, None, check, time.time()),
+            )
     finally:
         conn.close()
 
@@ -91,12 +90,36 @@ def test_a_previous_release_data_directory_is_upgraded_in_place_and_carries_on(
             pending: ("pending", 0, 0.0, None, 0, None, None, None, None, None, None, None),
             # A SIGKILL mid-upload left it delivering, its attempt counted.
             cut: ("delivering", 1, 0.0, None, 0, None, None, None, None, None, None, None),
-            flagged: ("retry_wait", 3, now + 86400, "403 Forbidden", 1, None, None, None,
-                      None, None, None, None),
-            verified: ("delivered", 1, 0.0, None, 0, md5, "item-verified", "item3.warc.gz",
-                       now - 60, now - 50, now - 40, now - 40),
+            flagged: (
+                "retry_wait",
+                3,
+                now + 86400,
+                "403 Forbidden",
+                1,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+            verified: (
+                "delivered",
+                1,
+                0.0,
+                None,
+                0,
+                md5,
+                "item-verified",
+                "item3.warc.gz",
+                now - 60,
+                now - 50,
+                now - 40,
+                now - 40,
+            ),
         },
-    )  # fmt: skip
+    )
 
     env.receiver.start()
     env.deliver.start()

@@ -2,7 +2,7 @@
 
 :meth:`InMemoryReceiver.build` assembles the receiver's real Site the way
 ``canner.daemon.roots.receiver_service`` does (upload and receipt stores over a real data directory,
-acceptance with its fsyncs, the intake, the tus routes, metrics, ``receiver_site``), with a
+acceptance with its fsyncs, the intake, the doors, metrics, ``receiver_site``), with a
 :class:`~twisted.internet.task.Clock` for time and :class:`HeldRunner` for blocking work.  This is
 the tests' one copy of that wiring: when the composition changes, only :meth:`build` follows.
 
@@ -32,10 +32,12 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
+from canner.accept.intake import UploadIntake
 from canner.blocking import run_inline
 from canner.config import Config, parse_config
 from canner.daemon.roots import receiver_parts
-from canner.doors.tus.intake import UploadIntake
+from canner.doors.base import DoorFactory
+from canner.doors.router import DOORS
 from canner.ops.metrics import RECEIVER, Metrics
 from canner.ops.problems import RecentProblems
 from canner.store.receipts import Origin, Receipt, ReceiptStore
@@ -307,13 +309,16 @@ class InMemoryReceiver:
     _port: int = 40000
 
     @classmethod
-    def build(cls, data_dir: Path, **overrides: Any) -> InMemoryReceiver:
+    def build(
+        cls, data_dir: Path, doors: Sequence[DoorFactory] = DOORS, **overrides: Any
+    ) -> InMemoryReceiver:
         """A receiver for ``data_dir`` (which must exist) with the config the e2e receivers use
         (projects ``example`` and ``other``, 64 MiB uploads, ``min_free_bytes = 1``) and
         ``overrides``.  The objects are the daemon's (``canner.daemon.roots.receiver_parts``); what
         it adds around them (threads, listeners, timers, the delivery index) is left out:
         acceptance's enqueue records in ``enqueued``, and the connection caps are the
-        configured ones (the open-file limit is not consulted)."""
+        configured ones (the open-file limit is not consulted).  ``doors`` are the doors over
+        HTTP (a test adds its own)."""
         raw: dict[str, Any] = {
             "issuer": ISSUER,
             "data_dir": str(data_dir),
@@ -345,6 +350,7 @@ class InMemoryReceiver:
             connection_limits=ConnectionLimits(
                 config.connections.max, config.connections.max_per_client
             ),
+            doors=doors,
         )
         site, intake = parts.site, parts.intake
         return cls(config.data_dir, config, clock, io, hashing, site, intake, enqueued, metrics)

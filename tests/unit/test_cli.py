@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from canner.checksum import parse_checksum
-from canner.cli.main import Io, main, with_utc
+from canner.cli import base as cli_base
+from canner.cli.base import Io, with_utc
+from canner.cli.main import main
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
 from canner.delivery.liveness import Heartbeat, write_heartbeat
@@ -377,10 +379,10 @@ def _purged(run: Run, ns: range) -> str:
     return Journal(run.data_dir / "journal").append(records)
 
 
-def _rows(run: Run) -> dict[str, sql.QueueRow]:
+def _rows(run: Run) -> dict[str, sql.ObjectRow]:
     index = run.index()
     try:
-        rows: list[sql.QueueRow] = index.run(lambda cur: list(sql.all_rows(cur))).result
+        rows: list[sql.ObjectRow] = index.run(lambda cur: list(sql.all_rows(cur))).result
     finally:
         index.close()
     return {row.object_id: row for row in rows}
@@ -779,10 +781,12 @@ def test_check_config_refuses_a_missing_data_dir(run: Run) -> None:
 
 
 def test_check_config_as_root_checks_as_the_canner_account(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run as root where a ``canner`` account exists (the packaged units' ``User=``; here it
-    stands for nobody), check-config runs the daemons' start-up check as that account, even on
-    a data directory root owns (a new volume, a restore as root): it fails with the daemons'
-    line, then, the directory given to the account, passes; root stays root."""
+    """Run as root on the packaged config where a ``canner`` account exists (the packaged
+    units' ``User=``; here it stands for nobody), check-config runs the daemons' start-up check
+    as that account, even on a data directory root owns (a new volume, a restore as root): it
+    fails with the daemons' line, then, the directory given to the account, passes; root stays
+    root.  On another config (daemons started by hand) it checks as the data directory's
+    owner, root here."""
     nobody = pwd.getpwnam("nobody")
     real = pwd.getpwnam
     monkeypatch.setattr(pwd, "getpwnam", lambda name: nobody if name == "canner" else real(name))
@@ -790,6 +794,9 @@ def test_check_config_as_root_checks_as_the_canner_account(monkeypatch: pytest.M
     try:
         os.chmod(root, 0o755)
         run = Run(root)
+        code, out, err = run("check-config")
+        assert code == 0 and "cannot write" not in err, err
+        monkeypatch.setattr(cli_base, "DEFAULT_CONFIG", run.config)
         data = run.data_dir
         code, out, err = run("check-config")
         assert (code, out) == (1, ""), err

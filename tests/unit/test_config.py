@@ -270,12 +270,37 @@ def test_a_required_key_missing_without_a_typo_is_still_required(tmp_path: Path)
 
 
 DURATION_EXAMPLES = [
-    "0", "20s", "500ms", "1h30m", "1.5h", ".5s", "1.s", "2us", "3\u00b5s", "4\u03bcs", "7ns",
-    "1h2m3s4ms5us6ns", "100000h", "0s", "0.0s",
+    "0",
+    "20s",
+    "500ms",
+    "1h30m",
+    "1.5h",
+    ".5s",
+    "1.s",
+    "2us",
+    "3\u00b5s",
+    "4\u03bcs",
+    "7ns",
+    "1h2m3s4ms5us6ns",
+    "100000h",
+    "0s",
+    "0.0s",
     # refused by both
-    "", "1d", "-1s", "+1s", "1h 30m", " 1s", "1s ", "h", "1.2.3s", "1S", "s1", "1hh", "0x10s",
+    "",
+    "1d",
+    "-1s",
+    "+1s",
+    "1h 30m",
+    " 1s",
+    "1s ",
+    "h",
+    "1.2.3s",
+    "1S",
+    "s1",
+    "1hh",
+    "0x10s",
     "..s",
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("text", DURATION_EXAMPLES)

@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 
 from canner.blocking import run_inline
 from canner.config import ConfigError, parse_config
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.delivery.objects import located, plan_row
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.directory import (
@@ -56,9 +56,9 @@ def plan_for(payload: Path, **changes: Any) -> ItemPlan:
     return plan_row(delivery("/unused"), row_for(payload, **changes))
 
 
-def row_for(payload: Path, **changes: Any) -> QueueRow:
+def row_for(payload: Path, **changes: Any) -> ObjectRow:
     data = payload.read_bytes()
-    base = QueueRow(
+    base = ObjectRow(
         object_id=OID,
         project="example",
         filename="crawl.warc.gz",

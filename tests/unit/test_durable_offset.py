@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from canner import fs
-from canner.doors.tus.intake import TAKEOVER_QUIET
+from canner.accept.intake import TAKEOVER_QUIET
 from canner.store.receipts import Origin, ReceiptStore
 from canner.store.recovery import BOOT_RECORD, current_boot_id
 from canner.store.uploads import CHECKPOINT_BYTES, UploadInfo, UploadStore, parse_info

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from canner.cli.main import Io, main
+from canner.cli.base import Io
+from canner.cli.main import main
 from canner.fs import DataDirLock
 from canner.go_canner.godir import GoDataDir
 from canner.store.uploads import UploadStore
@@ -56,8 +57,13 @@ class Setup:
         env = {**os.environ, "CANNER_CRASH_AT": crash_at}
         return subprocess.run(
             [sys.executable, "-m", "canner.cli.main", *argv, "--config", str(self.config)],
-            cwd=REPO, capture_output=True, text=True, timeout=60, check=False, env=env,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
 
     def rows(self) -> dict[str, dict[str, Any]]:
         conn = sqlite3.connect(self.data_dir / "delivery.sqlite")
@@ -85,8 +91,11 @@ def test_the_fixture_is_a_go_data_directory(setup: Setup) -> None:
     assert info["Storage"]["Path"].startswith("/srv/old-canner/") and info["Offset"] == 0
     assert (go / "uploads" / f"{oid(setup, 'partial')}.attempt").exists()
     delivering = oid(setup, "delivering")
-    linked = [p for p in (go / "packages").iterdir() if p.stat().st_ino ==
-              (go / "uploads" / delivering).stat().st_ino]  # fmt: skip
+    linked = [
+        p
+        for p in (go / "packages").iterdir()
+        if p.stat().st_ino == (go / "uploads" / delivering).stat().st_ino
+    ]
     assert len(linked) == 1 and linked[0].name.endswith(".gz")
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from canner.cli.main import Io, main
+from canner.cli.base import Io
+from canner.cli.main import main
 from canner.config import Config, load_config
 from canner.sinks.plan import expand_template
 

@@ -269,12 +269,32 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
     ):
         conn.execute(
             f"INSERT INTO objects ({columns}) VALUES ({', '.join('?' for _ in previous)})",
-            (f"{n:032x}", "example", f"f{n}.warc.gz", 10 + n, "blake3:" + "ab" * 32, 100 + n,
-             state, tries, due, error, flag, "cd" * 16 if delivered else None,
-             "item" if delivered else None, f"f{n}.warc.gz" if delivered else None, delivered,
-             verified, 550.0 if delivered else None, purged, check, 42.0 + n, n % 2, n % 3 == 1,
-             1000.0 if purged else None),
-        )  # fmt: skip
+            (
+                f"{n:032x}",
+                "example",
+                f"f{n}.warc.gz",
+                10 + n,
+                "blake3:" + "ab" * 32,
+                100 + n,
+                state,
+                tries,
+                due,
+                error,
+                flag,
+                "cd" * 16 if delivered else None,
+                "item" if delivered else None,
+                f"f{n}.warc.gz" if delivered else None,
+                delivered,
+                verified,
+                550.0 if delivered else None,
+                purged,
+                check,
+                42.0 + n,
+                n % 2,
+                n % 3 == 1,
+                1000.0 if purged else None,
+            ),
+        )
     ledgers = [
         ("writing", None, None, None),
         ("written", None, None, None),
@@ -288,9 +308,18 @@ def test_a_version_6_index_keeps_every_object_and_ledger_through_the_upgrade(
             " remote_name, created_at, written_at, uploaded_at, verified_at, done_at, attempts,"
             " next_attempt_at, last_error, needs_operator) VALUES (?, '2026-11-30', ?, 3, 300,"
             " ?, 'ledgers-item', ?, 1.0, 2.0, ?, ?, ?, ?, 50.0, ?, 0)",
-            (f"n-{n}", state, "ab" * 16, f"n-{n}.jsonl.zst", uploaded, verified, done, n,
-             "upload: 503" if state == "written" else None),
-        )  # fmt: skip
+            (
+                f"n-{n}",
+                state,
+                "ab" * 16,
+                f"n-{n}.jsonl.zst",
+                uploaded,
+                verified,
+                done,
+                n,
+                "upload: 503" if state == "written" else None,
+            ),
+        )
     before = conn.execute(f"SELECT {columns} FROM objects ORDER BY object_id").fetchall()
     conn.close()
 

@@ -18,8 +18,8 @@ from canner.sinks.plan import ItemTooBig, plan_package_file, plan_upload
 from tests.packaging_support import warc_bytes
 from tests.unit.test_config import _delivery, config
 from tests.unit.test_ia import ACCEPTED, OID, delivery
+from tests.unit.test_object_delivery import Harness
 from tests.unit.test_packaging import Harness as PackagingHarness
-from tests.unit.test_scheduler import Harness
 
 MD5 = hashlib.md5(b"").hexdigest()
 

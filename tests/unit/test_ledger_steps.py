@@ -31,9 +31,14 @@ def test_only_archived_objects_lose_files_and_the_receipt_goes_in_its_own_step(
 
     found = leftovers(receipts, uploads, lambda oid: oid == ARCHIVED)
     assert sorted(p.name for p in found) == sorted(
-        [f"{ARCHIVED}.meta.json", f"{ARCHIVED}.delivery.json", f"{ARCHIVED}.package.json",
-         ARCHIVED, f"{ARCHIVED}.info"]
-    )  # fmt: skip
+        [
+            f"{ARCHIVED}.meta.json",
+            f"{ARCHIVED}.delivery.json",
+            f"{ARCHIVED}.package.json",
+            ARCHIVED,
+            f"{ARCHIVED}.info",
+        ]
+    )
     remove_leftovers(receipts, uploads, found)
     # The receipt stays until its own step; the receiver's sweep owns tus temp files.
     assert sorted(p.name for p in receipts.directory.iterdir() if ARCHIVED in p.name) == [

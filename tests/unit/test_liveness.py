@@ -29,7 +29,7 @@ from canner.ops.status_page import DeliveryTarget, StatusView, render_status
 from canner.ops.trends import ALL, WINDOW, per_minute, read_trends, sample_trends
 from canner.sinks.base import RemoteCheck
 from tests.fakes import SyncIndex
-from tests.unit.test_scheduler import Harness
+from tests.unit.test_object_delivery import Harness
 
 IDS = ObjectIds()
 
@@ -212,8 +212,9 @@ def test_status_page_says_when_deliver_is_not_running(tmp_path: Path) -> None:
     assert re.search(r'id="trend-free".*?data-points="[1-9]', page)
     from canner.delivery.liveness import Progress, write_heartbeat
 
-    moving = Progress("7" * 32, "example", "a.warc", 1000, 1, UPLOADING, 400, now - 10,
-                      now - 8, 50.0, 12.0)  # fmt: skip
+    moving = Progress(
+        "7" * 32, "example", "a.warc", 1000, 1, UPLOADING, 400, now - 10, now - 8, 50.0, 12.0
+    )
     index.run(write_heartbeat, Heartbeat(9, "1.2.3", now - 3600, now - 2, None, (moving,)))
     survey = take_survey(tmp_path, IDS, now, history=True)
     page = render_status(StatusView("i", survey, 1, ())).decode()

@@ -46,14 +46,16 @@ def test_messages_are_twisted_s_rendering_of_the_template() -> None:
     """Format specs, conversions, attribute and item access, Twisted's ``{name()}`` calls and
     templates that cannot be rendered give the text ``formatEvent`` gives."""
     cases: list[tuple[str, dict[str, Any]]] = [
-        ("accepted {object_id} ({size} bytes) for {project}", dict(object_id=OID, size=65536,
-                                                                    project="p")),
+        (
+            "accepted {object_id} ({size} bytes) for {project}",
+            dict(object_id=OID, size=65536, project="p"),
+        ),
         ("{n:>6,} {r!r} {v.real} {d[k]} {{literal}}", dict(n=12345, r="x", v=2.5, d={"k": 1})),
         ("it took {took()} seconds", dict(took=lambda: 1.5)),
         ("missing {absent}", {}),
         ("positional {}", {}),
         ("", {}),
-    ]  # fmt: skip
+    ]
     out, seen = io.StringIO(), list[dict[str, Any]]()
     log = Logger(namespace="canner.test", observer=LogPublisher(json_observer(out), seen.append))
     for template, fields in cases:

@@ -30,6 +30,7 @@ from canner.ops.manhole import (
     prepare_socket_dir,
     ssh_factory,
     unix_endpoint,
+    with_aliases,
 )
 from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.uploads import UploadInfo, UploadStore
@@ -319,6 +320,15 @@ def test_lookup_stuck_and_survey_helpers(data_dir: Path) -> None:
             namespace["lookup"]("../../etc/passwd")
     finally:
         index.close()
+
+
+def test_the_old_name_scheduler_is_the_outbound_service() -> None:
+    """``scheduler``, typed by operators before it was ``outbound``, names the same object, and
+    only where the daemon has an outbound service."""
+    outbound = object()
+    namespace = with_aliases({"config": None, "outbound": outbound})
+    assert namespace == {"config": None, "outbound": outbound, "scheduler": outbound}
+    assert with_aliases({"config": None}) == {"config": None}
 
 
 def test_lookup_of_an_upload_in_progress(data_dir: Path) -> None:

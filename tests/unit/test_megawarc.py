@@ -350,9 +350,13 @@ def test_a_member_that_names_its_dictionary_is_packed_behind_the_given_frame(
     work = tmp_path / "named"
     work.mkdir()
     build_package(
-        members, lambda oid: src / oid, work, BASE, threading.Event(),
+        members,
+        lambda oid: src / oid,
+        work,
+        BASE,
+        threading.Event(),
         dictionaries={"0000000042": frame},
-    )  # fmt: skip
+    )
     data = (work / f"{BASE}.0000000042.megawarc.warc.zst").read_bytes()
     assert data == frame + dictless
     held = (work / f"{BASE}.{dictionary.dict_id()}.megawarc.warc.zst").read_bytes()

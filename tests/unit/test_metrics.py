@@ -23,7 +23,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from canner.accept.acceptance import Acceptance
 from canner.blocking import run_inline
-from canner.daemon.services import LogObservers, PeriodicService
+from canner.daemon.services import LogObservers
 from canner.daemon.site import MeteredSite, ReceiverRoutes
 from canner.delivery import index as sql
 from canner.delivery.index import AcceptedObject
@@ -46,6 +46,7 @@ from canner.ops.metrics import (
 from canner.ops.problems import RecentProblems
 from canner.ops.readiness import FloorWatch, check_readiness
 from canner.ops.status_page import StatusSource, StatusView, render_status
+from canner.periodic import PeriodicService
 from canner.store.receipts import Receipt, ReceiptStore
 from canner.store.uploads import UploadInfo, UploadStore
 from canner.web.routing import route

@@ -313,8 +313,11 @@ def test_a_commit_a_kill_left_unindexed_is_found_after_the_start(restarted: Rest
     assert restarted.start() == 1
     row = succeeded(restarted.index.run(sql.get_row, oid(1)))
     assert (row.project, row.filename, row.downloader, row.state) == (
-        "urls", "item.warc.zst", "alice", "pending"
-    )  # fmt: skip
+        "urls",
+        "item.warc.zst",
+        "alice",
+        "pending",
+    )
     commits: list[int] = []
 
     def commit_again() -> Deferred[Receipt]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from canner.cli.main import delivery_example
+from canner.cli.check import delivery_example
 from canner.config import ConfigError, parse_config, parse_size
 from canner.sinks.ia_config import validate_delivery
 from canner.sinks.plan import PlanError, plan_package_file

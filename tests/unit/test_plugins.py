@@ -29,8 +29,12 @@ def test_a_bad_config_refuses_to_start_naming_every_key(role: str, tmp_path: Pat
     twistd = Path(sys.executable).with_name("twistd")
     done = subprocess.run(
         [twistd, "--nodaemon", "--pidfile=", role, "--config", config],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
     assert done.returncode == 1
     assert done.stderr.endswith(
         "canner: 2 config errors:\n"

@@ -15,7 +15,7 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
 from canner.blocking import run_inline
-from canner.cli.main import _status_text
+from canner.cli.inspect import _status_text
 from canner.daemon.site import ReceiverRoutes
 from canner.ids import ObjectIds
 from canner.ops.inventory import survey_json, take_survey

@@ -22,7 +22,7 @@ from werkzeug.exceptions import BadHost
 from werkzeug.routing import Map
 from zope.interface import provider
 
-from canner.doors.tus.intake import TAKEOVER_QUIET, TAKEOVER_WAIT
+from canner.accept.intake import TAKEOVER_QUIET, TAKEOVER_WAIT
 from canner.web.routing import bindable_host
 from tests.unit.receiver_harness import (
     MAX_UPLOAD,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from canner.accept.acceptance import INLINE_HASH_MAX
-from canner.doors.tus.intake import ACCEPTANCE_RETRY_AFTER, ACCEPTANCE_WAIT, TAKEOVER_QUIET
+from canner.accept.intake import ACCEPTANCE_RETRY_AFTER, ACCEPTANCE_WAIT, TAKEOVER_QUIET
 from canner.web.channel import LINGER_BYTES, LINGER_SECONDS
 from tests.unit.receiver_harness import (
     OFFSET_TYPE,

@@ -101,8 +101,14 @@ def test_the_shipped_templates_make_one_refusing_module_per_project(tmp_path: Pa
 def test_an_unknown_placeholder_is_an_error() -> None:
     """A template naming a value the code does not fill cannot render."""
     with pytest.raises(KeyError):
-        rsyncd_conf("", "[$project]\n  x = $nope\n", projects=["p"], incoming=Path("/i"),
-                    max_connections=1, runtime_dir=Path("/r"))  # fmt: skip
+        rsyncd_conf(
+            "",
+            "[$project]\n  x = $nope\n",
+            projects=["p"],
+            incoming=Path("/i"),
+            max_connections=1,
+            runtime_dir=Path("/r"),
+        )
 
 
 # -- the incoming tree ----------------------------------------------------------------------------
@@ -164,18 +170,29 @@ class Node:
 
     def intake(self, observer: Any = None) -> RsyncIntake:
         acceptance = Acceptance(
-            uploads=self.uploads, receipts=self.receipts, run=run_inline, hash=run_inline,
-            clock=self.clock, issuer=ISSUER,
+            uploads=self.uploads,
+            receipts=self.receipts,
+            run=run_inline,
+            hash=run_inline,
+            clock=self.clock,
+            issuer=ISSUER,
             enqueue=lambda r, o: self.enqueued.append((r, o)),
-        )  # fmt: skip
+        )
         return RsyncIntake(
-            incoming=self.data / "incoming", projects=("example", "other"), area=self.area,
-            uploads=self.uploads, receipts=self.receipts, acceptance=acceptance,
-            run=run_inline, hash=run_inline, clock=self.clock, ids=ObjectIds(),
+            incoming=self.data / "incoming",
+            projects=("example", "other"),
+            area=self.area,
+            uploads=self.uploads,
+            receipts=self.receipts,
+            acceptance=acceptance,
+            run=run_inline,
+            hash=run_inline,
+            clock=self.clock,
+            ids=ObjectIds(),
             interval=10.0,
             origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
             **({"observer": observer} if observer is not None else {}),
-        )  # fmt: skip
+        )
 
     def arrive(self, name: str, data: bytes, downloader: str = "alice") -> Path:
         path = self.data / "incoming" / "example" / downloader / name

@@ -466,9 +466,13 @@ def test_tus_uploads_naming_a_downloader_are_never_merged(rcv: InMemoryReceiver)
     """A tus worker holds its own upload id: two identical tus uploads that name a downloader
     are two objects (the origin keeps the downloader all the same)."""
     meta = metadata_header(
-        [("project", "example"), ("checksum", blake3_hex(DATA)), ("filename", "a.warc"),
-         ("downloader", "alice")]
-    )  # fmt: skip
+        [
+            ("project", "example"),
+            ("checksum", blake3_hex(DATA)),
+            ("filename", "a.warc"),
+            ("downloader", "alice"),
+        ]
+    )
     headers = [
         ("Tus-Resumable", "1.0.0"),
         ("Upload-Length", str(len(DATA))),

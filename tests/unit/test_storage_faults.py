@@ -175,8 +175,9 @@ def test_a_writeback_error_during_streaming_resets_the_upload(
     """An error from sync_file_range (write-behind) is not swallowed: the upload is reset and
     the later fsync cannot report success over lost pages."""
     env = Env(tmp_path)
-    info = UploadInfo(OID, 3 * WRITE_BEHIND_WINDOW, {"project": "example",
-                      "checksum": "blake3:" + "0" * 64}, 1)  # fmt: skip
+    info = UploadInfo(
+        OID, 3 * WRITE_BEHIND_WINDOW, {"project": "example", "checksum": "blake3:" + "0" * 64}, 1
+    )
     env.uploads.create(info)
     upload = env.uploads.open_locked(info)
 

@@ -114,8 +114,12 @@ def test_sweep_removes_the_claim_temps_a_crash_left_in_the_adoption_area(tmp_pat
     fresh = fs.write_temp(adopting, f"{live}.claim", b"{}", sync=False)
     (adopting / f"{claimed}.claim").write_bytes(b"{}")
     (adopting / claimed).write_bytes(b"payload")
-    for path, age in ((stale, 7200), (fresh, 60), (adopting / f"{claimed}.claim", 7200),
-                      (adopting / claimed, 7200)):  # fmt: skip
+    for path, age in (
+        (stale, 7200),
+        (fresh, 60),
+        (adopting / f"{claimed}.claim", 7200),
+        (adopting / claimed, 7200),
+    ):
         os.utime(path, (now - age, now - age))
 
     report = sweep_stale(

@@ -11,7 +11,7 @@ import attrs
 from twisted.logger import Logger, LogPublisher
 
 from canner.config import parse_config
-from canner.delivery.index import QueueRow
+from canner.delivery.index import ObjectRow
 from canner.delivery.liveness import Heartbeat
 from canner.ids import ObjectIds
 from canner.ops.inventory import IndexSummary, Survey, take_survey
@@ -26,27 +26,46 @@ IDS = ObjectIds()
 OID = "ab" * 16
 
 
-def row(**fields: object) -> QueueRow:
+def row(**fields: object) -> ObjectRow:
     values: dict[str, object] = {
-        "object_id": OID, "project": "example", "filename": "a.warc", "size_bytes": 5,
-        "checksum": "blake3:" + "0" * 64, "accepted_at": 1, "state": "retry_wait",
-        "attempts": 1, "next_attempt_at": NOW + 60, "last_error": "403 AccessDenied",
-        "needs_operator": 0, "content_md5": None, "remote_identifier": None,
-        "remote_name": None, "delivered_at": None, "verified_at": None, "purge_after": None,
-        "purged_at": None, "next_check_at": None, "updated_at": NOW,
-    }  # fmt: skip
+        "object_id": OID,
+        "project": "example",
+        "filename": "a.warc",
+        "size_bytes": 5,
+        "checksum": "blake3:" + "0" * 64,
+        "accepted_at": 1,
+        "state": "retry_wait",
+        "attempts": 1,
+        "next_attempt_at": NOW + 60,
+        "last_error": "403 AccessDenied",
+        "needs_operator": 0,
+        "content_md5": None,
+        "remote_identifier": None,
+        "remote_name": None,
+        "delivered_at": None,
+        "verified_at": None,
+        "purge_after": None,
+        "purged_at": None,
+        "next_check_at": None,
+        "updated_at": NOW,
+    }
     values.update(fields)
-    return QueueRow(**values)  # type: ignore[arg-type]
+    return ObjectRow(**values)  # type: ignore[arg-type]
 
 
 def survey(*, needs_operator: int = 0, beat_age: float | None = 1.0, **fields: object) -> Survey:
     beat = None if beat_age is None else Heartbeat(7, "1", NOW - 600, NOW - beat_age, None)
     index = IndexSummary(
-        states={}, state_bytes={}, projects=(), oldest_undelivered_at=None,
-        needs_operator=needs_operator, purge_overdue=0, oldest_purge_due=None,
+        states={},
+        state_bytes={},
+        projects=(),
+        oldest_undelivered_at=None,
+        needs_operator=needs_operator,
+        purge_overdue=0,
+        oldest_purge_due=None,
         recent_failures=tuple(row(needs_operator=1) for _ in range(needs_operator)),
         heartbeat=beat,
-    )  # fmt: skip
+    )
     base = Survey(taken_at=NOW, free_bytes=10**9, active_uploads=(), index=index)
     return attrs.evolve(base, **fields)
 
@@ -152,8 +171,13 @@ def test_errors_logged_while_starting_are_shown_once_and_counted() -> None:
 def test_deliveries_link_to_ia_items_only_for_ia_projects() -> None:
     """An IA project's delivery links to its item; a directory sink's shows the file's path,
     and no archive.org link anywhere."""
-    delivered = row(state="delivered", remote_identifier="example-" + OID, remote_name="a.warc",
-                    delivered_at=NOW - 5, verified_at=NOW - 4)  # fmt: skip
+    delivered = row(
+        state="delivered",
+        remote_identifier="example-" + OID,
+        remote_name="a.warc",
+        delivered_at=NOW - 5,
+        verified_at=NOW - 4,
+    )
     index = attrs.evolve(survey().index, recent_deliveries=(delivered,))
     view = StatusView(
         "i",
@@ -181,21 +205,30 @@ def test_delivery_targets_follow_each_projects_sink(tmp_path: Path) -> None:
             "data_dir": str(tmp_path),
             "min_free_bytes": 1,
             "projects": {
-                "dirproj": {"delivery": {
-                    "sink": "directory", "path": str(tmp_path / "archive" / "{project}"),
-                    "identifier": "{project}-{object_id}", "remote_name": "{object_id}",
-                    "local_artifact_retention": "1h",
-                }},
-                "iaproj": {"delivery": {
-                    "sink": "internet_archive", "credentials": str(tmp_path / "keys"),
-                    "identifier": "x-{object_id}", "remote_name": "{object_id}",
-                    "local_artifact_retention": "1h", "metadata_url": "https://ia.test",
-                }},
+                "dirproj": {
+                    "delivery": {
+                        "sink": "directory",
+                        "path": str(tmp_path / "archive" / "{project}"),
+                        "identifier": "{project}-{object_id}",
+                        "remote_name": "{object_id}",
+                        "local_artifact_retention": "1h",
+                    }
+                },
+                "iaproj": {
+                    "delivery": {
+                        "sink": "internet_archive",
+                        "credentials": str(tmp_path / "keys"),
+                        "identifier": "x-{object_id}",
+                        "remote_name": "{object_id}",
+                        "local_artifact_retention": "1h",
+                        "metadata_url": "https://ia.test",
+                    }
+                },
                 "local": {},
             },
         },
         tmp_path,
-    )  # fmt: skip
+    )
     assert delivery_targets(config) == {
         "dirproj": DeliveryTarget(directory=str(tmp_path / "archive" / "dirproj")),
         "iaproj": DeliveryTarget(item_url="https://ia.test"),

@@ -30,31 +30,6 @@ _AUTHORITY = re.compile(r"[A-Za-z0-9.:\[\]-]{1,255}")
 _MAX_INT = 9223372036854775807
 
 
-def _retry_later(status: int, message: str) -> HTTPError:
-    return HTTPError(status, message, (("Retry-After", "60"),))
-
-
-def no_space(available: int, required: int) -> HTTPError:
-    """429: the data filesystem has less than ``min_free_bytes`` available."""
-    return _retry_later(429, f"insufficient storage: {available} bytes free, {required} required")
-
-
-def overpromised(reason: str) -> HTTPError:
-    """503: the free space is promised to uploads in flight; create the upload later (or on
-    another node)."""
-    return _retry_later(503, f"insufficient storage for a new upload: {reason}")
-
-
-def space_unknown() -> HTTPError:
-    """503: free space on the data filesystem could not be determined."""
-    return _retry_later(503, "free space on the data directory cannot be determined")
-
-
-def storage_trouble(message: str, retry_after: int = 60) -> HTTPError:
-    """503: the storage failed or is full; send again later (HEAD says from where)."""
-    return HTTPError(503, message, (("Retry-After", str(retry_after)),))
-
-
 def parse_strict_int(text: str, name: str) -> int:
     """Digits only (no sign, spaces, underscores), at most 2**63 - 1; else 400 naming the header."""
     if not _DIGITS.fullmatch(text) or int(text) > _MAX_INT:

@@ -3,38 +3,37 @@
 Thin adapters, dispatched on the route the request already has (``canner.web.routing``): nothing
 matches a tus path a second time.  POST and PATCH bodies were already streamed by the request
 (``channel.py``, ``stream.py``); their handlers wait for the stream's
-:class:`~canner.doors.tus.intake.Outcome` and render it.  Every expected refusal is a
-:class:`HTTPError`, rendered by :class:`~canner.web.answer.Answer`; anything else is a 500 with
-the failure logged.
+:class:`~canner.accept.intake.Outcome` and render it.  Every expected refusal is a
+:class:`HTTPError`, rendered by the one renderer (:mod:`canner.web.answer`); anything else is a
+500 with the failure logged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
-from twisted.logger import Logger
-from twisted.python.failure import Failure
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request
+from twisted.web.server import Request
 
+from canner.accept.intake import Outcome
+from canner.doors.base import Door, DoorParts
 from canner.doors.tus import protocol
-from canner.doors.tus.intake import Outcome, UploadIntake
-from canner.web.answer import Answer
+from canner.doors.tus.admission import TusAdmission
+from canner.web.answer import answer_later, render_error
 from canner.web.errors import TUS_VERSION, HTTPError
-from canner.web.routing import OTHER, Kind, Route
-from canner.web.stream import BodyStream
+from canner.web.routing import OTHER, Kind, Route, Surface
+from canner.web.stream import body_stream
 
-log = Logger()
-
-Handler = Callable[[IRequest, Route], "Deferred[bytes] | bytes"]
+Handler = Callable[[IRequest, Route], Deferred[bytes]]
 
 
-def render_error(request: IRequest, error: HTTPError) -> bytes:
-    """A refusal given once the request reached its route (see ``answer.py``)."""
-    return Answer.of(error).apply(request)
+def door(parts: DoorParts) -> Door:
+    """The tus door: ``/files/`` (:data:`~canner.web.routing.Surface.TUS`)."""
+    admission = TusAdmission(config=parts.config, intake=parts.intake, clock=parts.clock)
+    routes = TusRoutes(admission, parts.config.max_upload_bytes)
+    return Door(name="tus", serves=Surface.TUS, body=admission, resource=routes)
 
 
 def _offset_headers(request: IRequest, outcome: Outcome) -> None:
@@ -50,9 +49,9 @@ class TusRoutes(Resource):
 
     isLeaf = True
 
-    def __init__(self, intake: UploadIntake, max_upload_bytes: int) -> None:
+    def __init__(self, admission: TusAdmission, max_upload_bytes: int) -> None:
         super().__init__()
-        self._intake = intake
+        self._admission = admission
         self._max_upload_bytes = max_upload_bytes
         self._handlers: dict[Kind, dict[bytes, Handler]] = {
             Kind.CREATE: {b"POST": self.create},
@@ -77,39 +76,15 @@ class TusRoutes(Resource):
         if handler is None:
             request.setHeader("Allow", self._allow[route.kind])
             return render_error(request, HTTPError(405, "method not allowed"))
-        answered = maybeDeferred(handler, request, route)
-        # A connection that drops first cancels the wait (never the upload's stream).
-        request.notifyFinish().addErrback(lambda _: answered.cancel())
-        answered.addCallbacks(
-            self._write, self._refusal, callbackArgs=(request,), errbackArgs=(request,)
-        )
-        return NOT_DONE_YET
+        return answer_later(request, maybeDeferred(handler, request, route))
 
-    @staticmethod
-    def _write(body: bytes, request: Any) -> None:
-        if not request.finished and request.channel is not None:
-            request.write(body)
-            request.finish()
-
-    @classmethod
-    def _refusal(cls, failure: Failure, request: Any) -> None:
-        if failure.check(CancelledError):
-            return  # the connection went first: nobody to answer
-        error = failure.value
-        if not isinstance(error, HTTPError):
-            log.failure("answering {method} {path}", failure, method=request.method,
-                        path=request.path)  # fmt: skip
-            error = HTTPError(500, "internal error")
-        if not request.finished and request.channel is not None:
-            cls._write(render_error(request, error), request)
-
-    def options(self, request: IRequest, route: Route) -> bytes:
+    def options(self, request: IRequest, route: Route) -> Deferred[bytes]:
         request.setResponseCode(204)
         request.setHeader("Tus-Version", TUS_VERSION)
         request.setHeader("Tus-Extension", protocol.TUS_EXTENSIONS)
         request.setHeader("Tus-Max-Size", str(self._max_upload_bytes))
         request.defaultContentType = None  # type: ignore[attr-defined]
-        return b""
+        return succeed(b"")
 
     def create(self, request: IRequest, route: Route) -> Deferred[bytes]:
         def created(outcome: Outcome) -> bytes:
@@ -119,7 +94,7 @@ class TusRoutes(Resource):
             _offset_headers(request, outcome)
             return b""
 
-        return _stream(request).result().addCallback(created)
+        return body_stream(request).result().addCallback(created)
 
     def status(self, request: IRequest, route: Route) -> Deferred[bytes]:
         request.setHeader("Cache-Control", "no-store")
@@ -131,7 +106,7 @@ class TusRoutes(Resource):
             _offset_headers(request, outcome)
             return b""
 
-        return self._intake.status(request.requestHeaders, route.target).addCallback(found)
+        return self._admission.status(request.requestHeaders, route.target).addCallback(found)
 
     def append(self, request: IRequest, route: Route) -> Deferred[bytes]:
         def appended(outcome: Outcome) -> bytes:
@@ -139,12 +114,4 @@ class TusRoutes(Resource):
             _offset_headers(request, outcome)
             return b""
 
-        return _stream(request).result().addCallback(appended)
-
-
-def _stream(request: IRequest) -> BodyStream:
-    stream = getattr(request, "body_sink", None)
-    if not isinstance(stream, BodyStream):
-        # Only a request whose head named a tus body route gets here, and those always stream.
-        raise HTTPError(404, "no such upload")
-    return stream
+        return body_stream(request).result().addCallback(appended)

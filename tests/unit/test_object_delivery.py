@@ -142,7 +142,7 @@ class Harness:
             ids.append(oid)
         return ids
 
-    def row(self, oid: str) -> sql.QueueRow:
+    def row(self, oid: str) -> sql.ObjectRow:
         row = self.index.run(sql.get_row, oid).result
         assert row is not None
         return row

@@ -1,19 +1,21 @@
-"""Upload admission and completion: what happens to a tus request before and after its body.
+"""The door-neutral intake: admission of an upload body and what happens to it after.
 
-``open_body`` is called by :class:`~canner.web.stream.ReceiverRequest` as soon as a request's head
-is in.  For ``POST /files/`` (creation, with or without upload) and ``PATCH /files/{id}`` it checks
-the headers (pure, at once), then admits the request in a thread (free space, upload exists, lock,
-offset, length) and returns the :class:`BodyStream` that writes the body.  When the body is written
-the stream calls back here: a complete upload goes to
-:class:`~canner.accept.acceptance.Acceptance`, an
-incomplete one is released.  The result the route renders is an :class:`Outcome`.
+A door (``canner.doors``) reads its protocol's headers and asks here.
+:meth:`UploadIntake.admit_creation` (drain, free space, promises) and
+:meth:`~UploadIntake.admit_append` (the upload exists, one writer, its offset, a stalled writer
+taken over) decide admission in a thread, and :meth:`~UploadIntake.open_stream` returns the
+:class:`BodyStream` that writes the body.  Once the body is written the stream calls back here:
+a complete upload goes to :class:`~canner.accept.acceptance.Acceptance`, an incomplete one is let
+go (:meth:`~UploadIntake.finish`) or, for a whole file nothing resumes, discarded
+(:meth:`~UploadIntake.finish_whole`).  :meth:`~UploadIntake.standing` and
+:meth:`~UploadIntake.receipt` read an upload only at a moment no acceptance of it runs.  What a
+door renders is an :class:`Outcome`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,11 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
 
 from canner import fs
 from canner.accept.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
 from canner.blocking import BlockingRunner
 from canner.config import Config
-from canner.doors.tus import protocol
 from canner.observe import UNOBSERVED, UploadObserver
 from canner.store import drain
 from canner.store.promises import Promises
@@ -44,8 +44,7 @@ from canner.store.uploads import (
     UploadStore,
 )
 from canner.web.channel import ReceiverRequest
-from canner.web.errors import HTTPError
-from canner.web.routing import Kind, Route, single_header
+from canner.web.errors import HTTPError, no_space, overpromised, space_unknown, storage_trouble
 from canner.web.stream import Abandon, BodyStream
 
 log = Logger()
@@ -63,7 +62,8 @@ TAKEOVER_WAIT = 5.0
 
 @frozen
 class Outcome:
-    """Where an upload stands after a request: what HEAD, PATCH and POST render."""
+    """Where an upload stands after a request: what a door renders (tus: HEAD, PATCH and POST; a
+    PUT: its receipt)."""
 
     upload_id: str
     size: int
@@ -73,7 +73,8 @@ class Outcome:
     location: str | None = None
 
 
-def _not_found() -> HTTPError:
+def not_found() -> HTTPError:
+    """404: no upload (and no receipt) has this id."""
     return HTTPError(404, "no such upload")
 
 
@@ -92,18 +93,18 @@ def _failure_status(failure: Failure) -> Failure:
         return Failure(HTTPError(422, str(failure.value)))
     if failure.check(AcceptanceFailed, StorageFault, OutOfSpace):
         # 503 with Retry-After: every tus client (the Go SDK too) retries it, then HEADs.
-        return Failure(protocol.storage_trouble(str(failure.value)))
+        return Failure(storage_trouble(str(failure.value)))
     error = failure.value
     if isinstance(error, OSError):
         # Logged here: nothing before this point did (the store's own faults are logged by
         # their callers).  The client gets the reason, never a path.
         log.error("storage failure: {error}", error=str(error))
-        return Failure(protocol.storage_trouble(f"storage failure: {error.strerror or error}"))
+        return Failure(storage_trouble(f"storage failure: {error.strerror or error}"))
     return failure
 
 
-def _check_final_patch(offset: int, length: int | None, size: int) -> None:
-    """A PATCH to a complete upload may only repeat the final, empty request (409, 413)."""
+def _check_final_append(offset: int, length: int | None, size: int) -> None:
+    """An append to a complete upload may only repeat the final, empty request (409, 413)."""
     if offset != size:
         raise HTTPError(409, f"Upload-Offset {offset} does not match {size}")
     if length != 0:
@@ -112,7 +113,7 @@ def _check_final_patch(offset: int, length: int | None, size: int) -> None:
 
 @define(eq=False, kw_only=True)
 class UploadIntake:
-    """Admission, body streaming and completion for tus uploads."""
+    """Admission, body streaming and completion of uploads, for every door that streams one."""
 
     _config: Config
     _uploads: UploadStore
@@ -136,18 +137,6 @@ class UploadIntake:
 
     # -- the streaming seam -------------------------------------------------------------------
 
-    def open_body(
-        self, request: ReceiverRequest, route: Route, length: int | None
-    ) -> BodyStream | None:
-        """The stream of a creation's or an append's body; None for any other route."""
-        if route.kind is Kind.CREATE:
-            admission = partial(self._admit_creation, request.requestHeaders, length)
-        elif route.kind is Kind.APPEND:
-            admission = partial(self._admit_append, request.requestHeaders, route.target, length)
-        else:
-            return None
-        return self.open_stream(request, admission, self._finish)
-
     def open_stream(
         self,
         request: ReceiverRequest,
@@ -157,7 +146,7 @@ class UploadIntake:
     ) -> BodyStream:
         """The stream of an upload body that ``admission`` admits (a :class:`HTTPError` it raises
         or fails with is the answer), written like every upload's and handed to ``finish``
-        (:meth:`_finish`, :meth:`finish_whole`) once over; an upload whose body is answered
+        (:meth:`finish`, :meth:`finish_whole`) once over; an upload whose body is answered
         without ``finish`` (a write failed) goes to ``abandon`` (blocking): closed, or
         :meth:`discard_whole`."""
         transport = request.transport
@@ -187,31 +176,43 @@ class UploadIntake:
         admitting.addCallbacks(admitted, lambda f: stream.answered(_failure_status(f)))
         return stream
 
-    # -- whole files in one request (other doors: canner.doors.seesaw)
-    # -------------------------------
+    # -- admission -----------------------------------------------------------------------------
 
-    def create_whole(self, info: UploadInfo) -> LockedUpload:
-        """Admit and create an upload whose bytes all come in one request, and lock it
-        (blocking): refused like a tus creation while the node drains or is under its free
-        space floor.  The caller streams it through :meth:`open_stream` with
-        :meth:`finish_whole`."""
-        created = self._create(info, "", with_body=True)
-        assert isinstance(created, LockedUpload)
-        return created
+    def admit_creation(
+        self, info: UploadInfo, location: str = "", with_body: bool = True
+    ) -> Deferred[LockedUpload | Outcome]:
+        """Create the upload ``info`` describes (everything the head tells checked by its door):
+        refused while the node drains (503), under its free space floor (429) or when the space
+        is promised to uploads in flight (503).  With ``with_body`` the upload comes locked, for
+        :meth:`open_stream`; without, the outcome of an empty creation.  ``location`` is what the
+        door answers the upload's address with (tus: ``Location``)."""
+        created = self._run(self._create, info, location, with_body)
+        return created.addCallback(self._created, info.project)
 
-    def whole_created(self, upload: LockedUpload) -> LockedUpload:
-        """Count a :meth:`create_whole` (reactor thread), as a tus creation counts."""
-        return self._created(upload, upload.info.project)  # type: ignore[return-value]
+    def admit_append(
+        self, upload_id: str, offset: int, length: int | None
+    ) -> Deferred[LockedUpload | Outcome]:
+        """Admit ``length`` bytes (None: not known yet) for the upload ``upload_id`` from
+        ``offset``: the upload locked for :meth:`open_stream`, or the outcome of one already
+        accepted when the request is its final, empty one again.  A stalled writer of the upload
+        is taken over; 404, 409, 413, 422 (rejected), 423 (another writer still sending)."""
+        if upload_id not in self._writers and not self._acceptance.is_running(upload_id):
+            # The common case, without a coroutine: nobody here writes or accepts it.
+            return self._run(self._open_for_append, upload_id, offset, length)
+        return Deferred.fromCoroutine(self._admit_known(upload_id, offset, length))
+
+    # -- whole files in one request (canner.doors.seesaw) ---------------------------------------
 
     def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
-        """After a whole-file body: acceptance when every byte came, as for tus; otherwise the
+        """The ``finish`` of a whole-file body (an upload created by :meth:`admit_creation` with
+        nothing to resume it): acceptance when every byte came, as for tus; otherwise the
         upload cannot be resumed, so it is discarded at once (:meth:`discard_whole`).  An
         acceptance that fails for a reason other than a checksum mismatch (storage trouble, the
         receiver stopping) leaves nothing either: the worker sends the file again (a mismatch
         keeps its sidecar, rejected, for the sweep)."""
         info = upload.info
         if upload.offset == info.size:
-            return self._finish(upload, lost).addErrback(self._discard_unaccepted, info)
+            return self.finish(upload, lost).addErrback(self._discard_unaccepted, info)
         offset = upload.offset
 
         def cut_short(_: object) -> Outcome:
@@ -298,44 +299,9 @@ class UploadIntake:
                 raise _locked()
             await task.deferLater(self._clock, TAKEOVER_QUIET - quiet)
 
-    def _admit_creation(
-        self, headers: Headers, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
-        protocol.check_tus_resumable(headers)
-        creation = protocol.parse_creation(
-            headers, self._config.projects, self._config.max_upload_bytes
-        )
-        if length != 0:
-            if not protocol.has_upload_body(headers):
-                raise HTTPError(
-                    415, f"a creation body needs Content-Type {protocol.OFFSET_CONTENT_TYPE}"
-                )
-            if length is not None and length > creation.length:
-                raise HTTPError(413, "the body is longer than Upload-Length")
-        info = UploadInfo(
-            upload_id=self._config.object_ids.new(),
-            size=creation.length,
-            metadata=dict(creation.metadata),
-            created_at=int(self._clock.seconds()),
-            durable=0,
-        )
-        # Everything the answer needs is checked before anything exists on disk.
-        location = self._location(headers, info.upload_id)
-        created = self._run(self._create, info, location, length != 0)
-        return created.addCallback(self._created, info.project)
-
     def _created(self, result: LockedUpload | Outcome, project: str) -> LockedUpload | Outcome:
         self.observer.upload_created(project)
         return result
-
-    def _location(self, headers: Headers, upload_id: str) -> str:
-        forwarded: list[tuple[str, str]] = []
-        if self._config.trust_forwarded_headers:
-            for key in ("proto", "host"):
-                value = single_header(headers, f"X-Forwarded-{key}")
-                if value:
-                    forwarded.append((key, value.split(",")[0].strip()))
-        return protocol.location(self._config.public_url, forwarded, upload_id)
 
     def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
         self._check_draining()
@@ -344,7 +310,7 @@ class UploadIntake:
             info.upload_id, info.size, available, self._config.min_free_bytes
         )
         if refusal is not None:
-            raise protocol.overpromised(refusal.describe())
+            raise overpromised(refusal.describe())
         try:
             # All or nothing; an OSError is answered by _failure_status.
             self._uploads.create(info)
@@ -364,25 +330,12 @@ class UploadIntake:
         upload.location = location
         return upload
 
-    def _admit_append(
-        self, headers: Headers, upload_id: str, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
-        protocol.check_tus_resumable(headers)
-        protocol.check_patch_content_type(headers)
-        if not self._config.object_ids.is_valid(upload_id):
-            raise _not_found()
-        offset = protocol.upload_offset(headers)
-        if upload_id not in self._writers and not self._acceptance.is_running(upload_id):
-            # The common case, without a coroutine: nobody here writes or accepts it.
-            return self._run(self._open_for_append, upload_id, offset, length)
-        return Deferred.fromCoroutine(self._admit_known(upload_id, offset, length))
-
     async def _admit_known(
         self, upload_id: str, offset: int, length: int | None
     ) -> LockedUpload | Outcome:
         await self._take_over(upload_id, wait_for_live=True)
         if self._acceptance.is_running(upload_id):
-            # The upload is complete and being accepted: only an empty final PATCH may join.
+            # The upload is complete and being accepted: only an empty final append may join.
             size = await self._run(self._join_check, upload_id, offset, length)
             result: LockedUpload | Outcome = await self._join(size, upload_id, offset, length)
             return result
@@ -392,15 +345,15 @@ class UploadIntake:
         self, size: int, upload_id: str, offset: int, length: int | None
     ) -> Deferred[LockedUpload | Outcome]:
         running = self._acceptance.in_flight(upload_id)
-        if running is None:  # it ended while we checked: answer as for any other PATCH
+        if running is None:  # it ended while we checked: answer as for any other append
             return self._run(self._open_for_append, upload_id, offset, length)
         return running.addCallback(lambda receipt: Outcome(upload_id, size, size, {}, receipt))
 
     def _join_check(self, upload_id: str, offset: int, length: int | None) -> int:
         info = self._read_info(upload_id)
         if info is None:
-            raise _not_found()
-        _check_final_patch(offset, length, info.size)
+            raise not_found()
+        _check_final_append(offset, length, info.size)
         return info.size
 
     def _open_for_append(
@@ -411,8 +364,8 @@ class UploadIntake:
         if info is None:
             accepted = self._accepted(upload_id)
             if accepted is None:
-                raise _not_found()
-            _check_final_patch(offset, length, accepted.size)
+                raise not_found()
+            _check_final_append(offset, length, accepted.size)
             return accepted
         if info.rejected is not None:
             raise _rejected(info)
@@ -424,8 +377,8 @@ class UploadIntake:
             # Purged after acceptance (or swept) since the sidecar was read.
             accepted = self._accepted(upload_id)
             if accepted is None:
-                raise _not_found() from None
-            _check_final_patch(offset, length, accepted.size)
+                raise not_found() from None
+            _check_final_append(offset, length, accepted.size)
             return accepted
         try:
             if offset != upload.offset:
@@ -456,10 +409,10 @@ class UploadIntake:
             available = self.free_space(self._config.data_dir)
         except OSError:
             self.free_space_seen(None)
-            raise protocol.space_unknown() from None
+            raise space_unknown() from None
         self.free_space_seen(available)
         if available < self._config.min_free_bytes:
-            raise protocol.no_space(available, self._config.min_free_bytes)
+            raise no_space(available, self._config.min_free_bytes)
         return available
 
     def _read_info(self, upload_id: str) -> UploadInfo | None:
@@ -522,7 +475,9 @@ class UploadIntake:
 
     # -- after the body -------------------------------------------------------------------------
 
-    def _finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+    def finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+        """The ``finish`` of a resumable upload's body: acceptance once every byte is stored;
+        otherwise its offset made durable and its lock let go, for the next request to resume."""
         info, location = upload.info, upload.location
         if upload.offset == info.size:
             # Every byte is stored: nothing is owed any more, whatever acceptance says (an
@@ -567,26 +522,20 @@ class UploadIntake:
         done: Deferred[None] = self._run(discard).addErrback(kept)
         return done.addCallback(lambda _: fail(failure))
 
-    # -- HEAD -----------------------------------------------------------------------------------
+    # -- where an upload stands ---------------------------------------------------------------
 
-    def status(self, headers: Headers, upload_id: str) -> Deferred[Outcome]:
-        """The state of an upload for HEAD.
+    def standing(self, upload_id: str) -> Deferred[Outcome]:
+        """Where the upload ``upload_id`` (a valid id) stands (tus: what HEAD reports).
 
-        While an acceptance of the upload runs, HEAD waits for it (at most
+        While an acceptance of the upload runs, this waits for it (at most
         :data:`ACCEPTANCE_WAIT`, then 503): a receipt is never shown before its commit point,
         and a complete upload is never shown without the receipt that is on its way.  A complete
         upload that has no receipt and no acceptance running (a transient failure earlier) gets
-        acceptance started in the background.
+        acceptance started in the background.  404 for no such upload, 410 for one rejected.
         """
-        try:
-            protocol.check_tus_resumable(headers)
-            if not self._config.object_ids.is_valid(upload_id):
-                raise _not_found()
-        except HTTPError as e:
-            return fail(e)
-        return Deferred.fromCoroutine(self._head(upload_id)).addErrback(_failure_status)
+        return Deferred.fromCoroutine(self._standing(upload_id)).addErrback(_failure_status)
 
-    async def _head(self, upload_id: str) -> Outcome:
+    async def _standing(self, upload_id: str) -> Outcome:
         await self._take_over(upload_id, wait_for_live=False)
         outcome: Outcome = await self._committed(upload_id, self._status)
         return self._maybe_resume_acceptance(outcome)
@@ -614,7 +563,7 @@ class UploadIntake:
         await self._released(
             writer,
             ACCEPTANCE_WAIT,
-            protocol.storage_trouble(
+            storage_trouble(
                 "the upload's last bytes are still being written; retry to get the receipt",
                 ACCEPTANCE_RETRY_AFTER,
             ),
@@ -631,7 +580,7 @@ class UploadIntake:
 
     def receipt(self, object_id: str) -> Deferred[bytes | None]:
         """The committed receipt of ``object_id`` (None when there is none), waiting for a
-        running acceptance like :meth:`status`."""
+        running acceptance like :meth:`standing`."""
         return Deferred.fromCoroutine(self._receipt(object_id)).addErrback(_failure_status)
 
     async def _receipt(self, object_id: str) -> bytes | None:
@@ -649,7 +598,7 @@ class UploadIntake:
             # Success or failure is the acceptance's business (its own request answers it);
             # the caller reads the disk afterwards.
             if isinstance(result, Failure) and result.check(defer.TimeoutError):
-                raise protocol.storage_trouble(
+                raise storage_trouble(
                     "the upload is complete and its acceptance (hash and commit) is still"
                     " running; retry to get the receipt",
                     ACCEPTANCE_RETRY_AFTER,
@@ -662,7 +611,7 @@ class UploadIntake:
         if info is None:
             accepted = self._accepted(upload_id)
             if accepted is None:
-                raise _not_found()
+                raise not_found()
             return accepted
         if info.rejected is not None:
             raise HTTPError(410, f"upload rejected for good: {info.rejected}")
