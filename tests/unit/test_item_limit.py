@@ -15,9 +15,9 @@ from canner.config import ConfigError, parse_config
 from canner.delivery.objects import planner
 from canner.sinks.directory import DirectoryDelivery
 from canner.sinks.plan import ItemTooBig, plan_package_file, plan_upload
+from tests.integration.test_ia import ACCEPTED, OID, delivery
 from tests.packaging_support import warc_bytes
 from tests.unit.test_config import _delivery, config
-from tests.unit.test_ia import ACCEPTED, OID, delivery
 from tests.unit.test_object_delivery import Harness
 from tests.unit.test_packaging import Harness as PackagingHarness
 

@@ -30,7 +30,7 @@ from canner.sinks.internet_archive import (
 )
 from canner.sinks.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
 from canner.sinks.plan import ItemPlan, plan_upload
-from tests.unit.test_ia import ACCEPTED, OID, delivery
+from tests.integration.test_ia import ACCEPTED, OID, delivery
 
 
 def reading(**detail: Any) -> LimitReading:

@@ -40,7 +40,7 @@ from canner.sinks.multipart import (
 )
 from canner.sinks.plan import ItemPlan, plan_upload
 from tests.fake_ia import S3_NS, FakeIA, url_of
-from tests.unit.test_ia import ACCEPTED, OID, delivery
+from tests.integration.test_ia import ACCEPTED, OID, delivery
 
 reactor: Any = _reactor
 PART = MIN_PART_SIZE
