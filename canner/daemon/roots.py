@@ -294,10 +294,16 @@ def receiver_service(
     ).setServiceParent(top)
     if config.rsync is not None:
         RsyncIntake.for_config(
-            config, config.rsync, acceptance=parts.acceptance, origins=parts.origins,
-            uploads=uploads, receipts=receipts, io=io, hashing=hashing, reactor=reactor,
+            config,
+            config.rsync,
+            acceptance=parts.acceptance,
+            uploads=uploads,
+            receipts=receipts,
+            io=io,
+            hashing=hashing,
+            reactor=reactor,
             observer=metrics,
-        ).setServiceParent(top)  # fmt: skip
+        ).setServiceParent(top)
     ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     # Last: by the time it starts the port listens (listeners listen in privilegedStartService).

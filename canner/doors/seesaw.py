@@ -47,7 +47,7 @@ from canner.blocking import BlockingRunner
 from canner.config import Config
 from canner.doors.tus.intake import Outcome, UploadIntake
 from canner.doors.tus.routes import TusRoutes, render_error
-from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadInfo
+from canner.store.uploads import DECLARED_DIGESTS, Door, LockedUpload, UploadInfo
 from canner.web.channel import BodySink, ReceiverRequest
 from canner.web.errors import HTTPError
 from canner.web.routing import OTHER, Kind, Route, Surface, single_header
@@ -175,6 +175,7 @@ class SeesawDoor:
             size=length,
             metadata=metadata,
             created_at=int(self._clock.seconds()),
+            door=Door.PUT,
         )
         created = self._run(self._intake.create_whole, info)
         return created.addCallback(self._intake.whole_created)

@@ -167,13 +167,13 @@ class Node:
             uploads=self.uploads, receipts=self.receipts, run=run_inline, hash=run_inline,
             clock=self.clock, issuer=ISSUER,
             enqueue=lambda r, o: self.enqueued.append((r, o)),
+            origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
         )  # fmt: skip
         return RsyncIntake(
             incoming=self.data / "incoming", projects=("example", "other"), area=self.area,
             uploads=self.uploads, receipts=self.receipts, acceptance=acceptance,
             run=run_inline, hash=run_inline, clock=self.clock, ids=ObjectIds(),
             interval=10.0,
-            origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
             **({"observer": observer} if observer is not None else {}),
         )  # fmt: skip
 

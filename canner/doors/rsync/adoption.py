@@ -40,7 +40,7 @@ from canner.checksum import Checksum, TrailingHash
 from canner.crashpoints import crash_point
 from canner.doors.rsync.incoming import CLAIM_SUFFIX, Arrival
 from canner.store.receipts import ReceiptStore
-from canner.store.uploads import UploadInfo, UploadStore
+from canner.store.uploads import Door, UploadInfo, UploadStore
 
 # Bytes hashed per read call while adopting (the whole file is read once).
 _HASH_BUDGET = 1 << 62
@@ -78,8 +78,7 @@ class Claim:
         metadata = {"project": self.project, "filename": self.filename, "checksum": checksum}
         if self.downloader is not None:
             metadata["downloader"] = self.downloader
-        metadata["door"] = "rsync"
-        return UploadInfo(self.object_id, size, metadata, created_at)
+        return UploadInfo(self.object_id, size, metadata, created_at, door=Door.RSYNC)
 
 
 def parse_claim(data: bytes) -> Claim:

@@ -36,6 +36,7 @@ from canner.store.promises import Promises
 from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.uploads import (
     CorruptInfo,
+    Door,
     LockedUpload,
     OutOfSpace,
     StorageFault,
@@ -318,6 +319,7 @@ class UploadIntake:
             metadata=dict(creation.metadata),
             created_at=int(self._clock.seconds()),
             durable=0,
+            door=Door.TUS,
         )
         # Everything the answer needs is checked before anything exists on disk.
         location = self._location(headers, info.upload_id)
