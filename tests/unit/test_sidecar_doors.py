@@ -15,22 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.task import Clock
 
-from canner.accept.acceptance import Acceptance
-from canner.accept.origins import AcceptedOrigins
-from canner.blocking import run_inline
 from canner.checksum import parse_checksum
-from canner.doors.rsync.adoption import AdoptionArea, Claim
-from canner.doors.rsync.intake import RsyncIntake
+from canner.doors.rsync.adoption import Claim
 from canner.go_canner.adopt import _sidecar as adopt_sidecar
 from canner.go_canner.plan import IN_FLIGHT, Step
 from canner.ids import ObjectIds
 from canner.store.promises import promised_on_disk
 from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.uploads import Door, UploadStore, parse_info
-from tests.fakes import succeeded
-from tests.unit.receiver_harness import START, InMemoryReceiver, blake3_hex, metadata_header
+from tests.unit.receiver_harness import InMemoryReceiver, blake3_hex, metadata_header
+from tests.unit.test_rsync import Node
 
 CREATED = 1_700_000_000
 IDS = ObjectIds()
@@ -247,48 +242,17 @@ def test_a_data_directory_from_before_starts_as_it_did(tmp_path: Path) -> None:
 def test_an_rsync_upload_a_crash_left_staged_is_finished_as_rsync(tmp_path: Path) -> None:
     """A claim whose upload 667451d's rsync door had staged (its sidecar with ``door`` in the
     metadata) is accepted as that door's, with its origin, and the claim goes."""
-    data = tmp_path / "data"
-    for name in ("uploads", "receipts", "adopting", "incoming/example"):
-        (data / name).mkdir(parents=True)
+    node = Node(tmp_path)
     claim = Claim(IDS.new(), "example", "alice", "c.warc.gz")
-    area = AdoptionArea(data / "adopting")
-    area.claim_path(claim.object_id).write_bytes(claim.to_json())
-    uploads, receipts = UploadStore(data / "uploads"), ReceiptStore(data / "receipts")
-    (data / "uploads" / claim.object_id).write_bytes(RSYNC_DATA)
+    node.area.claim_path(claim.object_id).write_bytes(claim.to_json())
+    (node.data / "uploads" / claim.object_id).write_bytes(RSYNC_DATA)
     sidecar = legacy_sidecar(claim.object_id, len(RSYNC_DATA), RSYNC_META)
-    uploads.info_path(claim.object_id).write_bytes(sidecar)
-    info = uploads.read_info(claim.object_id)
+    node.uploads.info_path(claim.object_id).write_bytes(sidecar)
+    info = node.uploads.read_info(claim.object_id)
     assert info is not None and info.door is Door.RSYNC and not info.whole_file
-    clock = Clock()
-    clock.advance(START)
-    enqueued: list[tuple[Receipt, Origin]] = []
-    acceptance = Acceptance(
-        uploads=uploads,
-        receipts=receipts,
-        run=run_inline,
-        hash=run_inline,
-        clock=clock,
-        issuer="https://canner.test",
-        enqueue=lambda r, o: enqueued.append((r, o)),
-        origins=AcceptedOrigins(receipts=receipts, run=run_inline),
-    )
-    intake = RsyncIntake(
-        incoming=data / "incoming",
-        projects=("example",),
-        area=area,
-        uploads=uploads,
-        receipts=receipts,
-        acceptance=acceptance,
-        run=run_inline,
-        hash=run_inline,
-        clock=clock,
-        ids=IDS,
-        interval=10.0,
-    )
-    intake.startService()
-    succeeded(intake.stopService())
-    receipt = receipts.read(claim.object_id)
-    assert receipt is not None and str(receipt.checksum) == blake3_hex(RSYNC_DATA)
-    assert receipts.read_origin(claim.object_id) == Origin("example", "c.warc.gz", "alice")
-    assert [(r.object_id, o.downloader) for r, o in enqueued] == [(claim.object_id, "alice")]
-    assert area.claim_ids() == []
+    node.round()
+    ((oid, (receipt, origin)),) = node.objects().items()
+    assert oid == claim.object_id and str(receipt.checksum) == blake3_hex(RSYNC_DATA)
+    assert origin == Origin("example", "c.warc.gz", "alice")
+    assert [r.object_id for r, _ in node.enqueued] == [oid]
+    assert node.leftovers() == []

@@ -296,21 +296,16 @@ class RsyncIntake(Service):
         receipt = await self._acceptance.accept(upload)
         crash_point("rsync.accepted")
         await self._run(self._area.release, oid)
-        if receipt.object_id != oid:
-            log.info(
-                "{filename} from {downloader} is {object_id}, already accepted",
-                filename=claim.filename,
-                downloader=claim.downloader,
-                object_id=receipt.object_id,
-                project=claim.project,
-            )
-            return
-        seconds = None if arrived_at is None else max(0.0, self._clock.seconds() - arrived_at)
+        adopted = receipt.object_id == oid
         log.info(
-            "adopted {filename} from {downloader} as {object_id}",
+            "adopted {filename} from {downloader} as {object_id}"
+            if adopted
+            else "{filename} from {downloader} is {object_id}, already accepted",
             filename=claim.filename,
             downloader=claim.downloader,
             object_id=receipt.object_id,
             project=claim.project,
         )
-        self.observer.adopted(claim.project, seconds)
+        if adopted:
+            seconds = None if arrived_at is None else max(0.0, self._clock.seconds() - arrived_at)
+            self.observer.adopted(claim.project, seconds)
