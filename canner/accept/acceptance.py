@@ -9,9 +9,11 @@ receipt published without overwriting, then ``receipts/`` fsynced: the commit po
 
 An upload without a declared BLAKE3 (``PUT /seesaw/...``) is receipted with the BLAKE3 of its
 stored bytes; the other digests its door declared (``Content-MD5``, ``Content-Digest`` sha-256)
-are checked over the same read.  When its door also named the worker and the file, its commit
-goes through :class:`~canner.accept.origins.AcceptedOrigins`: a copy of an object already accepted
-(same project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
+are checked over the same read.  The origin rule is applied here, for every door: when the
+upload's door names the worker (:attr:`~canner.store.uploads.UploadDoor.names_worker`: PUT, rsync)
+and it named the worker and the file, its commit goes through
+:class:`~canner.accept.origins.AcceptedOrigins`: a copy of an object already accepted (same
+project, downloader, file name, size and BLAKE3) gets that object's receipt, and its own bytes
 are discarded.
 
 Everything before the commit point can be redone; everything after it is idempotent.  A receipt
@@ -48,6 +50,7 @@ from canner.store.uploads import (
     NO_SPACE_ERRNOS,
     LockedUpload,
     StorageFault,
+    UploadDoor,
     UploadInfo,
     UploadStore,
 )
@@ -88,7 +91,8 @@ class Acceptance:
     _issuer: str
     _enqueue: Enqueue
     observer: UploadObserver = UNOBSERVED
-    # Copies of accepted objects, for uploads whose door names the worker (None: no lookup).
+    # Copies of accepted objects, for uploads whose door names the worker (None: no lookup):
+    # the origin rule, applied here and nowhere else.
     _origins: AcceptedOrigins | None = None
     _waiters: dict[str, list[Deferred[Receipt]]] = field(factory=dict)
     _stopping: threading.Event = field(factory=threading.Event)
@@ -215,12 +219,32 @@ class Acceptance:
 
     def _origin_key(self, info: UploadInfo) -> Callable[[Checksum], OriginKey] | None:
         """How to key the upload among accepted objects, once hashed; None when it is not
-        looked up: no lookup configured, a tus upload (its worker holds its own id, and
-        resumes it), or a door that did not name the worker and the file."""
-        project, downloader, filename = info.project, info.downloader, info.filename
-        if self._origins is None or not info.whole_file or downloader is None or not filename:
+        looked up (see :meth:`_keyed`)."""
+        origin = info.origin
+        if not self._keyed(origin, info.door):
             return None
-        return lambda digest: OriginKey(project, downloader, filename, info.size, digest)
+        return lambda digest: OriginKey.of(origin, info.size, digest)
+
+    def _keyed(self, origin: Origin, door: UploadDoor) -> bool:
+        """Whether the origin rule holds for an upload: a lookup is configured, its door names
+        the worker (not tus: a tus worker holds its own id, and resumes it), and the worker and
+        the file were named."""
+        return (
+            self._origins is not None
+            and door.names_worker
+            and origin.downloader is not None
+            and bool(origin.filename)
+        )
+
+    def committed_before(self, receipt: Receipt, origin: Origin, door: UploadDoor) -> None:
+        """A door's recovery found its upload committed by an earlier acceptance (a crash came
+        after the commit point): the delivery is enqueued again (the index insert is
+        idempotent) and, where the origin rule holds, the key remembered, so a copy sent next
+        is that object whatever the index says yet (this process never committed it)."""
+        self.enqueue_delivery(receipt, origin)
+        if self._origins is not None and self._keyed(origin, door):
+            key = OriginKey.of(origin, receipt.size_bytes, receipt.checksum)
+            self._origins.remember(key, receipt.object_id)
 
     async def _commit_once(
         self, upload: LockedUpload, key: OriginKey, digest: Checksum

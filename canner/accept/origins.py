@@ -1,8 +1,9 @@
 """Objects by origin: a worker that sends the same file again gets the same object.
 
 Intake doors that know who sent a file (``PUT /seesaw/<project>/<downloader>/<filename>``, an
-rsync module's downloader directory) accept it through :meth:`AcceptedOrigins.once`: once the
-file is stored, fsynced and hashed, an object already accepted with exactly the same
+rsync module's downloader directory) say so in its sidecar (``Door.names_worker``), and the one
+acceptance (:mod:`canner.accept.acceptance`) commits it through :meth:`AcceptedOrigins.once`:
+once the file is stored, fsynced and hashed, an object already accepted with exactly the same
 :class:`OriginKey` (project, downloader, file name, size and BLAKE3) answers with its receipt,
 and nothing new is created.  Archive Team's seesaw re-sends a whole item after a lost response,
 so this is what makes an item delivered once.
@@ -57,7 +58,7 @@ from canner.delivery.index import Index, ids_by_origin
 from canner.delivery.rescan import rescan_now
 from canner.ids import ObjectIds
 from canner.store.journal import Journal
-from canner.store.receipts import Receipt, ReceiptStore
+from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.uploads import UploadStore
 
 log = Logger()
@@ -77,6 +78,12 @@ class OriginKey:
     filename: str
     size_bytes: int
     checksum: Checksum
+
+    @classmethod
+    def of(cls, origin: Origin, size_bytes: int, checksum: Checksum) -> OriginKey:
+        """The key of a file whose origin names its worker and its file name."""
+        assert origin.downloader is not None and origin.filename is not None
+        return cls(origin.project, origin.downloader, origin.filename, size_bytes, checksum)
 
     def matches(self, receipt: Receipt) -> bool:
         return receipt.size_bytes == self.size_bytes and receipt.checksum == self.checksum

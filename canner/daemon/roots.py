@@ -314,7 +314,6 @@ def receiver_service(
             config,
             config.rsync,
             acceptance=parts.acceptance,
-            origins=parts.origins,
             uploads=uploads,
             receipts=receipts,
             io=io,

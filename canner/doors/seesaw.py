@@ -46,7 +46,7 @@ from twisted.web.server import Request
 from canner.accept.intake import Outcome, UploadIntake
 from canner.config import Config
 from canner.doors.base import Door, DoorParts
-from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadInfo
+from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadDoor, UploadInfo
 from canner.web.answer import answer_later, render_error
 from canner.web.channel import BodySink, ReceiverRequest
 from canner.web.errors import HTTPError
@@ -173,6 +173,7 @@ class SeesawDoor:
             size=length,
             metadata=metadata,
             created_at=int(self._clock.seconds()),
+            door=UploadDoor.PUT,
         )
         return self._intake.admit_creation(info)
 

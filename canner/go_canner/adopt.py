@@ -76,7 +76,7 @@ from canner.store.receipts import (
     delivery_journal_record,
     origin_journal_record,
 )
-from canner.store.uploads import UploadInfo
+from canner.store.uploads import UploadDoor, UploadInfo
 
 STATE_DIR = "adopt-go"
 MARKER = "ADOPTED-BY-CANNER"
@@ -357,7 +357,9 @@ def _sidecar(s: Step, created_at: int) -> bytes:
         meta["checksum"] = s.checksum
     if s.filename:
         meta["filename"] = s.filename
-    return UploadInfo(s.object_id, s.size_bytes, meta, created_at).to_json()
+    return UploadInfo(
+        s.object_id, s.size_bytes, meta, created_at, door=UploadDoor.GO_ADOPTED
+    ).to_json()
 
 
 def _place_payload(s: Step, go: GoDataDir, target: Target) -> None:

@@ -2,8 +2,10 @@
 
 The sidecar has the tusd filestore shape (``ID``, ``Size``, ``Offset``, ``MetaData``, ...) plus
 ``CreatedAt``, ``Rejected`` once the checksum failed, and ``Untrusted`` while the data file must be
-reset (see below).  The offset of an upload is the size of its data file: nothing in memory is
-authoritative, so a restart reads only the disk.  Paths are derived from the (validated) id, never
+reset (see below), and ``Door``, the door that created the upload (:class:`UploadDoor`; a sidecar
+written before canner recorded it is read as its door was inferred then, :func:`inferred_door`).
+The offset of an upload is the size of its data file: nothing in memory is authoritative, so a
+restart reads only the disk.  Paths are derived from the (validated) id, never
 read from the sidecar.
 
 Durable offset: a power cut can bring a data file back at the length the kernel had reached with
@@ -40,10 +42,11 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from attrs import define, evolve, field, frozen
+from attrs import Factory, define, evolve, field, frozen
 
 from canner import fs
 from canner.checksum import Checksum, TrailingHash, parse_checksum
@@ -103,6 +106,37 @@ class UploadGone(Exception):
     """The upload's data file is gone (swept, purged) or was replaced since it was looked up."""
 
 
+class UploadDoor(StrEnum):
+    """The way an upload came in, as its sidecar records it."""
+
+    TUS = "tus"  # POST /files/ and PATCHes: resumable, its worker declares the BLAKE3
+    PUT = "put"  # PUT /seesaw/...: a whole file in one request, never resumed
+    RSYNC = "rsync"  # adopted from the rsync incoming tree (canner.doors.rsync)
+    GO_ADOPTED = "go-adopted"  # taken over from a Go canner's data directory (adopt-go)
+
+    @property
+    def whole_file(self) -> bool:
+        """Its bytes all come in one request: never resumed, never accepted after that request
+        ended without a receipt."""
+        return self is UploadDoor.PUT
+
+    @property
+    def names_worker(self) -> bool:
+        """It can name the worker that sent the file (a downloader), so a copy of an accepted
+        file is that file (:mod:`canner.accept.origins`)."""
+        return self in (UploadDoor.PUT, UploadDoor.RSYNC)
+
+
+def inferred_door(metadata: Mapping[str, str]) -> UploadDoor:
+    """The door of a sidecar written before canner recorded one, as canner inferred it then:
+    rsync's adoption marked its own (``MetaData["door"]``); an upload that declared no BLAKE3
+    was a whole file (a PUT); any other one was resumable (tus, and adopt-go's, which wrote
+    tus sidecars)."""
+    if metadata.get("door") == UploadDoor.RSYNC:
+        return UploadDoor.RSYNC
+    return UploadDoor.PUT if "checksum" not in metadata else UploadDoor.TUS
+
+
 @frozen
 class UploadInfo:
     """What the sidecar records about an upload."""
@@ -117,6 +151,11 @@ class UploadInfo:
     # The offset whose bytes are durable (fsynced); None in a sidecar written before canner
     # recorded it (then the data file's size counts, as it did).
     durable: int | None = None
+    # Set by the door that creates the upload; left out (a sidecar from before), what its
+    # metadata implies.
+    door: UploadDoor = field(
+        default=Factory(lambda self: inferred_door(self.metadata), takes_self=True)
+    )
 
     @property
     def project(self) -> str:
@@ -124,17 +163,18 @@ class UploadInfo:
 
     @property
     def checksum(self) -> Checksum | None:
-        """The BLAKE3 the worker declared (tus); None when the door declares none (a PUT):
-        acceptance then receipts the BLAKE3 of the stored bytes."""
+        """The BLAKE3 the worker declared (tus; rsync's and adopt-go's are computed or
+        taken over); None when the door declares none (a PUT): acceptance then receipts the
+        BLAKE3 of the stored bytes."""
         text = self.metadata.get("checksum")
         return None if text is None else parse_checksum(text)
 
     @property
     def whole_file(self) -> bool:
-        """True for an upload whose door declares no BLAKE3 (``PUT /seesaw/...``): its bytes
-        all come in one request, so it is never resumed, and a complete one left without a
-        receipt is never accepted later."""
-        return self.checksum is None
+        """True for an upload of the PUT door (``PUT /seesaw/...``): its bytes all come in one
+        request, so it is never resumed, and a complete one left without a receipt is never
+        accepted later."""
+        return self.door.whole_file
 
     @property
     def declared_digests(self) -> dict[str, str]:
@@ -152,7 +192,8 @@ class UploadInfo:
 
     @property
     def downloader(self) -> str | None:
-        """The worker named by the intake door (``PUT /seesaw/...``); None for tus uploads."""
+        """The worker named by the door (``PUT /seesaw/...``, an rsync downloader directory);
+        None when it names none."""
         return self.metadata.get("downloader") or None
 
     @property
@@ -170,6 +211,7 @@ class UploadInfo:
             "IsFinal": False,
             "PartialUploads": None,
             "CreatedAt": self.created_at,
+            "Door": self.door.value,
         }
         if self.rejected is not None:
             doc["Rejected"] = self.rejected
@@ -207,7 +249,9 @@ def parse_info(upload_id: str, data: bytes) -> UploadInfo:
             durable = raw.get("Offset")
             if type(durable) is not int or not 0 <= durable <= size:
                 raise ValueError("a durable Offset is an integer from 0 to Size")
-        return UploadInfo(upload_id, size, metadata, created, rejected, untrusted, durable)
+        recorded = raw.get("Door")
+        door = inferred_door(metadata) if recorded is None else UploadDoor(recorded)
+        return UploadInfo(upload_id, size, metadata, created, rejected, untrusted, durable, door)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptInfo(f"info sidecar of {upload_id} is unreadable: {e}") from None
 

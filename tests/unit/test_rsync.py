@@ -177,6 +177,7 @@ class Node:
             clock=self.clock,
             issuer=ISSUER,
             enqueue=lambda r, o: self.enqueued.append((r, o)),
+            origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
         )
         return RsyncIntake(
             incoming=self.data / "incoming",
@@ -190,7 +191,6 @@ class Node:
             clock=self.clock,
             ids=ObjectIds(),
             interval=10.0,
-            origins=AcceptedOrigins(receipts=self.receipts, run=run_inline),
             **({"observer": observer} if observer is not None else {}),
         )
 

@@ -9,16 +9,16 @@ same filesystem as the incoming tree and ``uploads/``, so every move is a rename
    (A crash before the claim's rename leaves only its temp file: the receiver's sweep removes
    it, :func:`canner.store.sweep.sweep_stale`.)
 2. ``hash``: BLAKE3 over the stored bytes (read back from the file, in the hash pool).
-3. The idempotency rule: a file with the same origin, size and BLAKE3 as an object already
-   accepted is that object (a worker that sent the item again); its copy is dropped, nothing new.
-4. ``stage``: the tus info sidecar ``uploads/{id}.info`` (the computed checksum is the declared
-   one), then ``adopting/{id}`` renamed to ``uploads/{id}``: a complete upload.
-5. The one acceptance (:class:`~canner.accept.acceptance.Acceptance`) fsyncs, verifies (the hash
-from    step 2 is handed over, so nothing is read twice) and commits the receipt.
-6. ``release``: the claim is removed.
+3. ``stage``: the tus info sidecar ``uploads/{id}.info`` (door ``rsync``; the computed checksum is
+   the declared one), then ``adopting/{id}`` renamed to ``uploads/{id}``: a complete upload.
+4. The one acceptance (:class:`~canner.accept.acceptance.Acceptance`) fsyncs, verifies (the hash
+   from step 2 is handed over, so nothing is read twice) and commits the receipt; or, for a file
+   with the same origin, size and BLAKE3 as an object already accepted (a worker that sent the
+   item again), removes the copy and answers with that object's receipt (its origin rule).
+5. ``release``: the claim is removed.
 
 Recovery reads the claim and looks where the bytes are (:func:`claim_state`): a receipt means
-step 6 is left; ``adopting/{id}`` means step 2 onward; ``uploads/{id}`` means step 5 onward;
+step 5 is left; ``adopting/{id}`` means step 2 onward; ``uploads/{id}`` means step 4 onward;
 nowhere means the rename of step 1 never happened (the file is still in the incoming tree and
 is found again) and the claim goes.  The object id is chosen once, in the claim, so a redo never
 makes a second object.  Every function here blocks; call them through a blocking runner.
@@ -40,7 +40,7 @@ from canner.checksum import Checksum, TrailingHash
 from canner.crashpoints import crash_point
 from canner.doors.rsync.incoming import CLAIM_SUFFIX, Arrival
 from canner.store.receipts import ReceiptStore
-from canner.store.uploads import UploadInfo, UploadStore
+from canner.store.uploads import UploadDoor, UploadInfo, UploadStore
 
 # Bytes hashed per read call while adopting (the whole file is read once).
 _HASH_BUDGET = 1 << 62
@@ -78,8 +78,7 @@ class Claim:
         metadata = {"project": self.project, "filename": self.filename, "checksum": checksum}
         if self.downloader is not None:
             metadata["downloader"] = self.downloader
-        metadata["door"] = "rsync"
-        return UploadInfo(self.object_id, size, metadata, created_at)
+        return UploadInfo(self.object_id, size, metadata, created_at, door=UploadDoor.RSYNC)
 
 
 def parse_claim(data: bytes) -> Claim:
@@ -172,7 +171,7 @@ class AdoptionArea:
             os.close(fd)
 
     def stage(self, info: UploadInfo, uploads: UploadStore) -> None:
-        """Step 4: the sidecar, then the bytes into ``uploads/``: a complete upload, which the
+        """Step 3: the sidecar, then the bytes into ``uploads/``: a complete upload, which the
         acceptance makes durable (it fsyncs data, sidecar and ``uploads/``)."""
         fs.replace_file(uploads.directory, f"{info.upload_id}.info", info.to_json(),
                         sync=False)  # fmt: skip
@@ -190,7 +189,7 @@ class AdoptionArea:
         self.release(object_id)
 
     def release(self, object_id: str) -> None:
-        """Step 6: the claim goes (not fsynced: a claim that comes back finds its receipt)."""
+        """Step 5: the claim goes (not fsynced: a claim that comes back finds its receipt)."""
         self.claim_path(object_id).unlink(missing_ok=True)
 
 

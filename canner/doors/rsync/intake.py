@@ -4,7 +4,8 @@ It learns of files from inotify (``IN_MOVED_TO``: rsync renames a finished file 
 from a scan of the whole incoming tree every ``scan_interval`` (what inotify missed: a queue
 overflow, a directory made before its watch, a restart).  Each notification asks for a round; a
 round finishes the claims a crash left (:mod:`canner.doors.rsync.adoption`), then adopts every file
-the scan finds, in turn, through the receiver's one :class:`~canner.accept.acceptance.Acceptance`.
+the scan finds, in turn, through the receiver's one :class:`~canner.accept.acceptance.Acceptance`
+(which also applies the origin rule: a file sent again by its worker is the object it was).
 Rounds never overlap: a request during a round runs one more round after it.
 """
 
@@ -25,7 +26,6 @@ from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
 from canner.accept.acceptance import Acceptance, AcceptanceFailed, ChecksumMismatch
-from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner
 from canner.checksum import TrailingHash
 from canner.config import Config, RsyncConfig
@@ -41,8 +41,8 @@ from canner.doors.rsync.incoming import Arrival, adoption_dir, arrivals, is_fina
 from canner.ids import ObjectIds
 from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
 from canner.store.datadir import CannotStart
-from canner.store.receipts import Origin, Receipt, ReceiptStore
-from canner.store.uploads import UploadStore
+from canner.store.receipts import Origin, ReceiptStore
+from canner.store.uploads import UploadDoor, UploadStore
 
 log = Logger()
 
@@ -88,8 +88,6 @@ class RsyncIntake(Service):
     _clock: IReactorTime
     _ids: ObjectIds
     _interval: float
-    # The idempotency rule: a re-sent file (same origin, size, BLAKE3) is the object it was.
-    _origins: AcceptedOrigins
     _reactor: Any = None  # for inotify; None: scans only (tests)
     observer: AdoptionObserver = UNOBSERVED_ADOPTION
     _loop: LoopingCall | None = field(default=None, init=False)
@@ -106,7 +104,6 @@ class RsyncIntake(Service):
         rsync: RsyncConfig,
         *,
         acceptance: Acceptance,
-        origins: AcceptedOrigins,
         uploads: UploadStore,
         receipts: ReceiptStore,
         io: BlockingRunner,
@@ -114,8 +111,8 @@ class RsyncIntake(Service):
         reactor: Any,
         observer: AdoptionObserver,
     ) -> RsyncIntake:
-        """The receiver's rsync door (``[rsync]``), over the receiver's one acceptance and its
-        idempotency memory (start-up, blocking: it makes the adoption area)."""
+        """The receiver's rsync door (``[rsync]``), over the receiver's one acceptance (start-up,
+        blocking: it makes the adoption area)."""
         return cls(
             incoming=rsync.incoming,
             projects=tuple(config.projects),
@@ -128,7 +125,6 @@ class RsyncIntake(Service):
             clock=reactor,
             ids=config.object_ids,
             interval=rsync.scan_interval,
-            origins=origins,
             reactor=reactor,
             observer=observer,
         )
@@ -255,28 +251,9 @@ class RsyncIntake(Service):
                          filename=claim.filename, project=claim.project)  # fmt: skip
                 await self._run(self._area.drop, oid)
                 return True
-
-            async def commit() -> Receipt:
-                info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
-                await self._run(self._area.stage, info, self._uploads)
-                return await self._accept(claim, digest, arrived_at)
-
-            if claim.downloader is None:
-                # No worker named: the idempotency rule needs one (a file straight in the
-                # module is always a new object).
-                await commit()
-                return True
-            key = OriginKey(claim.project, claim.downloader, claim.filename, size, checksum)
-            receipt, new = await self._origins.once(key, lambda: Deferred.fromCoroutine(commit()))
-            if not new:
-                await self._run(self._area.drop, oid)
-                log.info(
-                    "{filename} from {downloader} is {object_id}, already accepted",
-                    filename=claim.filename,
-                    downloader=claim.downloader,
-                    object_id=receipt.object_id,
-                    project=claim.project,
-                )
+            info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
+            await self._run(self._area.stage, info, self._uploads)
+            await self._accept(claim, digest, arrived_at)
             return True
         except (AcceptanceFailed, ChecksumMismatch) as e:
             log.error("adoption of {object_id} failed, tried again: {error}",
@@ -298,16 +275,15 @@ class RsyncIntake(Service):
         receipt = await self._run(self._receipts.read, claim.object_id)
         if receipt is not None:
             origin = Origin(claim.project, claim.filename, claim.downloader)
-            self._acceptance.enqueue_delivery(receipt, origin)
-            if claim.downloader is not None:
-                key = OriginKey(claim.project, claim.downloader, claim.filename,
-                                receipt.size_bytes, receipt.checksum)  # fmt: skip
-                self._origins.remember(key, receipt.object_id)
+            self._acceptance.committed_before(receipt, origin, UploadDoor.RSYNC)
         await self._run(self._area.release, claim.object_id)
 
     async def _accept(
         self, claim: Claim, digest: TrailingHash | None, arrived_at: float | None
-    ) -> Receipt:
+    ) -> None:
+        """Accept the stored upload of ``claim``, then let the claim go.  A copy of an object
+        already accepted (the acceptance's origin rule) is answered with that object's receipt
+        and its bytes are gone: it is no new adoption."""
         oid = claim.object_id
         info = await self._run(self._uploads.read_info, oid)
         if info is None or info.rejected is not None:
@@ -320,13 +296,16 @@ class RsyncIntake(Service):
         receipt = await self._acceptance.accept(upload)
         crash_point("rsync.accepted")
         await self._run(self._area.release, oid)
-        seconds = None if arrived_at is None else max(0.0, self._clock.seconds() - arrived_at)
+        adopted = receipt.object_id == oid
         log.info(
-            "adopted {filename} from {downloader} as {object_id}",
+            "adopted {filename} from {downloader} as {object_id}"
+            if adopted
+            else "{filename} from {downloader} is {object_id}, already accepted",
             filename=claim.filename,
             downloader=claim.downloader,
             object_id=receipt.object_id,
             project=claim.project,
         )
-        self.observer.adopted(claim.project, seconds)
-        return receipt
+        if adopted:
+            seconds = None if arrived_at is None else max(0.0, self._clock.seconds() - arrived_at)
+            self.observer.adopted(claim.project, seconds)

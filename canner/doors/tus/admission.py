@@ -19,7 +19,7 @@ from twisted.web.http_headers import Headers
 from canner.accept.intake import Outcome, UploadIntake, not_found
 from canner.config import Config
 from canner.doors.tus import protocol
-from canner.store.uploads import LockedUpload, UploadInfo
+from canner.store.uploads import LockedUpload, UploadDoor, UploadInfo
 from canner.web.channel import ReceiverRequest
 from canner.web.errors import HTTPError
 from canner.web.routing import Kind, Route, single_header
@@ -77,6 +77,7 @@ class TusAdmission:
             metadata=dict(creation.metadata),
             created_at=int(self._clock.seconds()),
             durable=0,
+            door=UploadDoor.TUS,
         )
         # Everything the answer needs is checked before anything exists on disk.
         location = self._location(headers, info.upload_id)
