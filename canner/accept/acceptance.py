@@ -165,8 +165,12 @@ class Acceptance:
                     else:
                         receipt, existing = await self._commit_once(upload, key(digest), digest)
         except ChecksumMismatch as e:
-            log.warn("rejected {object_id}: {reason}", object_id=info.upload_id,
-                     project=info.project, reason=str(e))  # fmt: skip
+            log.warn(
+                "rejected {object_id}: {reason}",
+                object_id=info.upload_id,
+                project=info.project,
+                reason=str(e),
+            )
             self.observer.checksum_mismatch(info.project)
             raise
         except (HashCancelled, PoolStopped):

@@ -236,8 +236,11 @@ class UploadIntake:
         try:
             self._uploads.remove(info.upload_id)
         except OSError as e:
-            log.warn("{object_id} stays for the sweep: {error}", object_id=info.upload_id,
-                     error=e.strerror or str(e))  # fmt: skip
+            log.warn(
+                "{object_id} stays for the sweep: {error}",
+                object_id=info.upload_id,
+                error=e.strerror or str(e),
+            )
         finally:
             upload.close()
             self.promises.release(info.upload_id)
@@ -457,11 +460,15 @@ class UploadIntake:
         def failed(failure: Failure) -> Failure:
             oid = upload.info.upload_id
             if failure.check(OutOfSpace):
-                log.warn("out of space while writing {object_id} at offset {offset}",
-                         object_id=oid, offset=upload.offset)  # fmt: skip
+                log.warn(
+                    "out of space while writing {object_id} at offset {offset}",
+                    object_id=oid,
+                    offset=upload.offset,
+                )
             elif failure.check(StorageFault):
-                log.error("writing {object_id} failed: {error}", object_id=oid,
-                          error=str(failure.value))  # fmt: skip
+                log.error(
+                    "writing {object_id} failed: {error}", object_id=oid, error=str(failure.value)
+                )
             return _failure_status(failure)
 
         size = sum(map(len, chunks))
@@ -516,8 +523,11 @@ class UploadIntake:
 
         def kept(error: Failure) -> None:
             # The receiver is stopping, or the disk failing: the sweep removes it later.
-            log.warn("{object_id} stays for the sweep: {error}", object_id=info.upload_id,
-                     error=str(error.value))  # fmt: skip
+            log.warn(
+                "{object_id} stays for the sweep: {error}",
+                object_id=info.upload_id,
+                error=str(error.value),
+            )
 
         done: Deferred[None] = self._run(discard).addErrback(kept)
         return done.addCallback(lambda _: fail(failure))

@@ -173,8 +173,7 @@ class AdoptionArea:
     def stage(self, info: UploadInfo, uploads: UploadStore) -> None:
         """Step 3: the sidecar, then the bytes into ``uploads/``: a complete upload, which the
         acceptance makes durable (it fsyncs data, sidecar and ``uploads/``)."""
-        fs.replace_file(uploads.directory, f"{info.upload_id}.info", info.to_json(),
-                        sync=False)  # fmt: skip
+        fs.replace_file(uploads.directory, f"{info.upload_id}.info", info.to_json(), sync=False)
         crash_point("rsync.staged")
         os.rename(self.data_path(info.upload_id), uploads.data_path(info.upload_id))
         crash_point("rsync.stored")

@@ -19,9 +19,8 @@ from typing import Any
 from attrs import define, field
 from twisted.application.service import Service
 from twisted.internet import inotify
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
@@ -40,6 +39,7 @@ from canner.doors.rsync.adoption import (
 from canner.doors.rsync.incoming import Arrival, adoption_dir, arrivals, is_final_name
 from canner.ids import ObjectIds
 from canner.observe import UNOBSERVED_ADOPTION, AdoptionObserver
+from canner.periodic import OnceMore, PeriodicService
 from canner.store.datadir import CannotStart
 from canner.store.receipts import Origin, ReceiptStore
 from canner.store.uploads import UploadDoor, UploadStore
@@ -90,12 +90,16 @@ class RsyncIntake(Service):
     _interval: float
     _reactor: Any = None  # for inotify; None: scans only (tests)
     observer: AdoptionObserver = UNOBSERVED_ADOPTION
-    _loop: LoopingCall | None = field(default=None, init=False)
+    _timer: PeriodicService | None = field(default=None, init=False)
     _notifier: inotify.INotify | None = field(default=None, init=False)
-    _running: Deferred[None] | None = field(default=None, init=False)
-    _again: bool = field(default=False, init=False)
+    # One round at a time; a file that arrives during a round makes exactly one more.
+    _rounds: OnceMore = field(init=False)
     _stopping: bool = field(default=False, init=False)
-    _idle: list[Deferred[None]] = field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._rounds = OnceMore(
+            lambda: Deferred.fromCoroutine(self._round()), "rsync adoption round"
+        )
 
     @classmethod
     def for_config(
@@ -142,27 +146,26 @@ class RsyncIntake(Service):
                     recursive=True,
                     callbacks=[self._notified],
                 )
-        self._loop = LoopingCall(self.kick)
-        self._loop.clock = self._clock
-        self._loop.start(self._interval, now=True)
+        self._timer = PeriodicService(
+            clock=self._clock, interval=self._interval, job=self.kick, label="rsync scan"
+        )
+        self._timer.startService()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
         self._stopping = True
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        stopped = self._rounds.stop()  # no round starts from here on
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.stopService()
         if self._notifier is not None:
             self._notifier.connectionLost(None)
             self._notifier = None
-        return self.idle()
+        return stopped
 
     def idle(self) -> Deferred[None]:
         """Fires once no round runs (at once when none does)."""
-        if self._running is None:
-            return succeed(None)
-        waiter: Deferred[None] = Deferred()
-        self._idle.append(waiter)
-        return waiter
+        return self._rounds.idle()
 
     def _notified(self, _ignored: object, path: FilePath[Any], mask: int) -> None:
         # Twisted's inotify hands out bytes paths.
@@ -171,24 +174,7 @@ class RsyncIntake(Service):
 
     def kick(self) -> None:
         """Ask for a round: now, or right after the one that runs."""
-        if self._stopping:
-            return
-        if self._running is not None:
-            self._again = True
-            return
-        self._running = Deferred.fromCoroutine(self._round())
-        self._running.addErrback(lambda f: log.failure("rsync adoption round failed", f))
-        self._running.addBoth(self._round_ended)
-
-    def _round_ended(self, _: object) -> None:
-        self._running = None
-        if self._again and not self._stopping:
-            self._again = False
-            self.kick()
-            return
-        waiters, self._idle = self._idle, []
-        for waiter in waiters:
-            waiter.callback(None)
+        self._rounds.ask()
 
     async def _round(self) -> None:
         # Waiting: claims a crash or a failure left that this round could not finish, and every
@@ -218,8 +204,11 @@ class RsyncIntake(Service):
                 # Nothing to deliver, and an upload has at least one byte (seesaw sends
                 # --min-size 1): the name goes, so it does not wait for ever.
                 await self._run(arrival.path.unlink, True)
-                log.warn("removed empty rsync file {filename} of {project}",
-                         filename=arrival.filename, project=arrival.project)  # fmt: skip
+                log.warn(
+                    "removed empty rsync file {filename} of {project}",
+                    filename=arrival.filename,
+                    project=arrival.project,
+                )
                 return True
             claim = Claim(self._ids.new(), arrival.project, arrival.downloader, arrival.filename)
             if not await self._run(self._area.claim, claim, arrival):
@@ -247,8 +236,11 @@ class RsyncIntake(Service):
             try:
                 digest, checksum, size = await self._hash(self._area.hash, oid)
             except NotARegularFile:
-                log.warn("dropped {filename} of {project}: not a regular file",
-                         filename=claim.filename, project=claim.project)  # fmt: skip
+                log.warn(
+                    "dropped {filename} of {project}: not a regular file",
+                    filename=claim.filename,
+                    project=claim.project,
+                )
                 await self._run(self._area.drop, oid)
                 return True
             info = claim.upload_info(size, str(checksum), int(self._clock.seconds()))
@@ -256,13 +248,21 @@ class RsyncIntake(Service):
             await self._accept(claim, digest, arrived_at)
             return True
         except (AcceptanceFailed, ChecksumMismatch) as e:
-            log.error("adoption of {object_id} failed, tried again: {error}",
-                      object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            log.error(
+                "adoption of {object_id} failed, tried again: {error}",
+                object_id=oid,
+                project=claim.project,
+                error=str(e),
+            )
             return False
         except AdoptionAbandoned as e:
             # Only a damaged disk gets here: the bytes no longer hash as they did.
-            log.error("adoption of {object_id} gave up: {error}",
-                      object_id=oid, project=claim.project, error=str(e))  # fmt: skip
+            log.error(
+                "adoption of {object_id} gave up: {error}",
+                object_id=oid,
+                project=claim.project,
+                error=str(e),
+            )
             return True
         except Exception:
             log.failure("adoption of {object_id} failed; it is tried again", object_id=oid)
