@@ -1,44 +1,15 @@
 """Objects by origin: a worker that sends the same file again gets the same object.
 
-Intake doors that know who sent a file (``PUT /seesaw/<project>/<downloader>/<filename>``, an
-rsync module's downloader directory) say so in its sidecar (``Door.names_worker``), and the one
-acceptance (:mod:`canner.accept.acceptance`) commits it through :meth:`AcceptedOrigins.once`:
-once the file is stored, fsynced and hashed, an object already accepted with exactly the same
-:class:`OriginKey` (project, downloader, file name, size and BLAKE3) answers with its receipt,
-and nothing new is created.  Archive Team's seesaw re-sends a whole item after a lost response,
-so this is what makes an item delivered once.
-
-Which source decides: the receipt in ``receipts/``, the acceptance commit point.  A candidate
-counts only if its receipt is on disk with exactly the key's size and checksum (an object
-released and archived since, whose receipt is gone, no longer counts: the new copy is
-accepted).  Candidates come from two places, because the delivery index lags acceptance (the
-receiver inserts rows through ``IndexFeed`` after the commit point, batched and best effort):
-
-1. the keys this process committed through :meth:`once`, remembered on the reactor thread in
-   the same turn the commit succeeded, before any answer is written: a retry that arrives right
-   after the first answer was lost finds its object here, whatever the index says yet;
-2. the index (``objects_origin``, schema v7), for everything older.
-
-Files with the same key handled at the same time in this process are serialised: the second
-waits for the first's commit, then finds it.  One receiver serves a data directory, so no other
-process commits keys meanwhile.
-
-Across a restart: before the receiver answers its first request, :func:`index_at_start` runs
-canner-deliver's receipt rescan once, inline, so every receipt the index lacks gets its row: a
-receiver killed between a commit point and that object's row (or whose insert failed) finds
-the object in the index after its start, and the lookup stays one path.  The pass walks the
-names in ``receipts/`` and asks the index which of each batch of 500 it lacks; only those are
-read, with the facts journal (measured, warm cache: 0.03 s for 10,000 receipts, 0.3-0.4 s for
-100,000; a row missing adds the journal's read, about 1.3 s per 100,000 lines).  It skips
-receipts without an origin record: an object loses it only at its purge, which needs its row,
-so every commit the receiver may have left unindexed has one; purged and archived objects are
-left to canner-deliver's rescan, which runs under the ledger's guard.
-
-What is not covered: a receiver whose index is unusable (then only this process's own commits
-are found), and a start-up pass that fails (logged; copies of objects it would have indexed
-become second objects until canner-deliver's rescan, at its start and hourly, inserts the
-rows: delivered twice, never lost).  A failing index lookup is logged and counts as no match,
-for the same reason: a duplicate is safe, a refused upload is not.
+:class:`AcceptedOrigins` owns the origin memory behind the one acceptance's origin rule (doors
+whose uploads name a worker: ``UploadDoor.names_worker``): :meth:`AcceptedOrigins.once` commits
+a file unless an object with exactly the same :class:`OriginKey` (project, downloader, file
+name, size, BLAKE3) is accepted already, and answers that object's receipt instead.  The
+receipt on disk decides (an object whose receipt is gone no longer counts); candidates come from
+this process's own commits (remembered before any answer is written) and from the index, which
+:func:`index_at_start` brings up to date with ``receipts/`` before the receiver answers its first
+request, so the rule holds across a crash.  Files with the same key at the same time are
+serialised.  A failing lookup counts as no match: a duplicate is safe, a refused upload is not
+(docs/architecture.md, "Acceptance", has the crash windows and the start-up cost).
 """
 
 from __future__ import annotations

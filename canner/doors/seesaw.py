@@ -1,29 +1,14 @@
-"""``PUT /seesaw/{project}/{downloader}/{filename}``: a target Archive Team's workers use as is.
+"""``PUT /seesaw/{project}/{downloader}/{filename}``: the door for Archive Team's workers.
 
-A tracker hands out ``https://<node>/seesaw/<project>/<downloader>/`` (with ``:downloader``
-replaced by the worker's nickname, as it does for any target); seesaw runs
-``curl --fail ... --location --upload-file FILE TARGET``, and curl appends the file's name.
-Nothing else is asked of the worker: no checksum, no tus.
-
-The head decides admission before any byte of the body is read, as for tus (the channel sends
-``100 Continue`` only once admitted, and answers a refusal at once and closes): a bad name is a
-400 with the reason, an unknown project 404, a missing ``Content-Length`` 411, a body over
-``max_upload_bytes`` 413, a draining node 503 and a node under its free space floor 429 (both
-with ``Retry-After``); the connection caps apply as to every request.  The body is streamed
-into ``uploads/`` like a tus upload's and accepted by the same acceptance: written, fsynced,
-BLAKE3 over the stored bytes, a receipt.  ``201`` comes only once the receipt is durable, with
-the receipt as its JSON body and in ``Artifact-Receipt``.  A declared ``Content-MD5`` or
-``Content-Digest: sha-256=...`` is checked over the stored bytes (422 on a mismatch, no
-receipt).  A file with the same project, downloader, name, size and BLAKE3 as an object already
-accepted is answered ``200`` with that object's receipt and leaves nothing new
-(:mod:`canner.accept.origins`).  A request that ends without a receipt (its body cut short, a write
-failed, acceptance failed) leaves nothing behind, and nothing promised: a whole file is never
-resumed, the worker sends it again.  What a crash left of one goes when the receiver starts
-(:func:`canner.store.sweep.remove_whole_files`).
-
-:func:`parse_target` and :func:`declared_digests` are pure; :class:`SeesawDoor` admits (through
-the door-neutral intake, :mod:`canner.accept.intake`); :class:`SeesawRoutes` renders the outcome;
-:func:`door` is both, for :mod:`canner.doors.router`.
+seesaw's ``curl --fail ... --location --upload-file FILE TARGET`` appends the file's name to the
+target a tracker hands out; nothing else is asked of the worker (no checksum, no tus).  This
+module owns what the head of such a PUT means: the target (:func:`parse_target`), the digests it
+declares (:func:`declared_digests`), its admission before any body byte (:class:`SeesawDoor`,
+through the door-neutral :mod:`canner.accept.intake`) and its answer (:class:`SeesawRoutes`:
+``201`` with the receipt once it is durable, ``200`` with the first object's receipt for a copy).
+The statuses it answers are listed in the README ("What the receiver speaks"); acceptance, the
+origin rule and the clean-up of a PUT that ends without a receipt are the intake's and
+acceptance's.
 """
 
 from __future__ import annotations
