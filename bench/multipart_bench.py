@@ -154,10 +154,10 @@ async def deliver_until_done(
     from twisted.internet.task import deferLater
     from twisted.internet.threads import deferToThread
 
-    from canner.sinks.credentials import Credentials
-    from canner.sinks.ia_config import IADelivery
-    from canner.sinks.internet_archive import IASink
-    from canner.sinks.multipart import PartJournal
+    from canner.sinks.ia.attempt import IASink
+    from canner.sinks.ia.config import IADelivery
+    from canner.sinks.ia.credentials import Credentials
+    from canner.sinks.ia.multipart import PartJournal
     from canner.sinks.plan import plan_upload
     from canner.sinks.transport import make_http_client
 

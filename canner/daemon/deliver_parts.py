@@ -38,9 +38,9 @@ from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
-from canner.sinks.credentials import CredentialsError, load_credentials
-from canner.sinks.ia_config import READBACK_ALL
-from canner.sinks.internet_archive import IADeliverySink, IASink
+from canner.sinks.ia.attempt import IADeliverySink, IASink
+from canner.sinks.ia.config import READBACK_ALL
+from canner.sinks.ia.credentials import CredentialsError, load_credentials
 from canner.sinks.registry import project_sinks
 from canner.sinks.transport import make_http_client
 from canner.store.journal import Journal, JournalLog

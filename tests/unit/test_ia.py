@@ -33,11 +33,12 @@ from canner.blocking import run_inline
 from canner.checksum import HashCancelled, delivery_digests
 from canner.config import ConfigError
 from canner.sinks.base import Verdict
-from canner.sinks.body import FileProducer
-from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
-from canner.sinks.ia_config import IADelivery, validate_delivery
-from canner.sinks.internet_archive import DeliveryResult, IASink
-from canner.sinks.metadata import encode_metadata_value, metadata_headers
+from canner.sinks.ia.attempt import DeliveryResult, IASink
+from canner.sinks.ia.body import FileProducer
+from canner.sinks.ia.config import IADelivery, validate_delivery
+from canner.sinks.ia.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.ia.metadata import encode_metadata_value, metadata_headers
+from canner.sinks.ia.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from canner.sinks.plan import (
     FILENAME_MAX_BYTES,
     ItemPlan,
@@ -48,7 +49,6 @@ from canner.sinks.plan import (
     remote_name_problem,
     sanitize_filename,
 )
-from canner.sinks.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from tests.fake_ia import FakeIA, url_of
 
 reactor: Any = _reactor

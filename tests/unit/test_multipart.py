@@ -1,4 +1,4 @@
-"""canner.sinks.multipart: the pure part layout, XML and journal, and IASink's multipart
+"""canner.sinks.ia.multipart: the pure part layout, XML and journal, and IASink's multipart
 delivery against the fake IA (in-process, on loopback)."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from twisted.web.client import Agent, HTTPConnectionPool
 
 from canner.checksum import delivery_digests
 from canner.config import ConfigError
-from canner.sinks.credentials import Credentials
-from canner.sinks.ia_config import MAX_PARTS, MIN_PART_SIZE
-from canner.sinks.internet_archive import IASink
-from canner.sinks.multipart import (
+from canner.sinks.ia.attempt import IASink
+from canner.sinks.ia.config import MAX_PARTS, MIN_PART_SIZE
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.multipart import (
     FileIdentity,
     FinishedPart,
     PartJournal,

@@ -21,14 +21,14 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from canner.blocking import run_inline
 from canner.sinks.base import Verdict
-from canner.sinks.credentials import Credentials
-from canner.sinks.internet_archive import (
+from canner.sinks.ia.attempt import (
     PACE_RECHECK,
     DeliveryResult,
     IASink,
     internet_archive_sink,
 )
-from canner.sinks.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
 from canner.sinks.plan import ItemPlan, plan_upload
 from tests.unit.test_ia import ACCEPTED, OID, delivery
 

@@ -27,11 +27,11 @@ from twisted.web.iweb import IResponse
 from canner.blocking import run_inline
 from canner.checksum import delivery_digests
 from canner.sinks.base import RemoteCheck
-from canner.sinks.credentials import Credentials
-from canner.sinks.ia_config import READBACK_ALL, IADelivery
-from canner.sinks.internet_archive import IADeliverySink, IASink
+from canner.sinks.ia.attempt import IADeliverySink, IASink
+from canner.sinks.ia.config import READBACK_ALL, IADelivery
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.readback import ReadBack, choose_ranges, parse_content_range
 from canner.sinks.plan import ItemPlan, plan_upload
-from canner.sinks.readback import ReadBack, choose_ranges, parse_content_range
 from canner.sinks.transport import StreamedBody, read_digest
 from tests.fake_ia import FakeIA, url_of
 from tests.fakes import succeeded

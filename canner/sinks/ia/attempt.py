@@ -40,31 +40,39 @@ from canner.sinks.base import (
     Verdict,
     report_parts,
 )
-from canner.sinks.body import FileProducer, LocalFileError, open_payload
-from canner.sinks.credentials import (
+from canner.sinks.ia.body import FileProducer, LocalFileError, open_payload
+from canner.sinks.ia.config import DEFAULT_PART_SIZE, IADelivery
+from canner.sinks.ia.credentials import (
     Credentials,
     CredentialsError,
     load_credentials,
     loose_permissions,
     redact,
 )
-from canner.sinks.ia_config import DEFAULT_PART_SIZE, IADelivery
-from canner.sinks.multipart import (
+from canner.sinks.ia.multipart import (
     Answer,
     AttemptEnded,
     FileRange,
     MultipartUpload,
     PartJournal,
 )
-from canner.sinks.pacing import LimitReading, PutGate, pace, parse_check_limit
-from canner.sinks.plan import ItemPlan, is_loopback
-from canner.sinks.readback import (
+from canner.sinks.ia.pacing import LimitReading, PutGate, pace, parse_check_limit
+from canner.sinks.ia.readback import (
     ReadBack,
     choose_ranges,
     describe,
     parse_content_range,
     read_local,
 )
+from canner.sinks.ia.wire import (
+    Lookup,
+    RemoteFile,
+    Unknown,
+    classify,
+    failure_class,
+    parse_metadata,
+)
+from canner.sinks.plan import ItemPlan, is_loopback
 from canner.sinks.transport import (
     DIGEST_BATCH,
     canner_user_agent,
@@ -73,14 +81,6 @@ from canner.sinks.transport import (
     first_headers,
     read_bounded,
     read_digest,
-)
-from canner.sinks.wire import (
-    Lookup,
-    RemoteFile,
-    Unknown,
-    classify,
-    failure_class,
-    parse_metadata,
 )
 
 log = Logger()
@@ -150,7 +150,7 @@ class IASink:
     multipart_part_size: int = DEFAULT_PART_SIZE
     journal: PartJournal | None = None
     part_retry_delay: float = 1.0
-    # The PUTs running to this sink's account, paced by check_limit (canner.sinks.pacing); the
+    # The PUTs running to this sink's account, paced by check_limit (canner.sinks.ia.pacing); the
     # sinks of projects that share IA keys share it (internet_archive_sink).
     gate: PutGate = field(default=Factory(lambda self: PutGate(self._clock), takes_self=True))
 
@@ -780,7 +780,7 @@ class _Attempt:
     async def _exchange(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes | FileRange
     ) -> Answer | Outcome:
-        """A multipart request (see :class:`~canner.sinks.multipart.Exchange`): redirects
+        """A multipart request (see :class:`~canner.sinks.ia.multipart.Exchange`): redirects
         followed, the watchdog's verdict returned (the part may be tried again), the cap's
         raised."""
         for _hop in range(self._sink.max_redirects + 1):
