@@ -193,7 +193,7 @@ def attempt_stats(log_text: str, size: int) -> str:
             e["unix_time"] = datetime.fromisoformat(e["time"]).timestamp()
         if e.get("logger") == "canner.delivery.outbound_service" and text.startswith("delivering "):
             claims.setdefault(e["subject"], e["unix_time"])
-        elif e.get("logger") == "canner.sinks.internet_archive" and text.startswith("uploaded "):
+        elif e.get("logger") == "canner.sinks.ia.attempt" and text.startswith("uploaded "):
             uploads[e["object_id"]] = e
     if not uploads:
         return "(no attempt events in the log)"

@@ -5,7 +5,7 @@ the connection every few GiB, and how many bytes that costs (issue 26: goal unde
         [--dir DIR] [--keep]
 
 The file is sparse (it reads as zeros) but every byte of it is read, hashed (its MD5 once for the
-plan, each part's MD5 before the part is sent) and sent for real: canner's :class:`IASink` (the
+plan, each part's MD5 before the part is sent) and sent for real: canner's :class:`IAClient` (the
 production HTTP client, a thread runner) sends it as an S3 multipart upload to the fake IA
 (``tests/fake_ia.py``, its own process), through a cutting proxy (this file with
 ``--serve-proxy``, its own process) that aborts the connection carrying the request whenever the
@@ -154,10 +154,10 @@ async def deliver_until_done(
     from twisted.internet.task import deferLater
     from twisted.internet.threads import deferToThread
 
-    from canner.sinks.credentials import Credentials
-    from canner.sinks.ia_config import IADelivery
-    from canner.sinks.internet_archive import IASink
-    from canner.sinks.multipart import PartJournal
+    from canner.sinks.ia.client import IAClient
+    from canner.sinks.ia.config import IADelivery
+    from canner.sinks.ia.credentials import Credentials
+    from canner.sinks.ia.multipart import PartJournal
     from canner.sinks.plan import plan_upload
     from canner.sinks.transport import make_http_client
 
@@ -176,7 +176,7 @@ async def deliver_until_done(
         metadata_url=fake.url,
     )
     plan = plan_upload(config, "bench", "0" * 32, path.name, 0, args.size, md5)
-    sink = IASink(
+    sink = IAClient(
         http=make_http_client(reactor),
         clock=reactor,
         credentials=Credentials(ACCESS, SECRET),

@@ -9,7 +9,7 @@ a complete upload goes to :class:`~canner.accept.acceptance.Acceptance`, an inco
 go (:meth:`~UploadIntake.finish`) or, for a whole file nothing resumes, discarded
 (:meth:`~UploadIntake.finish_whole`).  :meth:`~UploadIntake.standing` and
 :meth:`~UploadIntake.receipt` read an upload only at a moment no acceptance of it runs.  What a
-door renders is an :class:`Outcome`.
+door renders is an :class:`UploadStanding`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ TAKEOVER_WAIT = 5.0
 
 
 @frozen
-class Outcome:
+class UploadStanding:
     """Where an upload stands after a request: what a door renders (tus: HEAD, PATCH and POST; a
     PUT: its receipt)."""
 
@@ -140,8 +140,8 @@ class UploadIntake:
     def open_stream(
         self,
         request: ReceiverRequest,
-        admission: Callable[[], Deferred[LockedUpload | Outcome]],
-        finish: Callable[[LockedUpload, bool], Deferred[Outcome]],
+        admission: Callable[[], Deferred[LockedUpload | UploadStanding]],
+        finish: Callable[[LockedUpload, bool], Deferred[UploadStanding]],
         abandon: Abandon = LockedUpload.close,
     ) -> BodyStream:
         """The stream of an upload body that ``admission`` admits (a :class:`HTTPError` it raises
@@ -166,7 +166,7 @@ class UploadIntake:
             stream.answered(Failure(e))
             return stream
 
-        def admitted(result: LockedUpload | Outcome) -> None:
+        def admitted(result: LockedUpload | UploadStanding) -> None:
             if not isinstance(result, LockedUpload):
                 stream.answered(result)
                 return
@@ -180,7 +180,7 @@ class UploadIntake:
 
     def admit_creation(
         self, info: UploadInfo, location: str = "", with_body: bool = True
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         """Create the upload ``info`` describes (everything the head tells checked by its door):
         refused while the node drains (503), under its free space floor (429) or when the space
         is promised to uploads in flight (503).  With ``with_body`` the upload comes locked, for
@@ -191,7 +191,7 @@ class UploadIntake:
 
     def admit_append(
         self, upload_id: str, offset: int, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         """Admit ``length`` bytes (None: not known yet) for the upload ``upload_id`` from
         ``offset``: the upload locked for :meth:`open_stream`, or the outcome of one already
         accepted when the request is its final, empty one again.  A stalled writer of the upload
@@ -203,7 +203,7 @@ class UploadIntake:
 
     # -- whole files in one request (canner.doors.seesaw) ---------------------------------------
 
-    def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+    def finish_whole(self, upload: LockedUpload, lost: bool) -> Deferred[UploadStanding]:
         """The ``finish`` of a whole-file body (an upload created by :meth:`admit_creation` with
         nothing to resume it): acceptance when every byte came, as for tus; otherwise the
         upload cannot be resumed, so it is discarded at once (:meth:`discard_whole`).  An
@@ -215,7 +215,7 @@ class UploadIntake:
             return self.finish(upload, lost).addErrback(self._discard_unaccepted, info)
         offset = upload.offset
 
-        def cut_short(_: object) -> Outcome:
+        def cut_short(_: object) -> UploadStanding:
             raise HTTPError(400, f"the body ended after {offset} of {info.size} bytes")
 
         return self._run(self.discard_whole, upload).addCallbacks(cut_short, _failure_status)
@@ -302,11 +302,15 @@ class UploadIntake:
                 raise _locked()
             await task.deferLater(self._clock, TAKEOVER_QUIET - quiet)
 
-    def _created(self, result: LockedUpload | Outcome, project: str) -> LockedUpload | Outcome:
+    def _created(
+        self, result: LockedUpload | UploadStanding, project: str
+    ) -> LockedUpload | UploadStanding:
         self.observer.upload_created(project)
         return result
 
-    def _create(self, info: UploadInfo, location: str, with_body: bool) -> LockedUpload | Outcome:
+    def _create(
+        self, info: UploadInfo, location: str, with_body: bool
+    ) -> LockedUpload | UploadStanding:
         self._check_draining()
         available = self._check_free_space()
         refusal = self.promises.admit(
@@ -321,7 +325,7 @@ class UploadIntake:
             self.promises.release(info.upload_id)
             raise
         if not with_body:
-            return Outcome(info.upload_id, info.size, 0, info.metadata, None, location)
+            return UploadStanding(info.upload_id, info.size, 0, info.metadata, None, location)
         try:
             upload = self._uploads.open_locked(info)
         except OSError:
@@ -335,22 +339,26 @@ class UploadIntake:
 
     async def _admit_known(
         self, upload_id: str, offset: int, length: int | None
-    ) -> LockedUpload | Outcome:
+    ) -> LockedUpload | UploadStanding:
         await self._take_over(upload_id, wait_for_live=True)
         if self._acceptance.is_running(upload_id):
             # The upload is complete and being accepted: only an empty final append may join.
             size = await self._run(self._join_check, upload_id, offset, length)
-            result: LockedUpload | Outcome = await self._join(size, upload_id, offset, length)
+            result: LockedUpload | UploadStanding = await self._join(
+                size, upload_id, offset, length
+            )
             return result
         return await self._run(self._open_for_append, upload_id, offset, length)
 
     def _join(
         self, size: int, upload_id: str, offset: int, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         running = self._acceptance.in_flight(upload_id)
         if running is None:  # it ended while we checked: answer as for any other append
             return self._run(self._open_for_append, upload_id, offset, length)
-        return running.addCallback(lambda receipt: Outcome(upload_id, size, size, {}, receipt))
+        return running.addCallback(
+            lambda receipt: UploadStanding(upload_id, size, size, {}, receipt)
+        )
 
     def _join_check(self, upload_id: str, offset: int, length: int | None) -> int:
         info = self._read_info(upload_id)
@@ -361,7 +369,7 @@ class UploadIntake:
 
     def _open_for_append(
         self, upload_id: str, offset: int, length: int | None
-    ) -> LockedUpload | Outcome:
+    ) -> LockedUpload | UploadStanding:
         self._check_free_space()
         info = self._read_info(upload_id)
         if info is None:
@@ -437,7 +445,7 @@ class UploadIntake:
             )
             return None
 
-    def _accepted(self, upload_id: str) -> Outcome | None:
+    def _accepted(self, upload_id: str) -> UploadStanding | None:
         """The outcome of an upload that was accepted (its payload may be purged since)."""
         receipt = self._receipts.read(upload_id)
         if receipt is None:
@@ -450,7 +458,7 @@ class UploadIntake:
                 metadata["filename"] = origin.filename
             if origin.downloader:
                 metadata["downloader"] = origin.downloader
-        return Outcome(upload_id, receipt.size_bytes, receipt.size_bytes, metadata, receipt)
+        return UploadStanding(upload_id, receipt.size_bytes, receipt.size_bytes, metadata, receipt)
 
     # -- the body -------------------------------------------------------------------------------
 
@@ -482,7 +490,7 @@ class UploadIntake:
 
     # -- after the body -------------------------------------------------------------------------
 
-    def finish(self, upload: LockedUpload, lost: bool) -> Deferred[Outcome]:
+    def finish(self, upload: LockedUpload, lost: bool) -> Deferred[UploadStanding]:
         """The ``finish`` of a resumable upload's body: acceptance once every byte is stored;
         otherwise its offset made durable and its lock let go, for the next request to resume."""
         info, location = upload.info, upload.location
@@ -491,7 +499,7 @@ class UploadIntake:
             # upload it resets is promised again when its worker appends).
             self.promises.release(info.upload_id)
             return self._acceptance.accept(upload).addCallbacks(
-                lambda receipt: Outcome(
+                lambda receipt: UploadStanding(
                     info.upload_id, info.size, info.size, info.metadata, receipt, location
                 ),
                 _failure_status,
@@ -506,11 +514,13 @@ class UploadIntake:
         # The offset answered (or found by the next HEAD) is durable before the lock goes: a
         # power cut after the 204 keeps it (see canner.store.uploads, durable offset).
         return self._run(self._uploads.let_go, upload).addCallbacks(
-            lambda _: Outcome(info.upload_id, info.size, offset, info.metadata, None, location),
+            lambda _: UploadStanding(
+                info.upload_id, info.size, offset, info.metadata, None, location
+            ),
             _failure_status,
         )
 
-    def _discard_unaccepted(self, failure: Failure, info: UploadInfo) -> Deferred[Outcome]:
+    def _discard_unaccepted(self, failure: Failure, info: UploadInfo) -> Deferred[UploadStanding]:
         error = failure.value
         if isinstance(error, HTTPError) and error.status == 422:
             return fail(failure)
@@ -534,7 +544,7 @@ class UploadIntake:
 
     # -- where an upload stands ---------------------------------------------------------------
 
-    def standing(self, upload_id: str) -> Deferred[Outcome]:
+    def standing(self, upload_id: str) -> Deferred[UploadStanding]:
         """Where the upload ``upload_id`` (a valid id) stands (tus: what HEAD reports).
 
         While an acceptance of the upload runs, this waits for it (at most
@@ -545,9 +555,9 @@ class UploadIntake:
         """
         return Deferred.fromCoroutine(self._standing(upload_id)).addErrback(_failure_status)
 
-    async def _standing(self, upload_id: str) -> Outcome:
+    async def _standing(self, upload_id: str) -> UploadStanding:
         await self._take_over(upload_id, wait_for_live=False)
-        outcome: Outcome = await self._committed(upload_id, self._status)
+        outcome: UploadStanding = await self._committed(upload_id, self._status)
         return self._maybe_resume_acceptance(outcome)
 
     async def _committed(self, upload_id: str, read: Callable[[str], Any]) -> Any:
@@ -616,7 +626,7 @@ class UploadIntake:
 
         return running.addBoth(settled)
 
-    def _status(self, upload_id: str) -> Outcome:
+    def _status(self, upload_id: str) -> UploadStanding:
         info = self._read_info(upload_id)
         if info is None:
             accepted = self._accepted(upload_id)
@@ -632,9 +642,9 @@ class UploadIntake:
             offset = 0  # reset before anyone writes; the bytes there now do not count
         else:
             offset = self._uploads.offset(upload_id)
-        return Outcome(upload_id, info.size, offset, info.metadata, receipt)
+        return UploadStanding(upload_id, info.size, offset, info.metadata, receipt)
 
-    def _maybe_resume_acceptance(self, outcome: Outcome) -> Outcome:
+    def _maybe_resume_acceptance(self, outcome: UploadStanding) -> UploadStanding:
         if (
             outcome.offset == outcome.size
             and outcome.receipt is None

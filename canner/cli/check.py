@@ -18,9 +18,9 @@ from canner.cli.base import Io, dump
 from canner.config import Config, ConfigError, check_data_dir, load_config
 from canner.hq import releases as rel
 from canner.ledger.service import validate_ledger
-from canner.sinks.credentials import CredentialsError, load_credentials, loose_permissions
 from canner.sinks.directory import DirectoryDelivery, destination_root
-from canner.sinks.ia_config import IADelivery
+from canner.sinks.ia.config import IADelivery
+from canner.sinks.ia.credentials import CredentialsError, load_credentials, loose_permissions
 from canner.sinks.plan import PlanError, format_date, plan_package_file, plan_upload
 from canner.store.datadir import DELIVER_WRITES, check_writes
 

@@ -27,7 +27,7 @@ from canner.store.uploads import UploadStore
 
 
 @define
-class Progress:
+class ProgressLine:
     """``label: done/total`` rewritten in place on a terminal; silent elsewhere."""
 
     stream: TextIO
@@ -53,7 +53,7 @@ class Progress:
 class _CountedReceipts(ReceiptStore):
     """A ReceiptStore whose listing reports each id to a progress display."""
 
-    progress: Progress | None = field(default=None, kw_only=True)
+    progress: ProgressLine | None = field(default=None, kw_only=True)
 
     def object_ids(self) -> Iterator[str]:
         for object_id in super().object_ids():
@@ -115,7 +115,7 @@ def _rebuild(config: Config, data_dir: Path, io: Io) -> int:
     scan = None
     if io.err.isatty():
         total = sum(1 for _ in ReceiptStore(receipts_dir).object_ids())
-        scan = Progress(io.err, "reading receipts", total)
+        scan = ProgressLine(io.err, "reading receipts", total)
     archived = ArchivedIds(LedgerDir(data_dir / "ledger"))
     conn = sqlite3.connect(path, isolation_level=None)
     try:

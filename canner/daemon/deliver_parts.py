@@ -38,9 +38,10 @@ from canner.packaging.pipeline import PackagingService
 from canner.packaging.store import PackageStore
 from canner.periodic import PeriodicService
 from canner.sinks.base import Sink
-from canner.sinks.credentials import CredentialsError, load_credentials
-from canner.sinks.ia_config import READBACK_ALL
-from canner.sinks.internet_archive import IADeliverySink, IASink
+from canner.sinks.ia.client import IAClient
+from canner.sinks.ia.config import READBACK_ALL
+from canner.sinks.ia.credentials import CredentialsError, load_credentials
+from canner.sinks.ia.sink import IASink
 from canner.sinks.registry import project_sinks
 from canner.sinks.transport import make_http_client
 from canner.store.journal import Journal, JournalLog
@@ -116,7 +117,7 @@ def ledger_parts(base: DeliverBase, journal: JournalLog) -> LedgerParts | None:
         credentials = load_credentials(ledger.credentials)
     except CredentialsError as e:
         raise ConfigError("ledger.credentials", str(e)) from None
-    sink = IASink(
+    client = IAClient(
         http=make_http_client(reactor),
         clock=reactor,
         credentials=credentials,
@@ -145,7 +146,7 @@ def ledger_parts(base: DeliverBase, journal: JournalLog) -> LedgerParts | None:
         config=ledger,
         index=base.index,
         ledgers=ledgers,
-        sink=IADeliverySink(READBACK_ALL, sink),
+        sink=IASink(READBACK_ALL, client),
         run=base.io,
         guard=service.guard,
     )

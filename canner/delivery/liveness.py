@@ -39,7 +39,7 @@ UPLOADING = "uploading"
 
 
 @frozen
-class Progress:
+class AttemptSnapshot:
     """One attempt in flight, as of ``now``."""
 
     object_id: str
@@ -80,7 +80,7 @@ class Progress:
         }
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> Progress:
+    def from_dict(cls, doc: dict[str, Any]) -> AttemptSnapshot:
         values: dict[str, Any] = {name: doc.get(name) for name in _PROGRESS_FIELDS}
         return cls(**values)
 
@@ -220,7 +220,7 @@ class InFlight:
     def end(self, object_id: str) -> None:
         self._running.pop(object_id, None)
 
-    def snapshot(self) -> list[Progress]:
+    def snapshot(self) -> list[AttemptSnapshot]:
         now = self._clock.seconds()
         found = []
         for r in sorted(self._running.values(), key=lambda r: (r.started_at, r.attempt.key)):
@@ -231,7 +231,7 @@ class InFlight:
                 last = r.last_sent_at or r.upload_started_at or r.started_at
                 quiet = now - last if now - last >= STALL_AFTER else None
             found.append(
-                Progress(
+                AttemptSnapshot(
                     a.key,
                     a.project,
                     a.filename,
@@ -282,7 +282,7 @@ class Heartbeat:
     started_at: float
     beat_at: float
     stopped_at: float | None
-    in_flight: tuple[Progress, ...] = ()
+    in_flight: tuple[AttemptSnapshot, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -325,7 +325,7 @@ def read_heartbeat(cur: sqlite3.Cursor) -> Heartbeat | None:
         return None
     pid, ver, started, beat, stopped, in_flight = row
     try:
-        progress = tuple(Progress.from_dict(d) for d in json.loads(in_flight))
+        progress = tuple(AttemptSnapshot.from_dict(d) for d in json.loads(in_flight))
     except (ValueError, TypeError):
         progress = ()
     return Heartbeat(pid, ver, started, beat, stopped, progress)

@@ -28,7 +28,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from canner.accept.intake import Outcome, UploadIntake
+from canner.accept.intake import UploadIntake, UploadStanding
 from canner.config import Config
 from canner.doors.base import Door, DoorParts
 from canner.store.uploads import DECLARED_DIGESTS, LockedUpload, UploadDoor, UploadInfo
@@ -136,7 +136,7 @@ class SeesawDoor:
 
     def _admit(
         self, headers: Headers, rest: str, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         """Everything the head tells, at once (pure); then the node's state in a thread."""
         target = parse_target(rest, self._config.projects)
         if length is None:
@@ -181,7 +181,7 @@ class SeesawRoutes(Resource):
         return answer_later(request, maybeDeferred(stream.result).addCallback(_receipted, request))
 
 
-def _receipted(outcome: Outcome, request: IRequest) -> bytes:
+def _receipted(outcome: UploadStanding, request: IRequest) -> bytes:
     """201 with the receipt (its JSON, and in ``Artifact-Receipt``); 200 when the file was a
     copy of an object accepted before, with that object's receipt."""
     receipt = outcome.receipt

@@ -213,7 +213,9 @@ def _record_done(target: Target, steps: Iterable[Step]) -> None:
 
 
 @frozen
-class Outcome:
+class AdoptionReport:
+    """What one adoption did: the counts and findings ``summary_line`` reports."""
+
     receipts: int
     in_flight: int
     delivered: int
@@ -224,7 +226,7 @@ class Outcome:
     rebuilt: int = 0
 
 
-def apply_plan(plan: Plan, go: GoDataDir, target: Target, now: float) -> Outcome:
+def apply_plan(plan: Plan, go: GoDataDir, target: Target, now: float) -> AdoptionReport:
     """Run every step not yet recorded done, clean the Go leftovers, retire the Go index."""
     done = done_steps(target)
     todo = [s for s in plan.steps if s.object_id not in done]
@@ -243,7 +245,7 @@ def apply_plan(plan: Plan, go: GoDataDir, target: Target, now: float) -> Outcome
     _retire_go_index(go)
     marker = f"adopted by canner into {target.data_dir} at {int(now)}\n"
     fs.replace_file(go.root, MARKER, marker.encode(), sync=True)
-    return Outcome(
+    return AdoptionReport(
         receipts=sum(1 for s in plan.steps if s.has_receipt),
         in_flight=plan.count(IN_FLIGHT),
         delivered=plan.count(DELIVERED),
@@ -471,7 +473,7 @@ def _retire_go_index(go: GoDataDir) -> None:
 # -- the command -------------------------------------------------------------------------------
 
 
-def summary_line(o: Outcome) -> str:
+def summary_line(o: AdoptionReport) -> str:
     return (
         f"adopt-go: receipts {o.receipts}, uploads in flight {o.in_flight}, delivered"
         f" {o.delivered}, to deliver {o.to_deliver} ({o.from_packages} from Go package files,"

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from attrs import frozen
 
 from canner.config import PROJECT_ID, ConfigError, parse_config, parse_duration
-from canner.sinks.metadata import metadata_key_problem
+from canner.sinks.ia.metadata import metadata_key_problem
 
 GO_TEMPLATE_VARIABLES = (
     "PROJECT",

@@ -24,7 +24,7 @@ from canner.ledger import store
 from canner.ledger.files import SUFFIX, LedgerDir, Manifest, expand
 from canner.observe import Outbound
 from canner.sinks.base import Delivered, DeliveryFailed, Sink
-from canner.sinks.metadata import metadata_headers
+from canner.sinks.ia.metadata import metadata_headers
 from canner.sinks.plan import ItemPlan
 
 log = Logger()

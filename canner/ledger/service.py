@@ -47,7 +47,7 @@ from canner.ledger.steps import (
     write_ledger,
 )
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver
-from canner.sinks.metadata import metadata_key_problem
+from canner.sinks.ia.metadata import metadata_key_problem
 from canner.sinks.plan import identifier_problem
 from canner.store.journal import JournalLog
 from canner.store.receipts import ReceiptStore

@@ -42,7 +42,7 @@ from canner.ops.trends import ALL, WINDOW, levels, per_minute
 from canner.ops.trends import projects as trend_projects
 from canner.ops.verdict import Verdict, assess, upload_refusals
 from canner.sinks.directory import DirectoryDelivery, expand_path
-from canner.sinks.ia_config import IADelivery
+from canner.sinks.ia.config import IADelivery
 from canner.version import version
 
 REFRESH_SECONDS = 10

@@ -17,7 +17,7 @@ from urllib.parse import quote
 from attrs import frozen
 
 from canner.config import ConfigError, DeliveryTable
-from canner.sinks.metadata import (
+from canner.sinks.ia.metadata import (
     METADATA_MAX_VALUES,
     encode_metadata_value,
     metadata_headers,

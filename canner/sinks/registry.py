@@ -27,10 +27,10 @@ from canner.config import (
 )
 from canner.sinks.base import Sink
 from canner.sinks.directory import DIRECTORY_TABLE, DirectoryDelivery, DirectorySink
-from canner.sinks.ia_config import IA_TABLE, IADelivery
-from canner.sinks.internet_archive import internet_archive_sink
-from canner.sinks.multipart import PartJournal
-from canner.sinks.pacing import PutGate
+from canner.sinks.ia.config import IA_TABLE, IADelivery
+from canner.sinks.ia.multipart import PartJournal
+from canner.sinks.ia.pacing import PutGate
+from canner.sinks.ia.sink import internet_archive_sink
 from canner.sinks.plan import check_destination
 from canner.sinks.transport import make_http_client
 

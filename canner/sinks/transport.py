@@ -19,7 +19,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
 from canner.blocking import BlockingRunner
-from canner.sinks.wire import short
+from canner.sinks.ia.wire import short
 
 
 def make_http_client(reactor: Any, connect_timeout: float = 60.0) -> HTTPClient:

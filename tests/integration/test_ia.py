@@ -1,4 +1,4 @@
-"""canner.sinks (IA): the pure plan half exhaustively, and IASink against the fake IA."""
+"""canner.sinks (IA): the pure plan half exhaustively, and IAClient against the fake IA."""
 
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ from canner.blocking import run_inline
 from canner.checksum import HashCancelled, delivery_digests
 from canner.config import ConfigError
 from canner.sinks.base import Verdict
-from canner.sinks.body import FileProducer
-from canner.sinks.credentials import Credentials, CredentialsError, load_credentials, redact
-from canner.sinks.ia_config import IADelivery, validate_delivery
-from canner.sinks.internet_archive import DeliveryResult, IASink
-from canner.sinks.metadata import encode_metadata_value, metadata_headers
+from canner.sinks.ia.attempt import DeliveryResult
+from canner.sinks.ia.body import FileProducer
+from canner.sinks.ia.client import IAClient
+from canner.sinks.ia.config import IADelivery, validate_delivery
+from canner.sinks.ia.credentials import Credentials, CredentialsError, load_credentials, redact
+from canner.sinks.ia.metadata import encode_metadata_value, metadata_headers
+from canner.sinks.ia.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from canner.sinks.plan import (
     FILENAME_MAX_BYTES,
     ItemPlan,
@@ -48,7 +50,6 @@ from canner.sinks.plan import (
     remote_name_problem,
     sanitize_filename,
 )
-from canner.sinks.wire import RemoteFile, Unknown, classify, parse_metadata, parse_retry_after
 from tests.fake_ia import FakeIA, url_of
 
 reactor: Any = _reactor
@@ -470,7 +471,7 @@ def test_delivery_digests(tmp_path: Path) -> None:
         delivery_digests(path, stop)
 
 
-# --- IASink over a traversal agent (no sockets) --------------------------------------------
+# --- IAClient over a traversal agent (no sockets) --------------------------------------------
 
 
 class EchoingIA(Resource):
@@ -506,7 +507,7 @@ def test_secret_never_reaches_the_outcome(tmp_path: Path) -> None:
     """Even a server that echoes the authorization header cannot put the secret in last_error."""
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
-    sink = IASink(
+    sink = IAClient(
         http=HTTPClient(agent),
         clock=clock,
         credentials=Credentials("AKEY", SECRET),
@@ -532,7 +533,7 @@ def test_secret_is_never_sent_in_clear(tmp_path: Path) -> None:
     """Over plain http to a non-loopback host the PUT goes without the authorization header."""
     agent = RequestTraversalAgent(EchoingIA())
     clock = Clock()
-    sink = IASink(
+    sink = IAClient(
         http=HTTPClient(agent),
         clock=clock,
         credentials=Credentials("AKEY", SECRET),
@@ -549,7 +550,7 @@ def test_secret_is_never_sent_in_clear(tmp_path: Path) -> None:
     assert result.outcome.reason == "400 InvalidArgument: bad"
 
 
-# --- IASink against the fake IA over loopback ------------------------------------------------
+# --- IAClient against the fake IA over loopback ------------------------------------------------
 
 
 P = ParamSpec("P")
@@ -582,7 +583,7 @@ class World:
     tmp: Path
     fake_clock: Clock
 
-    def sink(self, **kwargs: Any) -> IASink:
+    def sink(self, **kwargs: Any) -> IAClient:
         pool = HTTPConnectionPool(reactor, persistent=False)
         http = HTTPClient(Agent(reactor, connectTimeout=5, pool=pool))
         creds = Credentials(
@@ -590,7 +591,7 @@ class World:
         )
         url = kwargs.pop("url", self.url)
         run = kwargs.pop("run", in_thread)
-        return IASink(
+        return IAClient(
             http=http,
             clock=reactor,
             credentials=creds,
@@ -641,7 +642,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     assert fake.errors == []
 
 
-async def deliver(sink: IASink, plan: ItemPlan, path: Path) -> DeliveryResult:
+async def deliver(sink: IAClient, plan: ItemPlan, path: Path) -> DeliveryResult:
     return await sink.deliver(plan, path)
 
 
@@ -928,11 +929,11 @@ async def test_unreachable_ia_is_transient(world: World) -> None:
 
 
 def test_for_delivery_reads_the_credentials(tmp_path: Path) -> None:
-    """IASink.for_delivery builds a sink from a project's delivery config."""
+    """IAClient.for_delivery builds a sink from a project's delivery config."""
     keys = tmp_path / "keys"
     keys.write_text(f"AKEY\n{SECRET}\n")
     http = HTTPClient(RequestTraversalAgent(EchoingIA()))
-    sink = IASink.for_delivery(delivery(credentials=keys), http, Clock(), run_inline)
+    sink = IAClient.for_delivery(delivery(credentials=keys), http, Clock(), run_inline)
     assert SECRET not in repr(sink)
 
 
@@ -994,7 +995,7 @@ async def test_file_producer_reads_in_threads_with_backpressure() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_deliver_opens_and_reads_the_payload_off_the_reactor_thread(world: World) -> None:
-    """IASink opens, reads and closes the local payload only through its blocking runner."""
+    """IAClient opens, reads and closes the local payload only through its blocking runner."""
     runner = RecordingRunner()
     plan, path = world.artifact(1 << 20)
     result = await deliver(world.sink(run=runner, read_size=64 << 10), plan, path)

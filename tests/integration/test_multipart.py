@@ -1,4 +1,4 @@
-"""canner.sinks.multipart: the pure part layout, XML and journal, and IASink's multipart
+"""canner.sinks.ia.multipart: the pure part layout, XML and journal, and IAClient's multipart
 delivery against the fake IA (in-process, on loopback)."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from twisted.web.client import Agent, HTTPConnectionPool
 
 from canner.checksum import delivery_digests
 from canner.config import ConfigError
-from canner.sinks.credentials import Credentials
-from canner.sinks.ia_config import MAX_PARTS, MIN_PART_SIZE
-from canner.sinks.internet_archive import IASink
-from canner.sinks.multipart import (
+from canner.sinks.ia.client import IAClient
+from canner.sinks.ia.config import MAX_PARTS, MIN_PART_SIZE
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.multipart import (
     FileIdentity,
     FinishedPart,
     PartJournal,
@@ -152,7 +152,7 @@ def test_part_size_below_the_s3_minimum_is_refused() -> None:
         parse({**base, "multipart_threshold": 0})
 
 
-# --- IASink against the fake IA -----------------------------------------------------------------
+# --- IAClient against the fake IA -----------------------------------------------------------------
 
 
 def in_thread(f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -165,9 +165,9 @@ class World:
     url: str
     tmp: Path
 
-    def sink(self, **kwargs: Any) -> IASink:
+    def sink(self, **kwargs: Any) -> IAClient:
         pool = HTTPConnectionPool(reactor, persistent=False)
-        return IASink(
+        return IAClient(
             http=HTTPClient(Agent(reactor, connectTimeout=5, pool=pool)),
             clock=reactor,
             credentials=Credentials("fake-access", "fake-secret"),

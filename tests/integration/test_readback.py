@@ -1,4 +1,4 @@
-"""The read-back before a purge: range choice (pure), and IASink/IADeliverySink against the
+"""The read-back before a purge: range choice (pure), and IAClient/IASink against the
 fake IA on a loopback socket (redirect to the datanode, Range, altered bytes, refusals)."""
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from twisted.web.iweb import IResponse
 from canner.blocking import run_inline
 from canner.checksum import delivery_digests
 from canner.sinks.base import RemoteCheck
-from canner.sinks.credentials import Credentials
-from canner.sinks.ia_config import READBACK_ALL, IADelivery
-from canner.sinks.internet_archive import IADeliverySink, IASink
+from canner.sinks.ia.client import IAClient
+from canner.sinks.ia.config import READBACK_ALL, IADelivery
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.readback import ReadBack, choose_ranges, parse_content_range
+from canner.sinks.ia.sink import IASink
 from canner.sinks.plan import ItemPlan, plan_upload
-from canner.sinks.readback import ReadBack, choose_ranges, parse_content_range
 from canner.sinks.transport import StreamedBody, read_digest
 from tests.fake_ia import FakeIA, url_of
 from tests.fakes import succeeded
@@ -80,11 +81,11 @@ class World:
     tmp: Path
     clock: Clock
 
-    def sink(self, **kwargs: Any) -> IASink:
+    def sink(self, **kwargs: Any) -> IAClient:
         pool = HTTPConnectionPool(reactor, persistent=False)
         http = HTTPClient(Agent(reactor, connectTimeout=5, pool=pool))
         creds = Credentials("fake-access", "fake-secret")
-        return IASink(
+        return IAClient(
             http=http,
             clock=reactor,
             credentials=creds,
@@ -189,7 +190,7 @@ async def test_refused_or_failed_downloads_are_no_mismatch(
     assert not result.ok and not result.mismatch and result.needs_operator is operator
     if operator:
         assert "access-restricted" in result.detail
-        project = IADeliverySink(world.delivery().readback_bytes, world.sink())
+        project = IASink(world.delivery().readback_bytes, world.sink())
         world.fake.add_fault(kind, target="download")
         check = await project.verify(plan, path)
         assert not check.verified and check.needs_operator and not check.bad_copy
@@ -211,14 +212,14 @@ async def test_verify_reads_back_before_calling_a_copy_verified(world: World) ->
     """verify(): metadata and read-back agree -> verified; altered bytes -> flagged bad copy
     with offsets; readback_bytes = 0 -> the metadata alone, no download."""
     plan, path = await world.delivered(2000)
-    project = IADeliverySink(world.delivery().readback_bytes, world.sink())
+    project = IASink(world.delivery().readback_bytes, world.sink())
     assert await project.verify(plan, path) == RemoteCheck(True)
     world.fake.add_fault("altered", count=10)
     check = await project.verify(plan, path)
     assert not check.verified and check.needs_operator and check.bad_copy
     assert "offsets 0-1999" in check.detail and "payload is kept" in check.detail
     before = len(world.downloads())
-    metadata_only = IADeliverySink(world.delivery(readback_bytes=0).readback_bytes, world.sink())
+    metadata_only = IASink(world.delivery(readback_bytes=0).readback_bytes, world.sink())
     assert await metadata_only.verify(plan, path) == RemoteCheck(True)
     assert len(world.downloads()) == before
 
@@ -228,7 +229,7 @@ async def test_a_forced_delivery_uploads_although_listed(world: World) -> None:
     """After a read-back mismatch (force_upload) the delivery PUTs again instead of trusting
     the matching metadata; without it, nothing is sent."""
     plan, path = await world.delivered(2000)
-    project = IADeliverySink(world.delivery().readback_bytes, world.sink())
+    project = IASink(world.delivery().readback_bytes, world.sink())
     await project.deliver(plan, path, lambda n: None)
     assert world.fake.object(plan.identifier, plan.remote_name)["puts"] == 1  # type: ignore[index]
     await project.deliver(plan, path, lambda n: None, overwrite=True)
@@ -270,7 +271,7 @@ async def test_whole_file_read_back_keeps_pace_with_a_slower_hash(world: World) 
         batches.append(sum(len(chunk) for chunk in args[1]))
         return deferLater(reactor, 0.001, f, *args, **kwargs)
 
-    sink = IASink(
+    sink = IAClient(
         http=world.sink()._http,
         clock=reactor,
         credentials=Credentials("a", "s"),
@@ -293,9 +294,9 @@ async def test_one_flipped_byte_is_caught_by_all_and_missed_by_sampling(world: W
     copy (payload kept, not purged) naming both MD5s."""
     plan, path = await world.delivered(4_000_000)
     world.fake.add_fault("flip_byte", count=10)
-    sampled = IADeliverySink(world.delivery().readback_bytes, world.sink(random=middle_missed()))
+    sampled = IASink(world.delivery().readback_bytes, world.sink(random=middle_missed()))
     assert await sampled.verify(plan, path) == RemoteCheck(True)
-    whole = IADeliverySink(world.delivery(readback_bytes=READBACK_ALL).readback_bytes, world.sink())
+    whole = IASink(world.delivery(readback_bytes=READBACK_ALL).readback_bytes, world.sink())
     check = await whole.verify(plan, path)
     assert not check.verified and check.needs_operator and check.bad_copy
     assert f"the local copy's is {plan.content_md5}" in check.detail

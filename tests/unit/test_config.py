@@ -17,7 +17,7 @@ from canner.config import (
     parse_config,
     parse_duration,
 )
-from canner.sinks.ia_config import READBACK_ALL
+from canner.sinks.ia.config import READBACK_ALL
 
 BASE: dict[str, Any] = {
     "issuer": "https://canner.test",

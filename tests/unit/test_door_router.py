@@ -15,7 +15,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from canner.accept.intake import Outcome, UploadIntake
+from canner.accept.intake import UploadIntake, UploadStanding
 from canner.config import Config
 from canner.doors.base import Door, DoorParts
 from canner.doors.router import DOORS, DoorRouter
@@ -48,7 +48,7 @@ class DropAdmission:
         intake = self._intake
         return intake.open_stream(request, admission, intake.finish_whole, intake.discard_whole)
 
-    def _admit(self, project: str, length: int | None) -> Deferred[LockedUpload | Outcome]:
+    def _admit(self, project: str, length: int | None) -> Deferred[LockedUpload | UploadStanding]:
         if project not in self._config.projects:
             raise HTTPError(404, f"no such project: {project!r}")
         if not length:
@@ -76,7 +76,7 @@ class DropRoutes(Resource):
         return answer_later(request, answered)
 
 
-def _receipted(outcome: Outcome, request: IRequest) -> bytes:
+def _receipted(outcome: UploadStanding, request: IRequest) -> bytes:
     assert outcome.receipt is not None
     request.setResponseCode(201)
     request.setHeader("Content-Type", "application/json")

@@ -210,9 +210,9 @@ def test_status_page_says_when_deliver_is_not_running(tmp_path: Path) -> None:
     page = render_status(StatusView("i", survey, 1, ())).decode()
     assert 'id="deliver-banner"' in page and "never run" in page
     assert re.search(r'id="trend-free".*?data-points="[1-9]', page)
-    from canner.delivery.liveness import Progress, write_heartbeat
+    from canner.delivery.liveness import AttemptSnapshot, write_heartbeat
 
-    moving = Progress(
+    moving = AttemptSnapshot(
         "7" * 32, "example", "a.warc", 1000, 1, UPLOADING, 400, now - 10, now - 8, 50.0, 12.0
     )
     index.run(write_heartbeat, Heartbeat(9, "1.2.3", now - 3600, now - 2, None, (moving,)))

@@ -21,14 +21,11 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from canner.blocking import run_inline
 from canner.sinks.base import Verdict
-from canner.sinks.credentials import Credentials
-from canner.sinks.internet_archive import (
-    PACE_RECHECK,
-    DeliveryResult,
-    IASink,
-    internet_archive_sink,
-)
-from canner.sinks.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
+from canner.sinks.ia.attempt import PACE_RECHECK, DeliveryResult
+from canner.sinks.ia.client import IAClient
+from canner.sinks.ia.credentials import Credentials
+from canner.sinks.ia.pacing import LimitReading, Pace, PutGate, pace, parse_check_limit
+from canner.sinks.ia.sink import internet_archive_sink
 from canner.sinks.plan import ItemPlan, plan_upload
 from tests.integration.test_ia import ACCEPTED, OID, delivery
 
@@ -175,7 +172,7 @@ class Harness:
         self.ia = ScriptedIA()
         self.agent = RequestTraversalAgent(self.ia)
         self.clock = Clock()
-        self.sink = IASink(
+        self.sink = IAClient(
             http=HTTPClient(self.agent),
             clock=self.clock,
             credentials=Credentials("AKEY", "SECRET"),
@@ -337,6 +334,6 @@ def test_projects_with_the_same_keys_share_one_gate(tmp_path: Path) -> None:
         )
         for n, key in enumerate(("one", "one", "two"))
     ]
-    gate_of = [s._sink.gate for s in sinks]
+    gate_of = [s._client.gate for s in sinks]
     assert gate_of[0] is gate_of[1] and gate_of[0] is not gate_of[2]
     assert set(gates) == {"AKEY1", "AKEY2"}

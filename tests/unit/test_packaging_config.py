@@ -9,7 +9,7 @@ import pytest
 
 from canner.cli.check import delivery_example
 from canner.config import ConfigError, parse_config, parse_size
-from canner.sinks.ia_config import validate_delivery
+from canner.sinks.ia.config import validate_delivery
 from canner.sinks.plan import PlanError, plan_package_file
 
 DELIVERY: dict[str, Any] = {

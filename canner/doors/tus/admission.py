@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.http_headers import Headers
 
-from canner.accept.intake import Outcome, UploadIntake, not_found
+from canner.accept.intake import UploadIntake, UploadStanding, not_found
 from canner.config import Config
 from canner.doors.tus import protocol
 from canner.store.uploads import LockedUpload, UploadDoor, UploadInfo
@@ -46,7 +46,7 @@ class TusAdmission:
             return None
         return self._intake.open_stream(request, admission, self._intake.finish)
 
-    def status(self, headers: Headers, upload_id: str) -> Deferred[Outcome]:
+    def status(self, headers: Headers, upload_id: str) -> Deferred[UploadStanding]:
         """The state of an upload for HEAD (waiting for a running acceptance:
         :meth:`~canner.accept.intake.UploadIntake.standing`)."""
         try:
@@ -59,7 +59,7 @@ class TusAdmission:
 
     def _admit_creation(
         self, headers: Headers, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         protocol.check_tus_resumable(headers)
         creation = protocol.parse_creation(
             headers, self._config.projects, self._config.max_upload_bytes
@@ -94,7 +94,7 @@ class TusAdmission:
 
     def _admit_append(
         self, headers: Headers, upload_id: str, length: int | None
-    ) -> Deferred[LockedUpload | Outcome]:
+    ) -> Deferred[LockedUpload | UploadStanding]:
         protocol.check_tus_resumable(headers)
         protocol.check_patch_content_type(headers)
         if not self._config.object_ids.is_valid(upload_id):

@@ -3,7 +3,7 @@
 Thin adapters, dispatched on the route the request already has (``canner.web.routing``): nothing
 matches a tus path a second time.  POST and PATCH bodies were already streamed by the request
 (``channel.py``, ``stream.py``); their handlers wait for the stream's
-:class:`~canner.accept.intake.Outcome` and render it.  Every expected refusal is a
+:class:`~canner.accept.intake.UploadStanding` and render it.  Every expected refusal is a
 :class:`HTTPError`, rendered by the one renderer (:mod:`canner.web.answer`); anything else is a
 500 with the failure logged.
 """
@@ -17,7 +17,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from canner.accept.intake import Outcome
+from canner.accept.intake import UploadStanding
 from canner.doors.base import Door, DoorParts
 from canner.doors.tus import protocol
 from canner.doors.tus.admission import TusAdmission
@@ -36,7 +36,7 @@ def door(parts: DoorParts) -> Door:
     return Door(name="tus", serves=Surface.TUS, body=admission, resource=routes)
 
 
-def _offset_headers(request: IRequest, outcome: Outcome) -> None:
+def _offset_headers(request: IRequest, outcome: UploadStanding) -> None:
     # No body: no Content-Type (Twisted would add text/html).
     request.defaultContentType = None  # type: ignore[attr-defined]
     request.setHeader("Upload-Offset", str(outcome.offset))
@@ -87,7 +87,7 @@ class TusRoutes(Resource):
         return succeed(b"")
 
     def create(self, request: IRequest, route: Route) -> Deferred[bytes]:
-        def created(outcome: Outcome) -> bytes:
+        def created(outcome: UploadStanding) -> bytes:
             request.setResponseCode(201)
             assert outcome.location is not None
             request.setHeader("Location", outcome.location)
@@ -99,7 +99,7 @@ class TusRoutes(Resource):
     def status(self, request: IRequest, route: Route) -> Deferred[bytes]:
         request.setHeader("Cache-Control", "no-store")
 
-        def found(outcome: Outcome) -> bytes:
+        def found(outcome: UploadStanding) -> bytes:
             request.setHeader("Upload-Length", str(outcome.size))
             if outcome.metadata:
                 request.setHeader("Upload-Metadata", protocol.format_metadata(outcome.metadata))
@@ -109,7 +109,7 @@ class TusRoutes(Resource):
         return self._admission.status(request.requestHeaders, route.target).addCallback(found)
 
     def append(self, request: IRequest, route: Route) -> Deferred[bytes]:
-        def appended(outcome: Outcome) -> bytes:
+        def appended(outcome: UploadStanding) -> bytes:
             request.setResponseCode(204)
             _offset_headers(request, outcome)
             return b""

@@ -4,7 +4,7 @@ destination and compared with the local payload.
 IA's metadata API says what IA believes it stores (size, MD5); the read-back checks what it
 actually serves, so a purge never trusts the metadata alone.  Which ranges to fetch and how to
 read a ``Content-Range`` are pure; :func:`read_local` reads the payload's bytes (blocking, run
-it in a thread).  The HTTP side lives in :mod:`canner.sinks.internet_archive`.
+it in a thread).  The HTTP side lives in :mod:`canner.sinks.ia.attempt`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The XML is read leniently (with or without the S3 namespace; IA's answers are lo
 complete request is sent without a namespace (a user of IA's S3 had to strip it).  The pure half
 (part layout, XML, journal records) is at the top; :class:`MultipartUpload` is the shell, driven
 by the IA sink's attempt through the :class:`Exchange` protocol, so this module imports nothing
-of :mod:`canner.sinks.internet_archive`.
+of :mod:`canner.sinks.ia.attempt`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from twisted.logger import Logger
 from canner.blocking import BlockingRunner
 from canner.fs import fsync_dir, orphaned_temps, replace_file
 from canner.sinks.base import Outcome, Verdict
-from canner.sinks.ia_config import MAX_PARTS, MIN_PART_SIZE
+from canner.sinks.ia.config import MAX_PARTS, MIN_PART_SIZE
+from canner.sinks.ia.wire import classify, short
 from canner.sinks.plan import ItemPlan
-from canner.sinks.wire import classify, short
 
 log = Logger()
 
