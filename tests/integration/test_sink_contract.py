@@ -16,7 +16,7 @@ from canner.delivery.objects import plan_row
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, Sink
 from canner.sinks.directory import DirectorySink
-from canner.sinks.internet_archive import IADeliverySink
+from canner.sinks.ia.sink import IASink
 from canner.sinks.plan import ItemPlan
 from tests.fakes import FakeSink
 from tests.integration import test_ia
@@ -73,9 +73,9 @@ def make_subject(kind: str, world: World, tmp_path: Path) -> Subject:
     readback = config.readback_bytes
 
     def cut_ia() -> Sink:
-        return IADeliverySink(readback, world.sink(url="http://127.0.0.1:1"))
+        return IASink(readback, world.sink(url="http://127.0.0.1:1"))
 
-    return Subject(IADeliverySink(readback, world.sink()), plan, path, cut_ia)
+    return Subject(IASink(readback, world.sink()), plan, path, cut_ia)
 
 
 async def deliver(sink: Sink, plan: ItemPlan, path: Path) -> tuple[Delivered, list[int]]:
