@@ -38,9 +38,10 @@ def check(template: str, allowed: Collection[str]) -> frozenset[str]:
     """The fields of ``template``, all of which ``allowed`` must hold (its order is the order
     the error lists them in); :class:`TemplateError` for a malformed template or another field."""
     used = fields(template)
-    for name in sorted(used - set(allowed)):
-        known = " ".join(f"{{{a}}}" for a in allowed)
-        raise TemplateError(f"unknown placeholder {{{name}}} (known: {known})")
+    unknown = sorted(used - set(allowed))
+    if unknown:
+        known = " ".join(f"{{{name}}}" for name in allowed)
+        raise TemplateError(f"unknown placeholder {{{unknown[0]}}} (known: {known})")
     return used
 
 
