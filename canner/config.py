@@ -11,15 +11,15 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
-import string
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
 from attrs import field, frozen
 
+from canner import templates
 from canner.ids import ObjectIds, validate_node_prefix
 
 PROJECT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -170,13 +170,15 @@ class DeliveryContext:
 class SinkTable:
     """How one sink's delivery table is read.  ``keys``: the keys only this sink reads, beside
     the common ones; ``parse`` reads them into the sink's table type; ``check`` refuses a table
-    whose templates could ever produce a destination the sink cannot write.  Both raise
+    whose templates could ever produce a destination the sink cannot write; ``check_ledger``,
+    for a sink that can hold the ledger, refuses a ``[ledger]`` it could not write.  All raise
     :class:`ConfigError` naming the key."""
 
     name: str
     keys: frozenset[str]
     parse: Callable[[Mapping[str, Any], DeliveryContext], DeliveryTable]
     check: Callable[[DeliveryTable, DeliveryContext], None]
+    check_ledger: Callable[[LedgerConfig], None] | None = None
 
 
 # The sinks parse_config knows, by name.  This module may not import sinks/: the sink registry
@@ -270,6 +272,14 @@ class LedgerConfig:
     s3_url: str
     metadata_url: str
     metadata: Mapping[str, tuple[str, ...]] = field(factory=dict)
+
+    def template_values(self, period: str) -> dict[str, str]:
+        """What the identifier and metadata templates expand with for ``period``'s ledger."""
+        return {"node": self.node, "period": period}
+
+    def identifier_for(self, period: str) -> str:
+        """The IA item of ``period``'s ledgers."""
+        return templates.expand(self.identifier, self.template_values(period))
 
 
 @frozen
@@ -516,39 +526,48 @@ def _parse_packaging(raw: Any, name: str) -> PackagingConfig:
     )
 
 
-def template_fields(template: str) -> set[str]:
-    """The placeholder names in a ``{name}`` template; ``ValueError`` for broken braces."""
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+def check_template(template: str, allowed: Collection[str], key: str) -> frozenset[str]:
+    """The fields of the template set at ``key`` (:func:`canner.templates.check`), or a
+    :class:`ConfigError` naming ``key`` for a malformed template or a field ``allowed`` lacks."""
+    try:
+        return templates.check(template, allowed)
+    except templates.TemplateError as e:
+        raise ConfigError(key, str(e)) from None
 
 
-# Placeholders that name one object, and those that name one package.
+# The fields of a delivery's identifier, remote-name and metadata templates: those that name
+# one object, and those that name one package (megawarc projects only).
 OBJECT_FIELDS = frozenset({"object_id", "filename", "date"})
 PACKAGE_FIELDS = frozenset({"package", "batch_date"})
+DELIVERY_FIELDS = ("project", "object_id", "filename", "date", "package", "batch_date")
+# The fields of the ledger's identifier and metadata templates.
+LEDGER_FIELDS = ("node", "period")
 
 
-def _check_packaging_templates(
+def _check_delivery_templates(
     packaging: PackagingConfig, delivery: DeliveryTable, name: str
 ) -> None:
-    """A megawarc item is one package: its templates name the package, never one object."""
+    """The identifier and remote name are templates of :data:`DELIVERY_FIELDS`; a megawarc
+    item is one package: its templates name the package, never one object."""
+    used: dict[str, frozenset[str]] = {}
     for key in ("identifier", "remote_name"):
-        try:
-            used = template_fields(getattr(delivery, key))
-        except ValueError:
-            continue  # the sink's validation names the broken template
-        if packaging.megawarc and used & OBJECT_FIELDS:
+        used[key] = check_template(getattr(delivery, key), DELIVERY_FIELDS, f"{name}.{key}")
+    for key, names in used.items():
+        if packaging.megawarc and names & OBJECT_FIELDS:
             raise ConfigError(
-                f"{name}.delivery.{key}",
+                f"{name}.{key}",
                 "a megawarc project's item holds many objects: use {project}, {package} or"
-                " {batch_date}, not " + ", ".join(f"{{{f}}}" for f in sorted(used & OBJECT_FIELDS)),
+                " {batch_date}, not "
+                + ", ".join(f"{{{f}}}" for f in sorted(names & OBJECT_FIELDS)),
             )
-        if not packaging.megawarc and used & PACKAGE_FIELDS:
+        if not packaging.megawarc and names & PACKAGE_FIELDS:
             raise ConfigError(
-                f"{name}.delivery.{key}",
+                f"{name}.{key}",
                 "{package} and {batch_date} are only for projects with packaging mode = megawarc",
             )
-    if packaging.megawarc and not template_fields(delivery.identifier) & PACKAGE_FIELDS:
+    if packaging.megawarc and not used["identifier"] & PACKAGE_FIELDS:
         raise ConfigError(
-            f"{name}.delivery.identifier",
+            f"{name}.identifier",
             "a megawarc project's identifier must contain {package} or {batch_date}, so two"
             " batches never share an item",
         )
@@ -597,7 +616,7 @@ def _parse_delivery(
     }
     where = DeliveryContext(project_id, name, base_dir, packaging, common)
     delivery = table.parse(raw, where)
-    _check_packaging_templates(packaging, delivery, name.removesuffix(".delivery"))
+    _check_delivery_templates(packaging, delivery, name)
     table.check(delivery, where)
     return delivery
 
@@ -658,15 +677,20 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
             "required (it names this node's ledgers; defaults to node_prefix): 1-64 characters"
             " of [A-Za-z0-9._-]",
         )
-    return LedgerConfig(
+    identifier = string_key(raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}")
+    if "period" not in check_template(identifier, LEDGER_FIELDS, "ledger.identifier"):
+        raise ConfigError("ledger.identifier", "must contain {period}: one item per period")
+    metadata = metadata_table(raw.get("metadata", {}), "ledger.metadata")
+    for key, values in metadata.items():
+        for value in values:
+            check_template(value, LEDGER_FIELDS, f"ledger.metadata.{key}")
+    ledger = LedgerConfig(
         period=period,
         delay=duration_key(raw, "delay", "ledger.delay", "168h"),
         node=node,
         sink=sink,
         credentials=(base_dir / string_key(raw, "credentials", "ledger.credentials")).resolve(),
-        identifier=string_key(
-            raw, "identifier", "ledger.identifier", "canner-ledger-{node}-{period}"
-        ),
+        identifier=identifier,
         s3_url=http_url(
             string_key(raw, "s3_url", "ledger.s3_url", "https://s3.us.archive.org"), "ledger.s3_url"
         ),
@@ -674,8 +698,13 @@ def _parse_ledger(raw: Any, base_dir: Path, node_prefix: str) -> LedgerConfig | 
             string_key(raw, "metadata_url", "ledger.metadata_url", "https://archive.org"),
             "ledger.metadata_url",
         ),
-        metadata=metadata_table(raw.get("metadata", {}), "ledger.metadata"),
+        metadata=metadata,
     )
+    table = _SINK_TABLES.get(sink)
+    if table is None or table.check_ledger is None:
+        raise RuntimeError(f"no sink {sink!r} holds ledgers: import canner.sinks.registry first")
+    table.check_ledger(ledger)
+    return ledger
 
 
 def _parse_projects(

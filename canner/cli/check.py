@@ -17,7 +17,6 @@ from canner.cli import base
 from canner.cli.base import Io, dump
 from canner.config import Config, ConfigError, check_data_dir, load_config
 from canner.hq import releases as rel
-from canner.ledger.service import validate_ledger
 from canner.sinks.directory import DirectoryDelivery, destination_root
 from canner.sinks.ia.config import IADelivery
 from canner.sinks.ia.credentials import CredentialsError, load_credentials, loose_permissions
@@ -180,7 +179,6 @@ def _credential_warnings(config: Config) -> list[str]:
         except rel.TokenFileError as e:
             raise ConfigError("hq.tokens", f"{config.hq.tokens}: {e}") from None
     if config.ledger is not None:
-        validate_ledger(config.ledger)
         try:
             load_credentials(config.ledger.credentials)
         except CredentialsError as e:

@@ -29,7 +29,7 @@ from canner.delivery.outbound_service import OutboundService, Owner, lanes_of
 from canner.delivery.rescan import ReceiptRescan
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ledger.ledger_owner import LedgerOwner
-from canner.ledger.service import LedgerService, validate_ledger
+from canner.ledger.service import LedgerService
 from canner.ops.metrics import Metrics, SurveyCache, metrics_site
 from canner.packaging.dictionaries import DictionaryStore
 from canner.packaging.dictionary_api import Dictionaries, DictionaryApi
@@ -112,7 +112,6 @@ def ledger_parts(base: DeliverBase, journal: JournalLog) -> LedgerParts | None:
     config, reactor, ledger = base.config, base.reactor, base.config.ledger
     if ledger is None:
         return None
-    validate_ledger(ledger)
     try:
         credentials = load_credentials(ledger.credentials)
     except CredentialsError as e:

@@ -16,7 +16,7 @@ flushed early) there are three files:
     ledger the owner of its records: from then on the receipts, side files and index rows of the
     ids in ``<name>.ids`` may be deleted, and no rescan or rebuild brings them back.
 
-Pure parts (periods, record lines, templates) and blocking file I/O; run the latter in a thread.
+Pure parts (periods, record lines) and blocking file I/O; run the latter in a thread.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import re
-import string
 import struct
 import threading
 import time
@@ -43,7 +42,6 @@ ID_RECORD = 24
 _RELEASED = struct.Struct(">d")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 SUFFIX = ".jsonl.zst"
-PLACEHOLDERS = frozenset({"node", "period"})
 
 
 # -- periods ---------------------------------------------------------------------------------
@@ -68,26 +66,6 @@ def period_sql(period: str) -> str:
     """SQL for the period of a row's archive key (the later of release and purge)."""
     fmt = "%Y-%m-%d" if period == "day" else "%Y-%m"
     return f"strftime('{fmt}', max(released_at, purged_at), 'unixepoch')"
-
-
-# -- templates -------------------------------------------------------------------------------
-
-
-def template_placeholders(template: str) -> set[str]:
-    """The placeholders of ``template``; ``ValueError`` for any but ``{node}``/``{period}``."""
-    names = set()
-    for _, name, spec, conversion in string.Formatter().parse(template):
-        if name is None:
-            continue
-        if name not in PLACEHOLDERS or spec or conversion:
-            raise ValueError(f"unknown placeholder {{{name}}} (known: {{node}} {{period}})")
-        names.add(name)
-    return names
-
-
-def expand(template: str, node: str, period: str) -> str:
-    template_placeholders(template)
-    return template.format(node=node, period=period)
 
 
 # -- record lines ----------------------------------------------------------------------------

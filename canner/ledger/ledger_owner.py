@@ -14,6 +14,7 @@ from attrs import define
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.logger import Logger
 
+from canner import templates
 from canner.blocking import BlockingRunner
 from canner.config import LedgerConfig
 from canner.delivery import follow_up, outbound
@@ -21,7 +22,7 @@ from canner.delivery.index import Index
 from canner.delivery.outbound_service import Copy, Parcel, Shipment, Unshippable
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT
 from canner.ledger import store
-from canner.ledger.files import SUFFIX, LedgerDir, Manifest, expand
+from canner.ledger.files import SUFFIX, LedgerDir, Manifest
 from canner.observe import Outbound
 from canner.sinks.base import Delivered, DeliveryFailed, Sink
 from canner.sinks.ia.metadata import metadata_headers
@@ -37,10 +38,11 @@ NO_PROJECT = ""
 def ledger_plan(config: LedgerConfig, row: store.LedgerRow) -> ItemPlan:
     """Where a written ledger goes: ``identifier`` (per period), its file name, and headers."""
     assert row.bytes is not None and row.md5 is not None
-    identifier = expand(config.identifier, config.node, row.period)
+    identifier = config.identifier_for(row.period)
+    values = config.template_values(row.period)
     metadata = {
-        key: [expand(v, config.node, row.period) for v in values]
-        for key, values in config.metadata.items()
+        key: [templates.expand(v, values) for v in value_templates]
+        for key, value_templates in config.metadata.items()
     }
     headers = [
         ("content-md5", row.md5),

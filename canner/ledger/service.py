@@ -25,19 +25,12 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.blocking import BlockingRunner
-from canner.config import ConfigError, LedgerConfig
+from canner.config import LedgerConfig
 from canner.delivery.index import DeliveryIndex
 from canner.delivery.jobs import Ticker
 from canner.ids import ObjectIds
 from canner.ledger import store
-from canner.ledger.files import (
-    SUFFIX,
-    ArchivedIds,
-    LedgerDir,
-    Manifest,
-    expand,
-    template_placeholders,
-)
+from canner.ledger.files import SUFFIX, ArchivedIds, LedgerDir, Manifest
 from canner.ledger.steps import (
     LedgerError,
     id_batches,
@@ -47,8 +40,6 @@ from canner.ledger.steps import (
     write_ledger,
 )
 from canner.observe import UNOBSERVED, Outbound, OutboundObserver
-from canner.sinks.ia.metadata import metadata_key_problem
-from canner.sinks.plan import identifier_problem
 from canner.store.journal import JournalLog
 from canner.store.receipts import ReceiptStore
 
@@ -62,29 +53,6 @@ WRITE_RETRY = 600.0
 DELETE_RETRY = 60.0
 DELETE_THREADS = 32
 DELETE_BATCH = 4000
-
-
-def validate_ledger(config: LedgerConfig) -> None:
-    """Refuse a ``[ledger]`` whose identifier or metadata could break IA's rules."""
-    try:
-        used = template_placeholders(config.identifier)
-    except ValueError as e:
-        raise ConfigError("ledger.identifier", str(e)) from None
-    if "period" not in used:
-        raise ConfigError("ledger.identifier", "must contain {period}: one item per period")
-    for period in ("2026-11-30", "2026-11"):
-        problem = identifier_problem(expand(config.identifier, config.node, period))
-        if problem is not None:
-            raise ConfigError("ledger.identifier", problem)
-    for key, values in config.metadata.items():
-        problem = metadata_key_problem(key)
-        if problem is not None:
-            raise ConfigError(f"ledger.metadata.{key}", problem)
-        for value in values:
-            try:
-                template_placeholders(value)
-            except ValueError as e:
-                raise ConfigError(f"ledger.metadata.{key}", str(e)) from None
 
 
 @define(eq=False, kw_only=True)
@@ -228,7 +196,7 @@ class LedgerService(Service):
                 store.record_ledger_failure, row.ledger_id, f"write: {e}", now + WRITE_RETRY, True
             )
             return
-        identifier = expand(self._config.identifier, self._config.node, row.period)
+        identifier = self._config.identifier_for(row.period)
         values = {
             "records": written.records,
             "bytes": written.size,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import string
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,9 +31,17 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from canner import templates
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum, HashCancelled, blake3_file
-from canner.config import ConfigError, DeliveryContext, DeliveryTable, SinkTable, string_key
+from canner.config import (
+    ConfigError,
+    DeliveryContext,
+    DeliveryTable,
+    SinkTable,
+    check_template,
+    string_key,
+)
 from canner.fs import fsync_dir, write_all
 from canner.observe import Destination
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
@@ -63,17 +70,14 @@ class CopyStopped(Exception):
     """The copy was cancelled or timed out; its partial file is removed."""
 
 
+# The fields a directory sink's ``path`` may hold.
+PATH_FIELDS = ("project",)
+
+
 def expand_path(template: str, project: str) -> Path:
-    """``path`` with ``{project}`` expanded (``{{``/``}}`` escape); ``ValueError`` otherwise."""
-    out = []
-    for literal, name, spec, conversion in string.Formatter().parse(template):
-        out.append(literal)
-        if name is None:
-            continue
-        if name != "project" or spec or conversion:
-            raise ValueError(f"only {{project}} may appear in path, not {{{name}}}")
-        out.append(project)
-    return Path("".join(out))
+    """``path`` with ``{project}`` expanded (a template :func:`check_directory_delivery` let
+    through)."""
+    return Path(templates.expand(template, {"project": project}))
 
 
 NAME = "directory"
@@ -112,10 +116,7 @@ def check_directory_delivery(delivery: DeliveryTable, where: DeliveryContext) ->
             raise ConfigError(
                 f"{where.name}.{key}", f"names must not start with {PARTIAL_PREFIX!r}"
             )
-    try:
-        expand_path(delivery.path, where.project_id)
-    except ValueError as e:
-        raise ConfigError(f"{where.name}.path", str(e)) from None
+    check_template(delivery.path, PATH_FIELDS, f"{where.name}.path")
 
 
 DIRECTORY_TABLE = SinkTable(

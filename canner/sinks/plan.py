@@ -8,7 +8,6 @@ name, every non-secret PUT header).  The rules are IA's (``docs/reference/intern
 from __future__ import annotations
 
 import re
-import string
 import time
 import unicodedata
 from collections.abc import Mapping
@@ -16,7 +15,14 @@ from urllib.parse import quote
 
 from attrs import frozen
 
-from canner.config import ConfigError, DeliveryTable
+from canner import templates
+from canner.config import (
+    DELIVERY_FIELDS,
+    ConfigError,
+    DeliveryTable,
+    LedgerConfig,
+    check_template,
+)
 from canner.sinks.ia.metadata import (
     METADATA_MAX_VALUES,
     encode_metadata_value,
@@ -24,7 +30,6 @@ from canner.sinks.ia.metadata import (
     metadata_key_problem,
 )
 
-PLACEHOLDERS = frozenset({"project", "object_id", "filename", "date", "package", "batch_date"})
 # The files of a megawarc package are "<basename><suffix>"; the longest suffix names a zstd
 # dictionary id (a 32-bit number).
 PACKAGE_SUFFIX_SAMPLES = (".megawarc.json.gz", ".4294967295.megawarc.warc.zst")
@@ -149,37 +154,6 @@ def _trim(text: str) -> str:
     return text
 
 
-def _template_fields(template: str) -> list[tuple[str, str | None]]:
-    """Split a template into (literal, field) pairs; ``ValueError`` for anything but ``{name}``."""
-    parts: list[tuple[str, str | None]] = []
-    for literal, name, spec, conversion in string.Formatter().parse(template):
-        if name is not None:
-            if name not in PLACEHOLDERS:
-                raise ValueError(
-                    f"unknown placeholder {{{name}}} (known: {{project}} {{object_id}} "
-                    "{filename} {date}, and for megawarc projects {package} {batch_date})"
-                )
-            if spec or conversion:
-                raise ValueError(f"placeholder {{{name}}} takes no format spec or conversion")
-        parts.append((literal, name))
-    return parts
-
-
-def expand_template(template: str, values: Mapping[str, str]) -> str:
-    """Expand ``{project}``, ``{object_id}``, ``{filename}``, ``{date}`` (``{{``/``}}`` escape).
-
-    Raises ``ValueError`` for an unknown placeholder, a format spec, or unbalanced braces.
-    """
-    return "".join(
-        literal + (values[name] if name is not None else "")
-        for literal, name in _template_fields(template)
-    )
-
-
-def _placeholders(template: str) -> set[str]:
-    return {name for _, name in _template_fields(template) if name is not None}
-
-
 def identifier_problem(identifier: str) -> str | None:
     """Why ``identifier`` breaks IA's rules, or ``None`` when it is valid."""
     if not IDENTIFIER.fullmatch(identifier):
@@ -231,13 +205,10 @@ def check_destination(project_id: str, delivery: DeliveryTable, mode: str = "ide
     the offending setting, e.g. ``projects.example.delivery.identifier``.
     """
     base = f"projects.{project_id}.delivery"
-    templates = {"identifier": delivery.identifier, "remote_name": delivery.remote_name}
-    used: dict[str, set[str]] = {}
-    for key, template in templates.items():
-        try:
-            used[key] = _placeholders(template)
-        except ValueError as e:
-            raise ConfigError(f"{base}.{key}", str(e)) from None
+    destination = {"identifier": delivery.identifier, "remote_name": delivery.remote_name}
+    used: dict[str, frozenset[str]] = {}
+    for key, template in destination.items():
+        used[key] = check_template(template, DELIVERY_FIELDS, f"{base}.{key}")
     if "filename" in used["identifier"]:
         raise ConfigError(
             f"{base}.identifier",
@@ -255,11 +226,11 @@ def check_destination(project_id: str, delivery: DeliveryTable, mode: str = "ide
         for date in _SAMPLE_DATES:
             for filename in _SAMPLE_FILENAMES:
                 values = _values(project_id, object_id, filename, date)
-                identifier = expand_template(delivery.identifier, values)
+                identifier = templates.expand(delivery.identifier, values)
                 problem = identifier_problem(identifier)
                 if problem is not None:
                     raise ConfigError(f"{base}.identifier", problem)
-                remote = expand_template(delivery.remote_name, values)
+                remote = templates.expand(delivery.remote_name, values)
                 problem = remote_name_problem(remote, identifier)
                 if problem is not None:
                     raise ConfigError(f"{base}.remote_name", problem)
@@ -271,12 +242,26 @@ def check_destination(project_id: str, delivery: DeliveryTable, mode: str = "ide
         if len(value_templates) > METADATA_MAX_VALUES:
             raise ConfigError(name, f"at most {METADATA_MAX_VALUES} values")
         for template in value_templates:
-            try:
-                placeholders = _placeholders(template)
-            except ValueError as e:
-                raise ConfigError(name, str(e)) from None
+            placeholders = check_template(template, DELIVERY_FIELDS, name)
             if not placeholders and encode_metadata_value(template) is None:
                 raise ConfigError(name, f"the value {template!r} is empty once expanded")
+
+
+# Worst-case periods for check_ledger: a day's and a month's.
+_SAMPLE_PERIODS = ("2026-11-30", "2026-11")
+
+
+def check_ledger(ledger: LedgerConfig) -> None:
+    """Refuse a ``[ledger]`` whose identifier or metadata keys could break IA's rules (run by
+    parse_config through the IA sink's table, once the ledger's own rules passed)."""
+    for period in _SAMPLE_PERIODS:
+        problem = identifier_problem(ledger.identifier_for(period))
+        if problem is not None:
+            raise ConfigError("ledger.identifier", problem)
+    for key in ledger.metadata:
+        problem = metadata_key_problem(key)
+        if problem is not None:
+            raise ConfigError(f"ledger.metadata.{key}", problem)
 
 
 def _package_values(project: str, package: str, batch_date: str) -> dict[str, str]:
@@ -288,8 +273,8 @@ def _validate_package_templates(base: str, project_id: str, delivery: DeliveryTa
     for key, value_templates in delivery.metadata_templates().items():
         for template in value_templates:
             try:
-                extra = _placeholders(template) - {"project", "package", "batch_date"}
-            except ValueError:
+                extra = templates.fields(template) - {"project", "package", "batch_date"}
+            except templates.TemplateError:
                 continue  # reported with the other metadata checks
             if extra:
                 raise ConfigError(
@@ -301,9 +286,9 @@ def _validate_package_templates(base: str, project_id: str, delivery: DeliveryTa
         for date in _SAMPLE_DATES:
             values = _package_values(project_id, package, date)
             try:
-                identifier = expand_template(delivery.identifier, values)
-                basename = expand_template(delivery.remote_name, values)
-            except (KeyError, ValueError) as e:
+                identifier = templates.expand(delivery.identifier, values)
+                basename = templates.expand(delivery.remote_name, values)
+            except templates.TemplateError as e:
                 raise ConfigError(f"{base}.identifier", f"cannot expand: {e}") from None
             problem = identifier_problem(identifier)
             if problem is not None:
@@ -335,27 +320,20 @@ def plan_package_file(
     if not HEX_MD5.fullmatch(content_md5):
         raise PlanError(f"content_md5 must be 32 lowercase hex digits, not {content_md5!r}")
     values = _package_values(project, package, batch_date)
-    try:
-        identifier = expand_template(delivery.identifier, values)
-        remote_name = expand_template(delivery.remote_name, values) + suffix
-        metadata = {
-            key: [expand_template(t, values) for t in templates]
-            for key, templates in delivery.metadata_templates().items()
-        }
-        meta_headers = metadata_headers(metadata)
-    except (KeyError, ValueError) as e:
-        raise PlanError(str(e)) from None
-    problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
-    if problem is not None:
-        raise PlanError(problem)
+    identifier, remote_name, meta_headers = _expand(delivery, values)
     # Every file of the package goes to its item: the package's bytes are the item's.
     hint = max(size, item_bytes or 0)
-    if (too_big := item_too_big(delivery, identifier, hint)) is not None:
-        raise too_big
     return _item_plan(
-        project, ("package", package), identifier, remote_name, size, content_md5, hint,
+        delivery,
+        project,
+        ("package", package),
+        identifier,
+        remote_name + suffix,
+        size,
+        content_md5,
+        hint,
         meta_headers,
-    )  # fmt: skip
+    )
 
 
 def plan_upload(
@@ -382,31 +360,42 @@ def plan_upload(
     values = _values(
         project, object_id, sanitize_filename(filename, object_id), format_date(accepted_at)
     )
-    try:
-        identifier = expand_template(delivery.identifier, values)
-        remote_name = expand_template(delivery.remote_name, values)
-        metadata = {
-            key: [expand_template(t, values) for t in templates]
-            for key, templates in delivery.metadata_templates().items()
-        }
-        meta_headers = metadata_headers(metadata)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
+    identifier, remote_name, meta_headers = _expand(delivery, values)
     if remote_name in (identifier + suffix for suffix in RESERVED_SUFFIXES):
         # Only a worker's filename can land here; rename deterministically rather than refuse.
         remote_name = f"{object_id}-{remote_name}"
-    problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
-    if problem is not None:
-        raise PlanError(problem)
-    if (too_big := item_too_big(delivery, identifier, size)) is not None:
-        raise too_big
     return _item_plan(
-        project, ("object-id", object_id), identifier, remote_name, size, content_md5, size,
+        delivery,
+        project,
+        ("object-id", object_id),
+        identifier,
+        remote_name,
+        size,
+        content_md5,
+        size,
         meta_headers,
-    )  # fmt: skip
+    )
+
+
+def _expand(
+    delivery: DeliveryTable, values: Mapping[str, str]
+) -> tuple[str, str, list[tuple[str, str]]]:
+    """The identifier, remote name and metadata headers ``delivery``'s templates expand to;
+    :class:`PlanError` for a template or metadata value the config should have refused."""
+    try:
+        identifier = templates.expand(delivery.identifier, values)
+        remote_name = templates.expand(delivery.remote_name, values)
+        metadata = {
+            key: [templates.expand(t, values) for t in value_templates]
+            for key, value_templates in delivery.metadata_templates().items()
+        }
+        return identifier, remote_name, metadata_headers(metadata)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _item_plan(
+    delivery: DeliveryTable,
     project: str,
     key: tuple[str, str],
     identifier: str,
@@ -417,7 +406,13 @@ def _item_plan(
     meta_headers: list[tuple[str, str]],
 ) -> ItemPlan:
     """The plan and its PUT headers; ``key`` is the file-level metadata that names what the
-    file holds (``("object-id", id)`` or ``("package", id)``)."""
+    file holds (``("object-id", id)`` or ``("package", id)``).  :class:`PlanError` for a
+    destination IA's rules refuse, :class:`ItemTooBig` for ``size_hint`` past the item limit."""
+    problem = identifier_problem(identifier) or remote_name_problem(remote_name, identifier)
+    if problem is not None:
+        raise PlanError(problem)
+    if (too_big := item_too_big(delivery, identifier, size_hint)) is not None:
+        raise too_big
     name, value = key
     headers = [
         ("content-md5", content_md5),

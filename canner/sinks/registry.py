@@ -31,7 +31,7 @@ from canner.sinks.ia.config import IA_TABLE, IADelivery
 from canner.sinks.ia.multipart import PartJournal
 from canner.sinks.ia.pacing import PutGate
 from canner.sinks.ia.sink import internet_archive_sink
-from canner.sinks.plan import check_destination
+from canner.sinks.plan import check_destination, check_ledger
 from canner.sinks.transport import make_http_client
 
 
@@ -145,4 +145,5 @@ def _internet_archive(project_id: str, project: ProjectConfig, env: SinkEnv) -> 
 
 
 register(SinkEntry(DIRECTORY_TABLE, _directory))
-register(SinkEntry(IA_TABLE, _internet_archive))
+# The ledger goes to IA: its [ledger] table is checked by the plan's rules, as a delivery table is.
+register(SinkEntry(evolve(IA_TABLE, check_ledger=check_ledger), _internet_archive))

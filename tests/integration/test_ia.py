@@ -44,7 +44,6 @@ from canner.sinks.plan import (
     FILENAME_MAX_BYTES,
     ItemPlan,
     PlanError,
-    expand_template,
     format_date,
     plan_upload,
     remote_name_problem,
@@ -152,15 +151,6 @@ def test_plan_refuses_a_malformed_md5() -> None:
         plan_upload(
             delivery(), "example", OID, "a", ACCEPTED, 1, "D41D8CD98F00B204E9800998ECF8427E"
         )
-
-
-def test_expand_template_rejects_format_specs_and_unknown_names() -> None:
-    """Templates are plain {name} placeholders; {{ and }} are literal braces."""
-    values = {"project": "p", "object_id": "o", "filename": "f", "date": "d"}
-    assert expand_template("{{x}}-{project}", values) == "{x}-p"
-    for bad in ("{object_id:>40}", "{object_id!r}", "{nope}", "{object_id", "{0}", "{}"):
-        with pytest.raises(ValueError):
-            expand_template(bad, values)
 
 
 # --- filename sanitising ------------------------------------------------------------------

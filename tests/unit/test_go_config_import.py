@@ -20,7 +20,7 @@ import pytest
 from canner.cli.base import Io
 from canner.cli.main import main
 from canner.config import Config, load_config
-from canner.sinks.plan import expand_template
+from canner.templates import expand
 
 SECRET = "s3cr3t-never-printed"
 
@@ -325,7 +325,7 @@ def test_unknown_tokens_and_braces_stay_literal(root: Path) -> None:
     delivery_config = run.config().projects["p"].delivery
     assert delivery_config is not None
     values = {"project": "p", "object_id": "0" * 32, "filename": "f", "date": "d"}
-    expanded = {k: expand_template(v[0], values) for k, v in delivery_config.metadata.items()}
+    expanded = {k: expand(v[0], values) for k, v in delivery_config.metadata.items()}
     assert expanded == {"description": "{{project}} by p {x}", "subject": "{{NODE}}"}
 
 
