@@ -655,22 +655,6 @@ def record_verified(cur: sqlite3.Cursor, object_id: str, now: float) -> None:
     outbound.record_verified(cur, OBJECT, object_id, now, max(now, purge_after))
 
 
-def record_follow_up(
-    cur: sqlite3.Cursor,
-    object_id: str,
-    next_check_at: float,
-    error: str | None,
-    needs_operator: bool,
-    now: float,
-    force_upload: bool = False,
-) -> None:
-    """Postpone verification or purge (a lookup found nothing yet, a delete failed); see
-    :func:`canner.delivery.outbound.record_check`."""
-    outbound.record_check(
-        cur, OBJECT, object_id, next_check_at, error, needs_operator, now, force_upload
-    )
-
-
 def redeliver(
     cur: sqlite3.Cursor, object_id: str, reason: str, now: float, *, by_operator: bool = False
 ) -> bool:

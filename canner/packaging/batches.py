@@ -516,22 +516,6 @@ def record_remote_verified(cur: sqlite3.Cursor, batch_id: int, now: float) -> No
         record_remote_verified_members(cur, batch_id, now, now)
 
 
-def record_check(
-    cur: sqlite3.Cursor,
-    batch_id: int,
-    next_check_at: float,
-    error: str | None,
-    needs_operator: bool,
-    now: float,
-    force_upload: bool = False,
-) -> None:
-    """Postpone a remote verification or purge of a delivered package; ``force_upload`` (a
-    read-back found IA's bytes wrong) makes its next delivery upload every file."""
-    outbound.record_check(
-        cur, PACKAGE, str(batch_id), next_check_at, error, needs_operator, now, force_upload
-    )
-
-
 def redeliver(
     cur: sqlite3.Cursor, batch_id: int, reason: str, now: float, *, by_operator: bool = False
 ) -> bool:

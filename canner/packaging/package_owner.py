@@ -18,7 +18,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.config import ProjectConfig
-from canner.delivery import follow_up
+from canner.delivery import follow_up, outbound
 from canner.delivery.index import Index
 from canner.delivery.outbound_service import Copy, Parcel, Shipment, Unshippable
 from canner.delivery.queue import DEFAULT_VERIFY_TIMEOUT, PURGE_RETRY
@@ -161,7 +161,9 @@ class PackageOwner:
             return False
         if row.purge_after is None or row.purge_after > now or row.sources_purged_at is None:
             again = max(now + PURGE_RETRY, row.purge_after or 0)
-            await self._index.run(sql.record_check, row.batch_id, again, None, False, now)
+            await self._index.run(
+                outbound.record_check, PACKAGE, str(row.batch_id), again, None, False, now
+            )
             return False
         suffixes = [_suffix(parcel, row.package_id) for parcel in copy.files]
         await self._run(self._store.purge, row.package_id, suffixes)

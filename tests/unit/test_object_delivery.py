@@ -18,7 +18,8 @@ from twisted.internet.task import Clock
 
 from canner.blocking import run_inline
 from canner.delivery import index as sql
-from canner.delivery.index import AcceptedObject
+from canner.delivery import outbound
+from canner.delivery.index import OBJECT, AcceptedObject
 from canner.delivery.objects import ObjectOwner
 from canner.delivery.outbound_service import OutboundService, lanes_of
 from canner.delivery.queue import (
@@ -294,7 +295,9 @@ def test_unlisted_delivery_is_delivered_again_after_verify_timeout(harness: Harn
     h.tick()
     assert h.row(oid).state == "delivered", "not before the timeout"
     h.clock.advance(1)
-    h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+    h.index.run(
+        outbound.record_check, OBJECT, oid, h.clock.seconds(), None, False, h.clock.seconds()
+    )
     h.tick()  # the look at the deadline: back to retry_wait, due now
     assert h.row(oid).state == "retry_wait"
     h.tick()
@@ -322,13 +325,17 @@ def test_repeatedly_lost_delivery_is_flagged_not_redelivered(harness: Harness) -
     for n in range(1, MAX_REDELIVERIES + 1):
         _deliver(h, oid)
         h.clock.advance(VERIFY_TIMEOUT)
-        h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+        h.index.run(
+            outbound.record_check, OBJECT, oid, h.clock.seconds(), None, False, h.clock.seconds()
+        )
         h.tick()  # back to retry_wait, due now
         assert h.row(oid).redeliveries == n
         assert h.row(oid).state == "retry_wait"
     _deliver(h, oid)
     h.clock.advance(VERIFY_TIMEOUT)
-    h.index.run(sql.record_follow_up, oid, h.clock.seconds(), None, False, h.clock.seconds())
+    h.index.run(
+        outbound.record_check, OBJECT, oid, h.clock.seconds(), None, False, h.clock.seconds()
+    )
     h.tick()
     row = h.row(oid)
     assert row.state == "delivered" and row.needs_operator == 1, row
@@ -626,3 +633,9 @@ def test_stop_while_starting_waits_for_the_start_up_query(tmp_path: Path) -> Non
     assert stopped.called
     h.clock.advance(5)
     assert held.held == [], "a tick ran after stop"
+
+
+def _look_again_now(h: Harness, oid: str) -> None:
+    """The object's next look at the destination is due now (a lookup found nothing yet)."""
+    now = h.clock.seconds()
+    h.index.run(outbound.record_check, OBJECT, oid, now, None, False, now)
