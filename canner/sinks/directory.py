@@ -27,7 +27,6 @@ from typing import Any, ClassVar, TypeVar
 from attrs import define, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -44,6 +43,7 @@ from canner.config import (
 )
 from canner.fs import fsync_dir, write_all
 from canner.observe import Destination
+from canner.periodic import PeriodicService
 from canner.sinks.base import Delivered, DeliveryFailed, RemoteCheck
 from canner.sinks.plan import ItemPlan
 
@@ -388,9 +388,14 @@ class DirectorySink:
         started = self._clock.seconds()
         progress = Progress()
         reported = _Reporter(progress, report)
-        ticker = LoopingCall(reported.tick)
-        ticker.clock = self._clock
-        ticker.start(PROGRESS_INTERVAL, now=False)
+        ticker = PeriodicService(
+            clock=self._clock,
+            interval=PROGRESS_INTERVAL,
+            job=reported.tick,
+            label="directory copy progress",
+            now=False,
+        )
+        ticker.startService()
         try:
             placed = await self._watched(
                 copy_into_place,
@@ -411,7 +416,7 @@ class DirectorySink:
         except OSError as e:
             raise DeliveryFailed(f"copying to {place.final} failed: {e.strerror or e}") from None
         finally:
-            ticker.stop()
+            ticker.stopService()
             reported.tick()
         if not placed and not await self._already_there(plan, place):
             # Someone else wrote the name while this copy ran; it must not be overwritten.
