@@ -940,8 +940,9 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
             errors.append(e)
             return fallback
 
-    data_dir = attempt(_non_empty, "/var/lib/canner", raw, "data_dir", "/var/lib/canner",
-                       "must not be empty")  # fmt: skip
+    data_dir = attempt(
+        _non_empty, "/var/lib/canner", raw, "data_dir", "/var/lib/canner", "must not be empty"
+    )
     resolved_data_dir = (base_dir / data_dir).resolve()
     node_prefix = attempt(_node_prefix, "", raw)
     values = {

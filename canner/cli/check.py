@@ -114,9 +114,14 @@ def delivery_example(config: Config, project_id: str, now: float) -> dict[str, A
     if packaging.megawarc:
         try:
             plan = plan_package_file(
-                delivery, project_id, EXAMPLE_HEX, format_date(int(now)), ".megawarc.warc.gz",
-                0, EMPTY_MD5,
-            )  # fmt: skip
+                delivery,
+                project_id,
+                EXAMPLE_HEX,
+                format_date(int(now)),
+                ".megawarc.warc.gz",
+                0,
+                EMPTY_MD5,
+            )
         except PlanError as e:
             raise ConfigError(f"projects.{project_id}.delivery", str(e)) from None
         package = {
