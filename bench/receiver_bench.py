@@ -41,6 +41,9 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 NODE_DIR = BENCH / "node"
 TWISTD = ROOT / ".venv" / "bin" / "twistd"
+sys.path.insert(0, str(ROOT))
+from tests.go_peer import GO_PEER  # noqa: E402  (the Go canner built for side-by-side runs)
+
 PY_SPY = ROOT / ".venv" / "bin" / "py-spy"
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -312,6 +315,29 @@ class CannerPutServer(CannerServer):
                 return bool(resp.status < 300)
         except OSError:
             return False
+
+
+class GoCannerServer(Server):
+    """The Go canner (saveweb/canner, built from its source: the peer's README), started by its
+    own ``start.sh PORT DIR``: tus at ``/files/``, as durable as upstream ships it, answering the
+    final PATCH with an ``Artifact-Receipt`` as canner does."""
+
+    name = "Go canner"
+
+    def __init__(self, work: Path) -> None:
+        self.port = free_port()
+        self.root = work / "go-canner"
+        self.data_dir = self.root / "data"
+        self.log_path = work / "go-canner.log"
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                # start.sh execs the server: the pid sampled is the Go process's own.
+                ["sh", str(GO_PEER / "start.sh"), str(self.port), str(self.root)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self._wait_ready()
 
 
 class TusServer(Server):
@@ -687,7 +713,7 @@ def run_load(
         "patchSize": args.patch_size,
         "chunk": args.chunk,
         "project": PROJECT,
-        "expectReceipt": server.name.startswith("canner"),
+        "expectReceipt": server.name in ("canner", "canner PUT", "Go canner"),
         "put": server.name == "canner PUT",
         "timeoutMs": int(budget * 1000),
         "probeChecksum": "blake3:" + "0" * 64,
@@ -757,6 +783,8 @@ def run_one(
         server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
     elif server_name == "canner PUT":
         server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on")
+    elif server_name == "Go canner":
+        server = GoCannerServer(work)
     else:
         server = TusServer(work)
     profiler: Profiler | None = None
@@ -794,7 +822,7 @@ def run_one(
         if profiler is not None and profiler.proc.poll() is None:
             profiler.proc.kill()
         server.stop()
-        shutil.rmtree(server.data_dir, ignore_errors=True)
+        shutil.rmtree(getattr(server, "root", server.data_dir), ignore_errors=True)
         if server.proc.returncode not in (0, -signal.SIGTERM):
             log(f"{server.name} exited with {server.proc.returncode}")
     run = Run(scenario, server.name, result, sampler, sync_s, profile_text, b3sum_s=b3sum_s)
@@ -896,6 +924,19 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
                 f"  {label:<24} throughput x{_ratio(c.rate, t.rate)}"
                 f"   cost x{_ratio(c.cost, t.cost)}"
                 f"   p50 latency x{_ratio(c.latency(50), t.latency(50))}"
+            )
+    print(
+        "ratio canner / Go canner (both durable; throughput >1 means canner is faster; cost is"
+        " CPU per upload or per GiB, <1 means canner spends less):"
+    )
+    for label in labels:
+        c, g = medians.get((label, "canner")), medians.get((label, "Go canner"))
+        if c is not None and g is not None:
+            print(
+                f"  {label:<24} throughput x{_ratio(c.rate, g.rate)}"
+                f"   cost x{_ratio(c.cost, g.cost)}"
+                f"   p50 latency x{_ratio(c.latency(50), g.latency(50))}"
+                f"   p99 latency x{_ratio(c.latency(99), g.latency(99))}"
             )
     print("ratio canner / @tus/server (throughput; >1 means canner is faster):")
     for label in labels:
@@ -1025,8 +1066,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--servers",
-        default="canner,tus",
-        help="comma list of: canner (tus), put (canner's seesaw PUT target), tus (@tus/server)",
+        default="canner,go,tus",
+        help="comma list of: canner (tus), put (canner's seesaw PUT target), go (the Go canner"
+        " peer, skipped with a message where it is absent), tus (@tus/server)",
     )
     p.add_argument("--big-count", type=int, default=None, help="default 4 (quick 2)")
     p.add_argument("--big-size", type=parse_size, default=None, help="default 1GiB (quick 128MiB)")
@@ -1103,8 +1145,11 @@ def work_dir(root: Path) -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     servers = args.servers.split(",")
-    if set(servers) - {"canner", "put", "tus"}:
-        raise SystemExit("bench: --servers takes canner, put and/or tus")
+    if set(servers) - {"canner", "put", "go", "tus"}:
+        raise SystemExit("bench: --servers takes canner, put, go and/or tus")
+    if "go" in servers and not (GO_PEER / "start.sh").exists():
+        log(f"bench: no Go canner at {GO_PEER} (set CANNER_GO_PEER): measuring without it")
+        servers.remove("go")
     if not TWISTD.exists() and {"canner", "put"} & set(servers):
         raise SystemExit(f"bench: {TWISTD} missing; run ./dev bench (it installs the venv)")
     scenarios = build_scenarios(args)
@@ -1124,7 +1169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep, name in itertools.product(range(args.repeat), servers):
                 if scenario.head_probe and name != "canner":
                     continue
-                label = {"canner": "canner", "put": "canner PUT"}.get(name, "@tus/server")
+                label = {"canner": "canner", "put": "canner PUT", "go": "Go canner"}.get(
+                    name, "@tus/server"
+                )
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep
