@@ -48,6 +48,20 @@ def venv_bin(name: str) -> str:
     return str(candidate)
 
 
+def canner_command(
+    config: Path, *argv: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``canner ARGV... --config CONFIG`` as an operator runs it, from the repository root."""
+    return subprocess.run(
+        [venv_bin("canner"), *argv, "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def wait_for(
     predicate: Callable[[], T],
     timeout: float,

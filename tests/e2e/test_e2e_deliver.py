@@ -646,6 +646,33 @@ def _append_segment(data_dir: Path, records: list[dict[str, Any]]) -> Path:
     return segment
 
 
+def _append_purge_records(data_dir: Path, object_id: str, row: dict[str, Any], now: float) -> None:
+    """What ``delete_payload`` journals before it unlinks anything: the object's origin and its
+    delivery record, purged at ``now``."""
+    _append_segment(
+        data_dir,
+        [
+            {
+                "kind": "origin",
+                "object_id": object_id,
+                "project": PROJECT,
+                "filename": row["filename"],
+            },
+            {
+                "kind": "delivery",
+                "object_id": object_id,
+                "identifier": row["remote_identifier"],
+                "remote_name": row["remote_name"],
+                "content_md5": row["content_md5"],
+                "delivered_at": row["delivered_at"],
+                "verified_at": row["verified_at"],
+                "purge_after": now - 1,
+                "purged_at": now,
+            },
+        ],
+    )
+
+
 def test_rebuild_purges_again_a_payload_a_crash_left_after_its_purge_record(
     env_factory: Callable[..., Env],
 ) -> None:
@@ -659,23 +686,7 @@ def test_rebuild_purges_again_a_payload_a_crash_left_after_its_purge_record(
     assert_clean_exit(env.deliver, env.deliver.stop())
     now = time.time()
     # What delete_payload appends before it unlinks anything.
-    _append_segment(
-        env.data_dir,
-        [
-            {"kind": "origin", "object_id": left, "project": PROJECT, "filename": row["filename"]},
-            {
-                "kind": "delivery",
-                "object_id": left,
-                "identifier": row["remote_identifier"],
-                "remote_name": row["remote_name"],
-                "content_md5": row["content_md5"],
-                "delivered_at": row["delivered_at"],
-                "verified_at": row["verified_at"],
-                "purge_after": now - 1,
-                "purged_at": now,
-            },
-        ],
-    )
+    _append_purge_records(env.data_dir, left, row, now)
     assert data_files(env.data_dir, left) == {"payload": True, "info": True, "receipt": True}
     assert "delivery.sqlite" in remove_index(env.data_dir)
     env.deliver.start()
@@ -703,23 +714,7 @@ def test_rebuild_shows_purged_a_payload_whose_purge_was_cut_between_its_unlinks(
     assert_clean_exit(env.deliver, env.deliver.stop())
     now = time.time()
     # The disk as delete_payload leaves it after its first unlink: records, then the data gone.
-    _append_segment(
-        env.data_dir,
-        [
-            {"kind": "origin", "object_id": cut, "project": PROJECT, "filename": row["filename"]},
-            {
-                "kind": "delivery",
-                "object_id": cut,
-                "identifier": row["remote_identifier"],
-                "remote_name": row["remote_name"],
-                "content_md5": row["content_md5"],
-                "delivered_at": row["delivered_at"],
-                "verified_at": row["verified_at"],
-                "purge_after": now - 1,
-                "purged_at": now,
-            },
-        ],
-    )
+    _append_purge_records(env.data_dir, cut, row, now)
     (env.data_dir / "uploads" / cut).unlink()
     assert data_files(env.data_dir, cut) == {"payload": False, "info": True, "receipt": True}
     assert "delivery.sqlite" in remove_index(env.data_dir)

@@ -17,22 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deliver_support import Env, envs, make_checks_due_now, venv_bin, wait_for
-from e2e_support import REPO, blake3_hex
+from deliver_support import Env, canner_command, envs, make_checks_due_now, wait_for
+from e2e_support import blake3_hex
 
 pytestmark = pytest.mark.e2e
 env_factory_fixture = pytest.fixture(name="env_factory")(envs)
 
 
 def canner(config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [venv_bin("canner"), *argv, "--config", str(config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    return canner_command(config, *argv, timeout=30)
 
 
 def status(env: Env) -> dict[str, Any]:

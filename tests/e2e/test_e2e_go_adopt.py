@@ -23,6 +23,7 @@ from deliver_support import (
     Deliver,
     DeliveryReceiver,
     FakeIA,
+    canner_command,
     deliveries,
     venv_bin,
     wait_for,
@@ -35,25 +36,11 @@ from tests.go_peer import GO_PEER
 
 
 def adopt_go(config: Path, go_dir: Path, *more: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [venv_bin("canner"), "adopt-go", str(go_dir), *more, "--config", str(config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return canner_command(config, "adopt-go", str(go_dir), *more)
 
 
 def canner(config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [venv_bin("canner"), *argv, "--config", str(config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return canner_command(config, *argv, timeout=60)
 
 
 @pytest.fixture
