@@ -48,11 +48,11 @@ def daemon_account(config_path: Path, data_dir: Path) -> Account | None:
     root, or when that user is root."""
     if os.geteuid() != 0:
         return None
-    try:
-        if config_path.resolve() != base.DEFAULT_CONFIG.resolve():
-            raise KeyError(DAEMON_ACCOUNT)  # daemons started by hand run as whoever owns the data
-        user = pwd.getpwnam(DAEMON_ACCOUNT)
-    except KeyError:
+    user = None
+    if config_path.resolve() == base.DEFAULT_CONFIG.resolve():
+        with contextlib.suppress(KeyError):
+            user = pwd.getpwnam(DAEMON_ACCOUNT)
+    if user is None:  # another config (daemons started by hand), or no such account: the owner
         owner = data_dir.stat()
         try:
             user = pwd.getpwuid(owner.st_uid)

@@ -127,8 +127,6 @@ class ReceiverParts:
     site: ReceiverSite
     floor: FloorWatch
     journal: Journal
-    # One idempotency memory for every door (a PUT, an rsync'd file) of this receiver.
-    origins: AcceptedOrigins
 
 
 def receiver_parts(
@@ -211,7 +209,7 @@ def receiver_parts(
         hq=hq.app.resource(),
         reactor=clock,
     )
-    return ReceiverParts(acceptance, intake, hq, site, floor, journal, origins)
+    return ReceiverParts(acceptance, intake, hq, site, floor, journal)
 
 
 def receiver_service(
