@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger, LogPublisher, globalLogPublisher
 from twisted.python.failure import Failure
+from twisted.web.resource import IResource
 
 from canner.accept.acceptance import Acceptance
 from canner.accept.intake import UploadIntake
@@ -43,7 +44,7 @@ from canner.daemon.services import (
     ShutdownHook,
     freeze_startup_objects,
 )
-from canner.daemon.site import receiver_site
+from canner.daemon.site import NodeParent, receiver_site
 from canner.daemon.startup import prepare_packages, upgrade_index
 from canner.daemon.systemd import SystemdNotifier
 from canner.delivery.index import (
@@ -65,7 +66,7 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ops.manhole import daemon_manhole
 from canner.ops.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.ops.problems import RecentProblems, watching_start_up
-from canner.ops.readiness import FloorWatch, check_readiness
+from canner.ops.readiness import FloorWatch, check_readiness, with_workers
 from canner.ops.status_page import StatusSource
 from canner.ops.trends import SAMPLE_INTERVAL, record_sample
 from canner.packaging import batches as packaging_sql
@@ -143,13 +144,19 @@ def receiver_parts(
     problems: RecentProblems,
     connection_limits: ConnectionLimits | None,
     doors: Sequence[DoorFactory] = DOORS,
+    node: IResource | None = None,
+    parent: NodeParent | None = None,
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
     ``Clock`` and inline runners.  What a stop left of whole-file uploads is removed, every upload
     in flight is cut back to its durable offset after a restart of the machine, and the promises
     to uploads in flight are rebuilt from ``uploads/``, here (blocking, before anything listens;
-    the caller holds ``receiver.lock``).  ``doors`` make the doors over HTTP (tests add one)."""
+    the caller holds ``receiver.lock``).  ``doors`` make the doors over HTTP (tests add one).
+    On a node whose workers serve the socket: a worker's site forwards the node's view to
+    ``node`` (a :class:`~canner.web.proxy.NodeProxy` to the parent's private socket); the
+    parent's own site (on that socket, with ``connection_limits`` None: every request comes
+    from a worker) takes ``parent``."""
     remove_whole_files(uploads, receipts, config.object_ids)
     cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
     promises = Promises.from_disk(uploads, receipts, config.object_ids)
@@ -166,7 +173,8 @@ def receiver_parts(
         origins=origins,
     )
     floor = FloorWatch(config.min_free_bytes)
-    status = StatusSource.for_config(config, run=run, clock=clock, problems=problems)
+    roster = parent.roster if parent is not None else None
+    status = StatusSource.for_config(config, run=run, clock=clock, problems=problems, roster=roster)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
     journal = Journal(config.data_dir / "journal")
@@ -194,6 +202,7 @@ def receiver_parts(
     hq = HQRoutes(
         lookups=lookups, reader=reader, releases=releases, tokens=hq_tokens(config), run=run
     )
+    ready = partial(check_readiness, config.data_dir, config.min_free_bytes, floor, promises)
     site = receiver_site(
         intake=intake,
         doors=DoorRouter.build(DoorParts(config=config, intake=intake, clock=clock), doors),
@@ -202,12 +211,15 @@ def receiver_parts(
         run=run,
         metrics=metrics,
         status=status,
-        ready=partial(check_readiness, config.data_dir, config.min_free_bytes, floor, promises),
+        ready=ready if roster is None else with_workers(ready, roster),
         access_log=config.access_log,
         connection_limits=connection_limits,
         header_timeout=config.connections.header_timeout,
         hq=hq.app.resource(),
         reactor=clock,
+        node=node,
+        metrics_page=parent.metrics.render if parent is not None else None,
+        forwarded=parent is not None,
     )
     return ReceiverParts(acceptance, intake, hq, site, floor, journal)
 

@@ -7,16 +7,18 @@ everything else to :class:`ReceiverRoutes` (``GET /api/v1/receipts/{id}``, ``GET
 ``GET /readyz``, the status page at ``GET /`` and Prometheus metrics at ``GET /metrics``).
 :func:`receiver_site` builds the streaming :class:`~canner.web.channel.ReceiverSite` around it,
 with the router of doors as its body router, and reports every finished request to the metrics.
+On a node whose workers serve the socket, a worker forwards the node's view to the parent
+(:class:`~canner.web.proxy.NodeProxy`), whose own site answers it (:func:`receiver_site`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from attrs import define
+from attrs import define, frozen
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST
 from twisted.internet.interfaces import IReactorTime
@@ -31,6 +33,8 @@ from canner.doors.router import DoorRouter
 from canner.ids import ObjectIds
 from canner.ops.humane import shorten_ids
 from canner.ops.metrics import Metrics
+from canner.ops.node import WorkerRoster
+from canner.ops.node_metrics import NodeMetrics
 from canner.ops.readiness import Readiness
 from canner.ops.status_page import StatusSource, render_status
 from canner.web.answer import render_error
@@ -45,6 +49,16 @@ log = Logger()
 HTTP_IDLE_TIMEOUT = 300
 
 
+@frozen
+class NodeParent:
+    """What the parent of workers adds to its own site (served on its private socket, to its
+    workers only): its account of the workers (readiness and the status page count them) and
+    the node's metrics (its own and every worker's)."""
+
+    roster: WorkerRoster
+    metrics: NodeMetrics
+
+
 @define(eq=False)
 class ReceiverRoutes:
     """Receipt lookup, health, the status page and metrics."""
@@ -57,6 +71,8 @@ class ReceiverRoutes:
     _metrics: Metrics
     _status: StatusSource
     _ready: Callable[[], Readiness]
+    # The node's metrics (a parent of workers: its own and theirs); None: this process's.
+    _metrics_page: Callable[[], Awaitable[bytes]] | None = None
 
     @app.handle_errors(HTTPError)
     def refusal(self, request: IRequest, failure: Any) -> bytes:
@@ -107,23 +123,35 @@ class ReceiverRoutes:
         return render_status(view)
 
     @app.route("/metrics", methods=["GET"])
-    def metrics(self, request: IRequest) -> bytes:
+    async def metrics(self, request: IRequest) -> bytes:
         request.setHeader("Content-Type", CONTENT_TYPE_LATEST)
+        if self._metrics_page is not None:
+            return await self._metrics_page()
         return self._metrics.render()
 
 
 class _Root(Resource):
-    """Sends each request to the app of its route (``canner.web.routing``): its door's resource,
-    HQ's API or :class:`ReceiverRoutes`."""
+    """Sends each request to the app of its route (``canner.web.routing``): the node's parent
+    (``node``, on a worker: what :attr:`~canner.web.routing.Route.node_wide` names), its door's
+    resource, HQ's API or :class:`ReceiverRoutes`."""
 
-    def __init__(self, doors: DoorRouter, rest: IResource, hq: IResource | None = None) -> None:
+    def __init__(
+        self,
+        doors: DoorRouter,
+        rest: IResource,
+        hq: IResource | None = None,
+        node: IResource | None = None,
+    ) -> None:
         super().__init__()
         self._doors = doors
         self._rest = rest
         self._hq = hq
+        self._node = node
 
     def getChildWithDefault(self, path: bytes, request: IRequest) -> IResource:
         route = getattr(request, "route", OTHER)
+        if self._node is not None and route.node_wide:
+            return self._node  # a leaf: it forwards the request's whole target
         door = self._doors.resource_of(route)
         if door is not None:
             return door  # a leaf mounted at the route's first segment: it renders from the route
@@ -139,7 +167,9 @@ access = Logger(namespace="canner.access")
 
 class MeteredSite(ReceiverSite):
     """A :class:`ReceiverSite` that reports each finished request to :class:`Metrics` and, with
-    ``access_log``, logs it as one structured event (namespace ``canner.access``)."""
+    ``access_log``, logs it as one structured event (namespace ``canner.access``).  A site of
+    ``forwarded`` requests does neither: the worker that answered the client counts and logs
+    each one, so the node's stream and ``canner_http_responses`` have it once."""
 
     def __init__(
         self,
@@ -157,6 +187,8 @@ class MeteredSite(ReceiverSite):
         # Twisted calls this from Request.finish for every answered request (never for one
         # whose connection dropped first).
         super().log(request)
+        if self.forwarded:
+            return
         try:
             # request.method is already the overridden one (ReceiverRequest).
             method = request.method
@@ -202,12 +234,23 @@ def receiver_site(
     header_timeout: float | None = None,
     hq: IResource | None = None,
     reactor: IReactorTime | None = None,
+    node: IResource | None = None,
+    metrics_page: Callable[[], Awaitable[bytes]] | None = None,
+    forwarded: bool = False,
 ) -> ReceiverSite:
     """The receiver's site; ``reactor`` (the global one when None) times its connections.
     ``doors`` route, open and answer every door's requests (its body router); ``intake``
-    serves the receipt lookup."""
-    routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready)
-    root = _Root(doors, routes.app.resource(), hq)
+    serves the receipt lookup.
+
+    On a node whose workers serve the socket: a worker's site forwards the node's view (the
+    status page, ``/readyz``, ``/metrics``, HQ's API) to ``node`` (a
+    :class:`~canner.web.proxy.NodeProxy` to the parent); the parent's own site, on its private
+    socket, is ``forwarded`` (it trusts ``X-Forwarded-For``, and neither counts nor logs the
+    requests the workers count and log) and answers ``/metrics`` with ``metrics_page`` (the
+    node's: :class:`~canner.ops.node_metrics.NodeMetrics`).  All None/False: one process, as
+    without workers."""
+    routes = ReceiverRoutes(intake, ids, data_dir, run, metrics, status, ready, metrics_page)
+    root = _Root(doors, routes.app.resource(), hq, node)
     site = MeteredSite(
         root,
         doors,
@@ -216,6 +259,7 @@ def receiver_site(
         connection_limits=connection_limits,
         header_timeout=header_timeout,
         door_paths=doors.paths,
+        forwarded=forwarded,
         timeout=HTTP_IDLE_TIMEOUT,
         reactor=reactor,
     )

@@ -3,7 +3,8 @@
 ``/healthz`` says the process answers; :func:`check_readiness` says whether uploads would be
 accepted now: the node not draining (``canner drain``), free space at or above
 ``min_free_bytes`` (and known) and not all promised to uploads in flight
-(:mod:`canner.store.promises`), the data directory's ``uploads/`` and ``receipts/`` writable.  An
+(:mod:`canner.store.promises`), the data directory's ``uploads/`` and ``receipts/`` writable,
+and, on a node whose workers serve the socket, every worker listening (:func:`with_workers`).  An
 unreadable ``delivery.sqlite`` is not among them: the receiver still accepts and receipts
 uploads (receipts are the commit point, the index is rebuilt from them), so it is the status
 verdict's and ``canner_index_readable``'s to report.  A load balancer that
@@ -15,6 +16,7 @@ disk blocks: call it through the blocking runner.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from attrs import define, field, frozen
@@ -22,6 +24,7 @@ from twisted.logger import Logger
 
 from canner import fs
 from canner.ops.inventory import unusable_dirs
+from canner.ops.node import WorkerCount, WorkerRoster
 from canner.ops.verdict import draining_reason, upload_refusals
 from canner.store.drain import read_drain
 from canner.store.promises import Promises, overpromised
@@ -74,14 +77,33 @@ class Readiness:
     reasons: tuple[str, ...]
     free_bytes: int | None
     promised_bytes: int | None = None
+    # A receiver that runs workers: how many (None: it serves the socket itself).
+    workers: WorkerCount | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "status": "ready" if self.ready else "not ready",
             "reasons": list(self.reasons),
             "free_bytes": self.free_bytes,
             "promised_bytes": self.promised_bytes,
         }
+        if self.workers is not None:
+            doc["workers"] = self.workers.as_dict()
+        return doc
+
+
+def with_workers(check: Callable[[], Readiness], roster: WorkerRoster) -> Callable[[], Readiness]:
+    """``check`` on a node whose workers serve the socket: also not ready, saying so, while fewer
+    workers than configured listen (blocking, as ``check`` is)."""
+
+    def ready() -> Readiness:
+        found = check()
+        workers = WorkerCount.of(roster)
+        missing = workers.missing
+        reasons = found.reasons if missing is None else (*found.reasons, missing)
+        return Readiness(not reasons, reasons, found.free_bytes, found.promised_bytes, workers)
+
+    return ready
 
 
 def check_readiness(

@@ -36,6 +36,7 @@ from canner.delivery.queue import State
 from canner.doors.rsync.incoming import count_waiting
 from canner.ops.humane import human_bytes, human_duration, shorten_ids
 from canner.ops.inventory import IndexSummary, Survey, take_survey
+from canner.ops.node import WorkerCount, WorkerRoster
 from canner.ops.problems import Problem, RecentProblems
 from canner.ops.status_charts import Line, trend_chart
 from canner.ops.trends import ALL, WINDOW, levels, per_minute
@@ -93,16 +94,20 @@ class StatusView:
     delivers: bool = False
     # warnings and errors this receiver logged while starting, oldest first
     at_start: tuple[Problem, ...] = ()
+    # a receiver whose workers serve the socket: how many (None: it serves it itself)
+    workers: WorkerCount | None = None
 
     @property
     def verdict(self) -> Verdict:
-        """The verdict of ``canner status`` on this survey, and this receiver's start-up errors."""
+        """The verdict of ``canner status`` on this survey, and this receiver's start-up errors
+        and missing workers."""
         errors = sum(1 for p in self.at_start if p.level in ("error", "critical"))
         return assess(
             self.survey,
             min_free_bytes=self.min_free_bytes,
             delivers=self.delivers,
             errors_at_start=errors,
+            workers_missing=self.workers.missing if self.workers is not None else None,
         )
 
     @property
@@ -135,14 +140,23 @@ class StatusSource:
     # Counts the rsync files waiting for adoption (blocking), with each survey.
     _rsync_backlog: Callable[[], int] | None = None
     _rsync_waiting: int | None = None
+    # A receiver whose workers serve the socket: its account of them.
+    _roster: WorkerRoster | None = None
 
     @classmethod
     def for_config(
-        cls, config: Config, *, run: BlockingRunner, clock: IReactorTime, problems: RecentProblems
+        cls,
+        config: Config,
+        *,
+        run: BlockingRunner,
+        clock: IReactorTime,
+        problems: RecentProblems,
+        roster: WorkerRoster | None = None,
     ) -> StatusSource:
         """The receiver's status page source, started now: surveys with history, where each
-        project delivers to, and this version of canner."""
+        project delivers to, this version of canner and, with ``roster``, its workers."""
         return cls(
+            roster=roster,
             run=run,
             take=partial(take_survey, config.data_dir, config.object_ids, history=True),
             clock=clock,
@@ -178,6 +192,7 @@ class StatusSource:
                 rsync_waiting=self._rsync_waiting,
                 delivers=self._delivers,
                 at_start=self._problems.at_start(),
+                workers=WorkerCount.of(self._roster) if self._roster is not None else None,
             )
 
         return self._survey().addCallback(build)
@@ -367,7 +382,9 @@ def _header(view: StatusView) -> list[Tag]:
         tags.span(view.version, id="version"),
         " · receiver: ",
         tags.span("running", class_="ok", id="receiver-state"),
-        f" (up {human_duration(now - view.started_at)})",
+        f" (up {human_duration(now - view.started_at)}",
+        *_workers(view.workers),
+        ")",
         " · deliver: ",
         deliver,
         " · ",
@@ -389,6 +406,23 @@ def _header(view: StatusView) -> list[Tag]:
                 id="deliver-banner",
             )
         )
+    return parts
+
+
+def _workers(workers: WorkerCount | None) -> list[Tag | str]:
+    """The receiver's workers, in its header: how many listen, and restarts if any."""
+    if workers is None:
+        return []
+    count = tags.span(
+        f"{workers.running} of {workers.configured} workers",
+        id="workers",
+        class_="ok" if workers.missing is None else "bad",
+        **{"data-running": str(workers.running), "data-configured": str(workers.configured)},
+    )
+    parts: list[Tag | str] = [", ", count]
+    if workers.restarts:
+        restarts = "1 restart" if workers.restarts == 1 else f"{workers.restarts} restarts"
+        parts += [", ", tags.span(restarts, id="worker-restarts")]
     return parts
 
 

@@ -93,14 +93,21 @@ def index_unreadable(index_error: str) -> str:
 
 
 def assess(
-    survey: Survey, *, min_free_bytes: int, delivers: bool, errors_at_start: int = 0
+    survey: Survey,
+    *,
+    min_free_bytes: int,
+    delivers: bool,
+    errors_at_start: int = 0,
+    workers_missing: str | None = None,
 ) -> Verdict:
     """The verdict on the node ``survey`` looked at.
 
     Critical: uploads refused for lack of storage, the delivery index unreadable, or
     canner-deliver not running while some project delivers.  Warning: deliveries needing an
     operator, overdue purges, zstd dictionaries that cannot be had, and (the status page only:
-    the receiver's own log) ``errors_at_start`` errors logged while the receiver started.
+    the receiver's own knowledge) ``errors_at_start`` errors logged while the receiver started
+    and ``workers_missing``, fewer of its workers listening than configured (it serves less;
+    ``/readyz`` is not ready meanwhile).
     Draining (no alarm): the node's drain marker, with its retirement."""
     critical = upload_refusals(
         free_bytes=survey.free_bytes,
@@ -128,6 +135,8 @@ def assess(
     if errors_at_start:
         errors = "1 error" if errors_at_start == 1 else f"{errors_at_start} errors"
         warning.append(f"the receiver logged {errors} while starting")
+    if workers_missing is not None:
+        warning.append(workers_missing)
     reasons = [f"critical: {r}" for r in critical] + [f"warning: {r}" for r in warning]
     if survey.draining is not None:
         reasons.append(f"{DRAINING}: {_drained(survey.draining, survey.retirement)}")

@@ -48,6 +48,7 @@ from canner.web.answer import (
 )
 from canner.web.connections import ConnectionLimits
 from canner.web.errors import TUS_VERSION, HTTPError
+from canner.web.proxy import forwarded_client
 from canner.web.routing import (
     BAD_HOST_MESSAGE,
     OTHER,
@@ -300,7 +301,9 @@ def _peer_host(transport: Any) -> str:
 
 class ReceiverSite(Site):
     """A Site whose requests stream upload bodies through ``body_router`` (HTTP/1.1 only),
-    routed with the paths doors declared (``door_paths``) besides those routing knows."""
+    routed with the paths doors declared (``door_paths``) besides those routing knows.
+    ``forwarded``: only workers of the node reach it (the parent's private socket), so a
+    request's client is the one its ``X-Forwarded-For`` names (:mod:`canner.web.proxy`)."""
 
     protocol = ReceiverChannel  # type: ignore[assignment]
 
@@ -311,9 +314,11 @@ class ReceiverSite(Site):
         connection_limits: ConnectionLimits | None = None,
         header_timeout: float | None = None,
         door_paths: Sequence[DoorPath] = (),
+        forwarded: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(resource, requestFactory=ReceiverRequest, **kwargs)
+        self.forwarded = forwarded
         self.body_router = body_router
         self.connection_limits = connection_limits
         self.header_timeout = header_timeout
@@ -405,6 +410,15 @@ class ReceiverRequest(Request):
             self.finish()
             return
         super().process()
+
+    def getClientAddress(self) -> Any:
+        """The client: on a site of forwarded requests, the one the worker names."""
+        channel: Any = self.channel
+        if channel is not None and channel.site.forwarded:
+            named = forwarded_client(self.requestHeaders)
+            if named is not None:
+                return named
+        return super().getClientAddress()
 
     def connectionLost(self, reason: Failure) -> None:
         self.lost = True

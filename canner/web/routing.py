@@ -4,7 +4,8 @@ host can be served at all: :func:`bindable_host`).
 :func:`route` is pure and is the only place that matches receiver paths outside the Klein apps:
 the streaming seam asks it, as soon as a request's head is in, whether the body goes to an upload
 (creation or append); the root resource asks it which app serves the request (tus, HQ's API or
-the rest); the metrics ask it whether a response answered a creation.  Within an app, Klein keeps
+the rest, or the node's parent for what :attr:`Route.node_wide` names); the metrics ask it
+whether a response answered a creation.  Within an app, Klein keeps
 matching the routes it serves (and validating ids); nothing here touches the filesystem.  A door
 this module does not know declares its own :class:`DoorPath` (``canner.doors.router`` hands the
 site every declared one): requests under its prefix are its, without an edit here.
@@ -63,6 +64,14 @@ class Route:
     door: str = ""
 
     @property
+    def node_wide(self) -> bool:
+        """True when the answer is the node's, not one process's: the status page, ``/readyz``,
+        ``/metrics`` and HQ's API.  A receiver running workers serves these from its parent
+        process (HQ's releases append to the journal, which has one writer); ``/healthz``,
+        receipts and every door stay each worker's own."""
+        return self.kind in _NODE_WIDE
+
+    @property
     def streams_body(self) -> bool:
         """True when the body is an upload's bytes, streamed to disk as it arrives."""
         return self.kind in (Kind.CREATE, Kind.APPEND, Kind.PUT, Kind.BODY)
@@ -84,6 +93,7 @@ _FIXED = {
     b"/metrics": Kind.METRICS,
 }
 OTHER = Route(Kind.OTHER, Surface.RECEIVER)
+_NODE_WIDE = frozenset({Kind.STATUS_PAGE, Kind.READY, Kind.METRICS, Kind.HQ})
 
 
 def route(method: bytes, path: bytes, declared: Sequence[DoorPath] = ()) -> Route:
