@@ -65,6 +65,7 @@ from canner.hq.routes import HQRoutes, Lookups, Releases, hq_tokens
 from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ops.manhole import daemon_manhole
 from canner.ops.metrics import DELIVER, RECEIVER, Metrics, process_metrics
+from canner.ops.node import RosterCollector
 from canner.ops.problems import RecentProblems, watching_start_up
 from canner.ops.readiness import FloorWatch, check_readiness, with_workers
 from canner.ops.status_page import StatusSource
@@ -174,6 +175,8 @@ def receiver_parts(
     )
     floor = FloorWatch(config.min_free_bytes)
     roster = parent.roster if parent is not None else None
+    if roster is not None:
+        metrics.register(RosterCollector(roster))
     status = StatusSource.for_config(config, run=run, clock=clock, problems=problems, roster=roster)
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)

@@ -179,7 +179,7 @@ def start_time(families: Families) -> float | None:
     return None
 
 
-@define
+@define(eq=False)
 class _Fixed(Collector):
     _families: Families
 
@@ -262,7 +262,8 @@ def _read(response: IResponse, limit: int) -> Deferred[bytes]:
 
 @define(eq=False)
 class UnixScraper:
-    """``GET /metrics`` of the site on a unix socket, one client per address (kept open)."""
+    """``GET /metrics`` of the site on a unix socket, a connection per scrape (cheap on a unix
+    socket; a worker that went away is never asked over a connection it left)."""
 
     _reactor: Any
     _agents: dict[str, Any] = field(factory=dict)
@@ -271,7 +272,7 @@ class UnixScraper:
     def __call__(self, address: str) -> Deferred[bytes]:
         agent = self._agents.get(address)
         if agent is None:
-            agent, pool = unix_agent(self._reactor, address)
+            agent, pool = unix_agent(self._reactor, address, persistent=False)
             self._agents[address] = agent
             self._pools.append(pool)
         asked: Deferred[IResponse] = agent.request(b"GET", b"http://canner-node/metrics")

@@ -137,11 +137,13 @@ class _UnixEndpoints:
         return UNIXClientEndpoint(self._reactor, self._address, timeout=self._timeout)
 
 
-def unix_agent(reactor: Any, address: str, connect_timeout: float = 5.0) -> tuple[Agent, Any]:
+def unix_agent(
+    reactor: Any, address: str, connect_timeout: float = 5.0, persistent: bool = True
+) -> tuple[Agent, Any]:
     """An HTTP client agent whose every request goes to the site on unix socket ``address``
-    (any URL: its host is not resolved), over persistent connections, and the connection pool
-    to close when done (``pool.closeCachedConnections()``)."""
-    pool = HTTPConnectionPool(reactor, persistent=True)
+    (any URL: its host is not resolved), over connections kept open when ``persistent``, and
+    the connection pool to close when done (``pool.closeCachedConnections()``)."""
+    pool = HTTPConnectionPool(reactor, persistent=persistent)
     pool.maxPersistentPerHost = POOL_SIZE
     endpoints = _UnixEndpoints(reactor, address, connect_timeout)
     return Agent.usingEndpointFactory(reactor, endpoints, pool=pool), pool
