@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_twisted  # type: ignore[import-untyped]
 import treq
 from attrs import define
@@ -216,9 +215,7 @@ async def test_hq_requests_reach_the_parent_whole_with_the_real_client(node: Nod
     body = json.dumps({"ids": [RECEIPT]}).encode()
     auth = {"Authorization": [f"Bearer {TOKEN}"], "Content-Type": ["application/json"]}
     through = await node.client.post(node.worker_url + "/api/v1/releases", body, headers=auth)
-    direct = await node.parent_client.post(
-        "http://canner-node/api/v1/releases", body, headers=auth
-    )
+    direct = await node.parent_client.post("http://canner-node/api/v1/releases", body, headers=auth)
     answer, direct_answer = await _answer(through), await _answer(direct)
     assert answer == direct_answer
     assert answer[0] == 200
