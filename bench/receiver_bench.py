@@ -1203,9 +1203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "put": "canner PUT",
                     "go": "Go canner",
                     "base": "canner base",
-                }.get(
-                    name, "@tus/server"
-                )
+                }.get(name, "@tus/server")
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep
