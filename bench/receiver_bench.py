@@ -262,7 +262,9 @@ class Server:
 class CannerServer(Server):
     name = "canner"
 
-    def __init__(self, work: Path, max_upload: int, access_log: bool = True) -> None:
+    def __init__(
+        self, work: Path, max_upload: int, access_log: bool = True, source: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.data_dir = work / "canner-data"
         self.data_dir.mkdir()
@@ -290,12 +292,21 @@ class CannerServer(Server):
                     "--config",
                     str(config),
                 ],
-                cwd=ROOT,
+                cwd=source or ROOT,
+                # Another checkout's canner (--baseline) comes first on the path.
+                env=os.environ if source is None else {**os.environ, "PYTHONPATH": str(source)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
         self._wait_ready()
+
+
+class BaselineServer(CannerServer):
+    """canner-receiver from another checkout (``--baseline DIR``, e.g. ``git archive main``),
+    run with this checkout's virtualenv: the same load, interleaved with this branch."""
+
+    name = "canner base"
 
 
 class CannerPutServer(CannerServer):
@@ -713,7 +724,7 @@ def run_load(
         "patchSize": args.patch_size,
         "chunk": args.chunk,
         "project": PROJECT,
-        "expectReceipt": server.name in ("canner", "canner PUT", "Go canner"),
+        "expectReceipt": server.name in ("canner", "canner base", "canner PUT", "Go canner"),
         "put": server.name == "canner PUT",
         "timeoutMs": int(budget * 1000),
         "probeChecksum": "blake3:" + "0" * 64,
@@ -781,6 +792,8 @@ def run_one(
     server: Server
     if server_name == "canner":
         server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
+    elif server_name == "canner base":
+        server = BaselineServer(work, max(scenario.size, 1), args.access_log == "on", args.baseline)
     elif server_name == "canner PUT":
         server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on")
     elif server_name == "Go canner":
@@ -790,7 +803,7 @@ def run_one(
     profiler: Profiler | None = None
     profile_text: str | None = None
     try:
-        if profile and server_name == "canner" and not scenario.head_probe:
+        if profile and server_name in ("canner", "canner base") and not scenario.head_probe:
             if PY_SPY.exists():
                 profiler = Profiler(
                     server.pid, work / f"profile-{scenario.key}.txt", args.profile_gil
@@ -938,6 +951,14 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
                 f"   p50 latency x{_ratio(c.latency(50), g.latency(50))}"
                 f"   p99 latency x{_ratio(c.latency(99), g.latency(99))}"
             )
+    for label in labels:
+        c, b = medians.get((label, "canner")), medians.get((label, "canner base"))
+        if c is not None and b is not None:
+            print(
+                f"  canner / canner base: {label:<24} throughput x{_ratio(c.rate, b.rate)}"
+                f"   cost x{_ratio(c.cost, b.cost)}"
+                f"   p50 latency x{_ratio(c.latency(50), b.latency(50))}"
+            )
     print("ratio canner / @tus/server (throughput; >1 means canner is faster):")
     for label in labels:
         c, t = medians.get((label, "canner")), medians.get((label, "@tus/server"))
@@ -1079,6 +1100,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--small-concurrency", type=int, default=16)
     p.add_argument("--head-size", type=parse_size, default=None, help="default 1GiB (quick 256MiB)")
     p.add_argument("--head-interval-ms", type=float, default=5.0)
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of canner (e.g. main, from git archive), measured as the server"
+        " 'base' with this checkout's virtualenv",
+    )
     p.add_argument("--head-baseline", type=int, default=200, help="idle HEADs before the upload")
     p.add_argument(
         "--patch-size", type=parse_size, default=0, help="bytes per PATCH (0: one PATCH per upload)"
@@ -1145,8 +1172,10 @@ def work_dir(root: Path) -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     servers = args.servers.split(",")
-    if set(servers) - {"canner", "put", "go", "tus"}:
-        raise SystemExit("bench: --servers takes canner, put, go and/or tus")
+    if set(servers) - {"canner", "put", "go", "tus", "base"}:
+        raise SystemExit("bench: --servers takes canner, put, go, base and/or tus")
+    if "base" in servers and args.baseline is None:
+        raise SystemExit("bench: --servers base needs --baseline DIR")
     if "go" in servers and not (GO_PEER / "start.sh").exists():
         log(f"bench: no Go canner at {GO_PEER} (set CANNER_GO_PEER): measuring without it")
         servers.remove("go")
@@ -1169,9 +1198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep, name in itertools.product(range(args.repeat), servers):
                 if scenario.head_probe and name != "canner":
                     continue
-                label = {"canner": "canner", "put": "canner PUT", "go": "Go canner"}.get(
-                    name, "@tus/server"
-                )
+                label = {
+                    "canner": "canner",
+                    "put": "canner PUT",
+                    "go": "Go canner",
+                    "base": "canner base",
+                }.get(name, "@tus/server")
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep

@@ -43,7 +43,6 @@ from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner, PoolStopped
 from canner.checksum import Checksum, HashCancelled, TrailingHash, stored_digests
 from canner.crashpoints import crash_point
-from canner.fs import fsync_dir
 from canner.observe import UNOBSERVED, UploadObserver
 from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.uploads import (
@@ -295,7 +294,7 @@ class Acceptance:
             self._uploads.sync_upload(upload)
         self._receipts.record_origin(oid, origin)
         if existing is not None:
-            fsync_dir(self._receipts.directory)
+            self._receipts.sync_directory()
         return existing
 
     def verify_checksum(self, upload: LockedUpload) -> tuple[float, Checksum]:
@@ -356,7 +355,9 @@ class Acceptance:
         )
         stored = self._receipts.commit(receipt)
         try:
-            fsync_dir(self._receipts.directory)  # the commit point
+            # The commit point; concurrent acceptances share this fsync (group commit), and a
+            # failed one fails each of them, so each unpublishes its own receipt below.
+            self._receipts.sync_directory()
         except OSError:
             if stored is receipt:
                 self._receipts.unpublish(receipt.object_id)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import Factory, field, frozen
 
 from canner import fs
 from canner.checksum import Checksum, parse_checksum
@@ -195,6 +195,18 @@ class ReceiptStore:
     """``receipts/`` in the data directory."""
 
     directory: Path
+    # Acceptances of this process share their fsyncs of receipts/ (group commit).
+    _directory_sync: fs.GroupFsync = field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=Factory(lambda self: fs.GroupFsync(self.directory), takes_self=True),
+    )
+
+    def sync_directory(self) -> None:
+        """fsync ``receipts/`` (the commit point of every receipt published before the call),
+        sharing the fsync with concurrent callers (:class:`fs.GroupFsync`); ``OSError``."""
+        self._directory_sync.sync()
 
     def receipt_path(self, object_id: str) -> Path:
         return self.directory / f"{object_id}.json"

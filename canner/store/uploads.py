@@ -346,6 +346,10 @@ class UploadStore:
     """``uploads/`` in the data directory."""
 
     directory: Path
+    # Acceptances of this process share their fsyncs of uploads/ (group commit).
+    _directory_sync: fs.GroupFsync = field(
+        init=False, default=Factory(lambda self: fs.GroupFsync(self.directory), takes_self=True)
+    )
     # Uploads whose reset after a storage error has not completed yet (see distrust).
     _distrusted: set[str] = field(factory=set)
     # Trailing hashes of big uploads between two locks, oldest first (see _take_digest).
@@ -538,7 +542,8 @@ class UploadStore:
             os.close(fd)
 
     def sync_upload(self, upload: LockedUpload) -> None:
-        """fsync the data file, the info sidecar and ``uploads/`` (step 2 of acceptance).
+        """fsync the data file, the info sidecar and ``uploads/`` (step 2 of acceptance; the
+        directory fsync shared with concurrent acceptances, :class:`fs.GroupFsync`).
 
         A failure resets the upload (:meth:`distrust`) and raises :class:`StorageFault`: a
         retried fsync would report success for pages the kernel already dropped.
@@ -546,7 +551,7 @@ class UploadStore:
         try:
             os.fsync(upload.fd)
             fs.fsync_path(self.info_path(upload.info.upload_id))
-            fs.fsync_dir(self.directory)
+            self._directory_sync.sync()
         except OSError as e:
             raise self.distrust(upload, "fsync failed", e) from None
 
