@@ -172,10 +172,10 @@ def test_a_read_back_failure_leaves_acceptance_to_read_the_whole_file(
     data = os.urandom(MiB)
     _, upload = _upload(tmp_path)
 
-    def failing(*args: object) -> bytes:
+    def failing(*args: object) -> int:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(checksum.os, "pread", failing)
+    monkeypatch.setattr(checksum.os, "preadv", failing)
     assert upload.write([data]) == MiB
     assert _digest(upload).hashed == 0
     monkeypatch.undo()
