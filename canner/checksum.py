@@ -20,10 +20,12 @@ import blake3
 from attrs import define, field, frozen
 
 _BLAKE3 = re.compile(r"blake3:([0-9a-f]{64})")
-# 4 MiB reads keep the hasher busy between syscalls without holding much memory.  We read into
+# 1 MiB reads keep the hasher busy between syscalls (a read costs microseconds, hashing the MiB
+# a few hundred) while two hashes at once hold 4 MiB (with 4 MiB reads they held 16, a sixth of
+# the receiver's peak RSS with 32 uploads at once, bench/README.md).  We read into
 # buffers rather than hash through mmap (update_mmap): a mapping counts towards RSS, and a disk
 # error under a mapping is a SIGBUS that kills the process instead of an EIO acceptance handles.
-_READ_SIZE = 4 << 20
+_READ_SIZE = 1 << 20
 # A trailing hash reads back what was just written in pieces of this size, into a buffer each
 # thread keeps (a fresh bytes object per read costs its allocation and page faults: some 40% of
 # the read-back's CPU, bench/README.md).
