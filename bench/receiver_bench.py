@@ -263,7 +263,7 @@ class CannerServer(Server):
     name = "canner"
 
     def __init__(
-        self, work: Path, max_upload: int, access_log: bool = True, source: Path | None = None
+        self, work: Path, max_upload: int, access_log: bool = True, tree: Path | None = None
     ) -> None:
         self.port = free_port()
         self.data_dir = work / "canner-data"
@@ -280,6 +280,10 @@ class CannerServer(Server):
             f"\n[projects.{PROJECT}]\n"
         )
         self.log_path = work / "canner.log"
+        env = dict(os.environ)
+        if tree is not None:
+            # Another checkout's canner (its package first on the path), run by this venv.
+            env["PYTHONPATH"] = str(tree)
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
                 [
@@ -292,9 +296,8 @@ class CannerServer(Server):
                     "--config",
                     str(config),
                 ],
-                cwd=source or ROOT,
-                # Another checkout's canner (--baseline) comes first on the path.
-                env=os.environ if source is None else {**os.environ, "PYTHONPATH": str(source)},
+                cwd=tree or ROOT,
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -302,11 +305,17 @@ class CannerServer(Server):
         self._wait_ready()
 
 
-class BaselineServer(CannerServer):
-    """canner-receiver from another checkout (``--baseline DIR``, e.g. ``git archive main``),
-    run with this checkout's virtualenv: the same load, interleaved with this branch."""
+class CannerBaseServer(CannerServer):
+    """canner-receiver from another checkout (``--base-tree``, e.g. main), beside this one's:
+    named ``canner@`` and the checkout's folder name."""
 
-    name = "canner base"
+    def __init__(self, work: Path, max_upload: int, access_log: bool, tree: Path) -> None:
+        self.name = base_name(tree)
+        super().__init__(work, max_upload, access_log, tree)
+
+
+def base_name(tree: Path) -> str:
+    return f"canner@{tree.name}"
 
 
 class CannerPutServer(CannerServer):
@@ -724,7 +733,7 @@ def run_load(
         "patchSize": args.patch_size,
         "chunk": args.chunk,
         "project": PROJECT,
-        "expectReceipt": server.name in ("canner", "canner base", "canner PUT", "Go canner"),
+        "expectReceipt": server.name.startswith("canner") or server.name == "Go canner",
         "put": server.name == "canner PUT",
         "timeoutMs": int(budget * 1000),
         "probeChecksum": "blake3:" + "0" * 64,
@@ -792,8 +801,9 @@ def run_one(
     server: Server
     if server_name == "canner":
         server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
-    elif server_name == "canner base":
-        server = BaselineServer(work, max(scenario.size, 1), args.access_log == "on", args.baseline)
+    elif server_name.startswith("canner@"):
+        tree = next(t for t in args.base_tree if base_name(t) == server_name)
+        server = CannerBaseServer(work, max(scenario.size, 1), args.access_log == "on", tree)
     elif server_name == "canner PUT":
         server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on")
     elif server_name == "Go canner":
@@ -803,7 +813,7 @@ def run_one(
     profiler: Profiler | None = None
     profile_text: str | None = None
     try:
-        if profile and server_name in ("canner", "canner base") and not scenario.head_probe:
+        if profile and server_name == "canner" and not scenario.head_probe:
             if PY_SPY.exists():
                 profiler = Profiler(
                     server.pid, work / f"profile-{scenario.key}.txt", args.profile_gil
@@ -942,22 +952,16 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
         "ratio canner / Go canner (both durable; throughput >1 means canner is faster; cost is"
         " CPU per upload or per GiB, <1 means canner spends less):"
     )
-    for label in labels:
-        c, g = medians.get((label, "canner")), medians.get((label, "Go canner"))
+    bases = [base_name(tree) for tree in args.base_tree]
+    for label, name in itertools.product(labels, ["canner", *bases]):
+        c, g = medians.get((label, name)), medians.get((label, "Go canner"))
         if c is not None and g is not None:
+            shown = label if name == "canner" else f"{label} ({name})"
             print(
-                f"  {label:<24} throughput x{_ratio(c.rate, g.rate)}"
+                f"  {shown:<24} throughput x{_ratio(c.rate, g.rate)}"
                 f"   cost x{_ratio(c.cost, g.cost)}"
                 f"   p50 latency x{_ratio(c.latency(50), g.latency(50))}"
                 f"   p99 latency x{_ratio(c.latency(99), g.latency(99))}"
-            )
-    for label in labels:
-        c, b = medians.get((label, "canner")), medians.get((label, "canner base"))
-        if c is not None and b is not None:
-            print(
-                f"  canner / canner base: {label:<24} throughput x{_ratio(c.rate, b.rate)}"
-                f"   cost x{_ratio(c.cost, b.cost)}"
-                f"   p50 latency x{_ratio(c.latency(50), b.latency(50))}"
             )
     print("ratio canner / @tus/server (throughput; >1 means canner is faster):")
     for label in labels:
@@ -1089,7 +1093,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--servers",
         default="canner,go,tus",
         help="comma list of: canner (tus), put (canner's seesaw PUT target), go (the Go canner"
-        " peer, skipped with a message where it is absent), tus (@tus/server)",
+        " peer, skipped with a message where it is absent), tus (@tus/server), base (canner"
+        " from --base-tree)",
+    )
+    p.add_argument(
+        "--base-tree",
+        type=Path,
+        action="append",
+        default=[],
+        help="another checkout of canner (e.g. `git archive main` unpacked) run as the server"
+        " `base` with this venv, to compare a branch with main in one run (repeat it for several)",
     )
     p.add_argument("--big-count", type=int, default=None, help="default 4 (quick 2)")
     p.add_argument("--big-size", type=parse_size, default=None, help="default 1GiB (quick 128MiB)")
@@ -1100,12 +1113,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--small-concurrency", type=int, default=16)
     p.add_argument("--head-size", type=parse_size, default=None, help="default 1GiB (quick 256MiB)")
     p.add_argument("--head-interval-ms", type=float, default=5.0)
-    p.add_argument(
-        "--baseline",
-        type=Path,
-        help="another checkout of canner (e.g. main, from git archive), measured as the server"
-        " 'base' with this checkout's virtualenv",
-    )
     p.add_argument("--head-baseline", type=int, default=200, help="idle HEADs before the upload")
     p.add_argument(
         "--patch-size", type=parse_size, default=0, help="bytes per PATCH (0: one PATCH per upload)"
@@ -1172,10 +1179,13 @@ def work_dir(root: Path) -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     servers = args.servers.split(",")
-    if set(servers) - {"canner", "put", "go", "tus", "base"}:
-        raise SystemExit("bench: --servers takes canner, put, go, base and/or tus")
-    if "base" in servers and args.baseline is None:
-        raise SystemExit("bench: --servers base needs --baseline DIR")
+    if set(servers) - {"canner", "base", "put", "go", "tus"}:
+        raise SystemExit("bench: --servers takes canner, base, put, go and/or tus")
+    if "base" in servers and not args.base_tree:
+        raise SystemExit("bench: --servers base needs --base-tree")
+    if "base" in servers:
+        where = servers.index("base")
+        servers[where : where + 1] = [base_name(tree) for tree in args.base_tree]
     if "go" in servers and not (GO_PEER / "start.sh").exists():
         log(f"bench: no Go canner at {GO_PEER} (set CANNER_GO_PEER): measuring without it")
         servers.remove("go")
@@ -1202,8 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "canner": "canner",
                     "put": "canner PUT",
                     "go": "Go canner",
-                    "base": "canner base",
-                }.get(name, "@tus/server")
+                    "tus": "@tus/server",
+                }.get(name, name)
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep

@@ -20,12 +20,24 @@ import blake3
 from attrs import define, field, frozen
 
 _BLAKE3 = re.compile(r"blake3:([0-9a-f]{64})")
-# 4 MiB reads keep the hasher busy between syscalls without holding much memory.  We read into
+# 1 MiB reads keep the hasher busy between syscalls (a read costs microseconds, hashing the MiB
+# a few hundred) while two hashes at once hold 4 MiB (with 4 MiB reads they held 16, a sixth of
+# the receiver's peak RSS with 32 uploads at once, bench/README.md).  We read into
 # buffers rather than hash through mmap (update_mmap): a mapping counts towards RSS, and a disk
 # error under a mapping is a SIGBUS that kills the process instead of an EIO acceptance handles.
-_READ_SIZE = 4 << 20
-# A trailing hash reads back what was just written in pieces of this size.
+_READ_SIZE = 1 << 20
+# A trailing hash reads back what was just written in pieces of this size, into a buffer each
+# thread keeps (a fresh bytes object per read costs its allocation and page faults: some 40% of
+# the read-back's CPU, bench/README.md).
 _CATCH_UP_READ = 256 << 10
+_catch_up_buffers = threading.local()
+
+
+def _catch_up_buffer() -> memoryview:
+    buffer: memoryview | None = getattr(_catch_up_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _catch_up_buffers.buffer = memoryview(bytearray(_CATCH_UP_READ))
+    return buffer
 
 
 class HashCancelled(Exception):
@@ -178,12 +190,13 @@ class TrailingHash:
     def catch_up(self, fd: int, until: int, budget: int) -> None:
         """Hash the file's bytes from :attr:`hashed` towards ``until``, at most ``budget``."""
         end = min(until, self.hashed + budget)
+        buffer = _catch_up_buffer()
         while self.hashed < end:
-            data = os.pread(fd, min(_CATCH_UP_READ, end - self.hashed), self.hashed)
-            if not data:
+            n = os.preadv(fd, [buffer[: min(_CATCH_UP_READ, end - self.hashed)]], self.hashed)
+            if not n:
                 raise OSError(errno.EIO, f"the file ends at {self.hashed}, expected {end} bytes")
-            self._hasher.update(data)
-            self.hashed += len(data)
+            self._hasher.update(buffer[:n])
+            self.hashed += n
 
     def finish(self, fd: int, stop: threading.Event | None = None) -> tuple[Checksum, int]:
         """Hash the rest of the file; return the digest and the bytes hashed in all.

@@ -45,7 +45,7 @@ from canner.store.uploads import (
 )
 from canner.web.channel import ReceiverRequest
 from canner.web.errors import HTTPError, no_space, overpromised, space_unknown, storage_trouble
-from canner.web.stream import Abandon, BodyStream
+from canner.web.stream import Abandon, BodyBudget, BodyStream
 
 log = Logger()
 
@@ -132,6 +132,8 @@ class UploadIntake:
     promises: Promises = field(factory=Promises)
     # How free space is measured (called from a worker thread); tests fix it.
     free_space: Callable[[Path], int] = fs.free_bytes
+    # The memory the bodies streaming at once share (canner.web.stream).
+    body_budget: BodyBudget = field(factory=BodyBudget)
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 
@@ -159,6 +161,7 @@ class UploadIntake:
             request,
             self._clock.seconds,
             abandon,
+            self.body_budget,
         )
         try:
             admitting = admission()

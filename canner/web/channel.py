@@ -373,7 +373,9 @@ class ReceiverRequest(Request):
             self.content = BytesIO()
             if length is None or length > SMALL_BODY_MAX:
                 self._big_reads = True
-                self.transport.bufferSize = STREAM_READ_SIZE  # type: ignore[union-attr]
+                # Bodies streaming at once share their memory: a sink may ask for less.
+                size = getattr(sink, "read_size", STREAM_READ_SIZE)
+                self.transport.bufferSize = size  # type: ignore[union-attr]
         elif self._refusal is not None or length is None or length > SMALL_BODY_MAX:
             self._refusal = self._refusal or Answer(413, "request body too large")
             self.content = BytesIO()

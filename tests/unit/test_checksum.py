@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 import time
@@ -172,10 +173,10 @@ def test_a_read_back_failure_leaves_acceptance_to_read_the_whole_file(
     data = os.urandom(MiB)
     _, upload = _upload(tmp_path)
 
-    def failing(*args: object) -> bytes:
+    def failing(*args: object) -> int:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(checksum.os, "pread", failing)
+    monkeypatch.setattr(checksum.os, "preadv", failing)
     assert upload.write([data]) == MiB
     assert _digest(upload).hashed == 0
     monkeypatch.undo()
@@ -248,3 +249,40 @@ def test_kept_digests_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert info is not None
         hashed.append(_digest(uploads.open_locked(info)).hashed)
     assert hashed == [0, 3, 3], "the oldest was dropped"
+
+
+def test_only_bytes_hashed_and_written_back_leave_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big upload streaming: the receiver asks the kernel to forget a range only once the
+    trailing hash has read it back and writeback has written it, and the digest is still the
+    stored bytes' (also after a truncation undid part of them)."""
+    monkeypatch.setattr(store, "WRITE_BEHIND_WINDOW", MiB)
+    dropped: list[tuple[int, int]] = []
+    settled: list[int] = []
+    real_fadvise, real_behind = os.posix_fadvise, store.fs.write_behind
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        dropped.append((offset, offset + length))
+        real_fadvise(fd, offset, length, advice)
+
+    def behind(fd: int, start: int, end: int, settle_before: int) -> None:
+        real_behind(fd, start, end, settle_before)
+        settled.append(settle_before)
+
+    monkeypatch.setattr(store.os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(store.fs, "write_behind", behind)
+    _, upload = _upload(tmp_path)
+    data = os.urandom(8 * MiB)
+    for at in range(0, 6 * MiB, MiB // 2):
+        upload.write([data[at : at + MiB // 2]])
+        for _, end in dropped:
+            assert end <= _digest(upload).hashed, "dropped before it was hashed"
+            assert end <= max(settled), "dropped before it was written back"
+    assert dropped and dropped[-1][1] >= 3 * MiB, "nothing left the page cache"
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(dropped))
+    upload.truncate(2 * MiB)
+    for at in range(2 * MiB, 8 * MiB, MiB // 2):
+        upload.write([data[at : at + MiB // 2]])
+    assert str(_digest(upload).finish(upload.fd)[0]) == _b3(data)

@@ -15,7 +15,15 @@ from canner.blocking import run_inline
 from canner.web.answer import OVER_CAPACITY, Answer
 from canner.web.errors import HTTPError
 from canner.web.routing import Kind, Route, Surface, route
-from canner.web.stream import NEXT, BodyStream, IllegalTransition, Phase
+from canner.web.stream import (
+    BODIES_HIGH_WATER,
+    NEXT,
+    PENDING_HIGH_WATER,
+    BodyBudget,
+    BodyStream,
+    IllegalTransition,
+    Phase,
+)
 
 OID = "0123456789abcdef0123456789abcdef"
 
@@ -138,3 +146,46 @@ def test_a_body_stream_refuses_a_transition_its_table_lacks() -> None:
     failure = []
     stream.result().addErrback(failure.append)
     assert failure[0].value.status == 404
+
+
+def test_bodies_streaming_at_once_share_their_memory() -> None:
+    """Each body waiting for the disk pauses its socket at its share of the process's memory for
+    bodies: a full share while few stream, less while many do (what 32 bodies at once hold
+    stays near what 8 hold), and the share grows again as they end."""
+
+    class Transport:
+        paused = False
+
+        def pauseProducing(self) -> None:
+            self.paused = True
+
+        def resumeProducing(self) -> None:
+            self.paused = False
+
+    budget = BodyBudget()
+    streams: list[tuple[BodyStream, Transport]] = []
+    for _ in range(32):
+        transport = Transport()
+        stream = BodyStream(
+            run_inline,
+            transport,
+            lambda upload, chunks: succeed(0),
+            lambda upload, lost: succeed(None),
+            budget=budget,
+        )
+        streams.append((stream, transport))
+    share = budget.share()
+    assert share < PENDING_HIGH_WATER
+    assert 32 * 3 * share <= BODIES_HIGH_WATER
+    waiting, transport = streams[0]
+    assert waiting.read_size == share
+    waiting.chunk(b"x" * (share - 1))
+    assert not transport.paused
+    waiting.chunk(b"x")
+    assert transport.paused, "a body past its share keeps reading"
+
+    for stream, _ in streams[1:]:
+        stream.answered(Failure(HTTPError(404, "no such upload")))
+        stream.body_ended()
+    assert budget.streams == 1
+    assert budget.share() == PENDING_HIGH_WATER
