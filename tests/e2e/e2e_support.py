@@ -218,6 +218,8 @@ class Receiver:
             "max_upload_bytes": DEFAULT_MAX_UPLOAD,
             "min_free_bytes": 1,
             "partial_upload_retention": "30m",
+            # One process, as before [receiver] workers existed; a test asks for more.
+            "receiver": {"workers": 1},
         }
         config.update(overrides)
         self.config = config
