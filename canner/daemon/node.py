@@ -19,8 +19,10 @@ stops, every worker gets SIGTERM and stops as a single receiver stops; one still
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -375,6 +377,7 @@ class WorkerNode:
     supervisor: WorkerSupervisor
     # The parent's own full site (status, readiness, metrics, HQ): a private unix socket.
     site_description: str
+    private_dir: Path
 
     @classmethod
     def build(
@@ -388,8 +391,13 @@ class WorkerNode:
         publisher: LogPublisher,
     ) -> WorkerNode:
         listener = SharedListener(config.listen, reactor)
-        # Linux's abstract namespace: nothing on disk, gone with the process.
-        address = f"\0canner-receiver-{os.getpid()}"
+        # A directory of its own (0700; systemd's RuntimeDirectory when there is one): a short
+        # path, whatever the data directory's (a unix socket's path holds 107 bytes).  Not
+        # Linux's abstract namespace: Twisted would log its name, NUL included.
+        private = Path(
+            tempfile.mkdtemp(prefix="canner-node-", dir=os.environ.get("RUNTIME_DIRECTORY"))
+        )
+        address = str(private / "site.sock")
         description = f"unix:{address}:lockfile=0"
 
         def command(index: int) -> list[str]:
@@ -402,7 +410,7 @@ class WorkerNode:
                 "--index",
                 str(index),
                 "--node-site",
-                address.replace("\0", "@", 1),
+                address,
             ]
 
         supervisor = WorkerSupervisor(
@@ -415,4 +423,8 @@ class WorkerNode:
             settle=settle,
             publisher=publisher,
         )
-        return cls(listener, supervisor, description)
+        return cls(listener, supervisor, description, private)
+
+    def remove_private_dir(self) -> None:
+        """Remove the directory of the node's own site (once it has stopped)."""
+        shutil.rmtree(self.private_dir, ignore_errors=True)

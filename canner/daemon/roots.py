@@ -267,9 +267,13 @@ def receiver_service(
             now=reactor.seconds,
         )
 
+    node: WorkerNode | None = None
+
     def stopped() -> None:
         if pool is not None:
             pool.close()
+        if node is not None:
+            node.remove_private_dir()
         lock.release()
 
     # The index closes, and the lock goes, once every service and thread pool has stopped.
@@ -296,7 +300,6 @@ def receiver_service(
         # A node's parent serves only its private site: the caps count the workers' clients.
         connection_limits=caps if workers == 1 else None,
     )
-    node = None
     if workers > 1:
         assert config_path is not None, "a node's workers read the config file"
         node = WorkerNode.build(

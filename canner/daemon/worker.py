@@ -163,7 +163,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="canner.daemon.worker")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--index", required=True, type=int)
-    # The parent's own site (abstract unix socket, ``@`` for the leading NUL).
+    # The path of the unix socket of the parent's own site.
     parser.add_argument("--node-site", required=True)
     return parser.parse_args(argv)
 
