@@ -5,7 +5,7 @@ and the manhole see) does every start-up step of a single receiver, keeps what i
 (:class:`~canner.daemon.node_protocol.NodeState`: promises, connection caps, origins; the sweep,
 the rsync intake, the trend sampler, the metrics survey, the manhole) and serves its own site on
 a private unix socket only.  :class:`SharedListener` opens ``listen`` without ever accepting on
-it; :class:`WorkerSupervisor` runs ``python -m canner.daemon.worker`` N times, each inheriting
+it; :class:`WorkerSupervisor` runs ``python -m canner.tap.worker`` N times, each inheriting
 the listening socket, one end of a socketpair for its AMP channel, a pipe for its log events and
 ``receiver.lock`` (a flock: a worker that outlives its parent keeps the data directory locked).
 
@@ -404,7 +404,7 @@ class WorkerNode:
             return [
                 sys.executable,
                 "-m",
-                "canner.daemon.worker",
+                "canner.tap.worker",
                 "--config",
                 str(config_path),
                 "--index",

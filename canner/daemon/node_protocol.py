@@ -335,9 +335,9 @@ class WorkerLink(amp.AMP):
     own takeover of an upload (True: a writer still sending keeps it); ``lost`` fires when the
     parent is gone."""
 
-    def __init__(self, reactor: Any = None) -> None:
+    def __init__(self, reactor: Any) -> None:
         super().__init__()
-        # The reactor whose thread sends (IReactorFromThreads; None: the global one).
+        # The reactor whose thread sends (IReactorFromThreads).
         self._from_threads = reactor
         self.take_over_here: Callable[[str], Deferred[bool]] = lambda upload_id: succeed(False)
         self.lost: Deferred[None] = Deferred()
@@ -376,10 +376,6 @@ class WorkerLink(amp.AMP):
         return cast(Deferred[Any], self.callRemote(command, **arguments))
 
     def _reactor(self) -> Any:
-        if self._from_threads is None:
-            from twisted.internet import reactor
-
-            self._from_threads = reactor
         return self._from_threads
 
 

@@ -23,16 +23,18 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import requests
-from e2e_support import OFFSET_TYPE, TUS_VERSION, Receiver, blake3_hex, end_process, spawn_daemon
+from deliver_support import wait_for
+from e2e_support import Receiver, blake3_hex, end_process, spawn_daemon
+from rsync_support import have_rsync, seesaw_rsync
 from test_e2e_backpressure import MIN_FREE, FreeSpace, small_fs  # noqa: F401 (a fixture)
 from test_e2e_put_cut import data_files, open_put, wait_stored
 from test_e2e_put_target import seesaw_curl
@@ -44,8 +46,6 @@ from test_e2e_rsync import (
     objects,
     rsync_daemon,
 )
-from rsync_support import have_rsync, seesaw_rsync
-from deliver_support import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -136,7 +136,7 @@ def test_tus_and_put_uploads_on_both_workers_get_one_receipt_each(
     for n in range(TRIES):
         data = random.Random(n).randbytes(200_000 + n)
         fresh(node)
-        (oid, receipt), worker = served_by(node, "PATCH", lambda d=data: node.upload_all(d))
+        (oid, receipt), worker = served_by(node, "PATCH", partial(node.upload_all, data))
         node.verify_receipt(receipt, oid, data)
         ids.append(oid)
         seen.add(worker)
@@ -196,7 +196,8 @@ PROMISED = 4 << 20
 
 
 def test_the_third_creation_is_refused_across_workers(
-    small_fs: Path, make_receiver: Callable[..., Receiver]
+    small_fs: Path,  # noqa: F811 (the fixture)
+    make_receiver: Callable[..., Receiver],
 ) -> None:
     """Room for two and a half uploads: two creations (on both workers) take it, the third is
     refused whichever worker it reaches; the two complete with receipts, and then there is room."""
@@ -330,7 +331,8 @@ def test_a_worker_killed_mid_upload_is_restarted_and_the_upload_resumes(node: Re
 
 
 def test_a_put_cut_by_a_worker_kill_leaves_no_file_and_no_promise(
-    small_fs: Path, make_receiver: Callable[..., Receiver]
+    small_fs: Path,  # noqa: F811 (the fixture)
+    make_receiver: Callable[..., Receiver],
 ) -> None:
     rcv = make_receiver(data_dir=small_fs / "data", min_free_bytes=MIN_FREE, receiver=TWO)
     wait_for(lambda: "all 2 workers serve" in rcv.log_text(), 30, "both workers to listen")
@@ -355,7 +357,7 @@ def test_a_put_cut_by_a_worker_kill_leaves_no_file_and_no_promise(
     assert put.status_code == 201, (put.status_code, put.text)
 
 
-# -- the parent stops, or a second one starts -------------------------------------------------------
+# -- the parent stops, or a second one starts ------------------------------------------------
 
 
 def test_sigterm_of_the_parent_ends_every_process_and_uploads_resume(node: Receiver) -> None:

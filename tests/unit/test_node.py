@@ -5,14 +5,16 @@ whose connection cap is answered later."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.test import iosim
 
 from canner.accept.origins import AcceptedOrigins, OriginKey
+from canner.blocking import BlockingRunner
 from canner.checksum import parse_checksum
 from canner.config import ConfigError, parse_config, usable_cores
 from canner.daemon.node import settle_uploads
@@ -49,6 +51,10 @@ def inline_runner(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
     return succeed(f(*args))
 
 
+def _same(answers: NodeAnswers) -> NodeAnswers:
+    return answers
+
+
 class Node:
     """A parent's state with two workers' links, each over its own in-memory AMP connection."""
 
@@ -57,19 +63,22 @@ class Node:
         self.state = NodeState(
             promises=Promises(),
             limits=ConnectionLimits(total, per_address),
-            origins=AcceptedOrigins(receipts=receipts, run=inline_runner),
+            origins=AcceptedOrigins(receipts=receipts, run=cast(BlockingRunner, inline_runner)),
         )
         self.listening: list[tuple[int, int]] = []
         self.links: dict[int, WorkerLink] = {}
         self.answers: dict[int, NodeAnswers] = {}
         self.pumps: list[iosim.IOPump] = []
         for worker in (1, 2):
-            answers = NodeAnswers(self.state, worker, lambda w, p: self.listening.append((w, p)))
+            answers = NodeAnswers(self.state, worker, self._listening)
             link, server, pump = iosim.connectedServerAndClient(
-                lambda a=answers: a, lambda: WorkerLink(Inline())
+                partial(_same, answers), partial(WorkerLink, Inline())
             )
             self.links[worker], self.answers[worker] = link, server
             self.pumps.append(pump)
+
+    def _listening(self, worker: int, pid: int) -> None:
+        self.listening.append((worker, pid))
 
     def flush(self) -> None:
         for _ in range(5):
