@@ -47,6 +47,10 @@ log = Logger()
 
 # ``ReleaseAll`` carries this many ids per box (an AMP value holds at most 64 KiB).
 RELEASE_BATCH = 500
+# A worker tells the parent an upload's stored bytes once they grew by this much since it last
+# did (not per write): until then the parent counts the upload as owing more than it does,
+# which only errs towards refusing a creation.
+STORED_STEP = 16 << 20
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -386,6 +390,8 @@ class NodePromises(Promises):
     answer them).  Safe across threads, like :class:`Promises`."""
 
     _link: WorkerLink | None = None
+    # The stored bytes last told to the parent, by upload.
+    _told: dict[str, int] = field(factory=dict)
 
     def admit(self, upload_id: str, size: int, free: int, floor: int) -> Overpromised | None:
         assert self._link is not None
@@ -401,19 +407,30 @@ class NodePromises(Promises):
 
     def hold(self, upload_id: str, size: int, stored: int) -> None:
         super().hold(upload_id, size, stored)
+        with self._lock:
+            self._told[upload_id] = stored
         self._tell(Hold, upload_id=upload_id, size=size, stored=stored)
 
     def stored(self, upload_id: str, offset: int) -> None:
         super().stored(upload_id, offset)
+        with self._lock:
+            if offset - self._told.get(upload_id, 0) < STORED_STEP:
+                return
+            self._told[upload_id] = offset
         self._tell(Stored, upload_id=upload_id, offset=offset)
 
     def release(self, upload_id: str) -> None:
         super().release(upload_id)
+        with self._lock:
+            self._told.pop(upload_id, None)
         self._tell(Release, upload_id=upload_id)
 
     def release_all(self, upload_ids: Iterable[str]) -> None:
         ids = list(upload_ids)
         super().release_all(ids)
+        with self._lock:
+            for upload_id in ids:
+                self._told.pop(upload_id, None)
         for start in range(0, len(ids), RELEASE_BATCH):
             self._tell(ReleaseAll, upload_ids=ids[start : start + RELEASE_BATCH])
 

@@ -377,6 +377,21 @@ def test_sigterm_of_the_parent_ends_every_process_and_uploads_resume(node: Recei
     node.verify_receipt(done.headers.get("Artifact-Receipt"), oid, data)
 
 
+def test_a_parent_killed_takes_its_workers_with_it(node: Receiver) -> None:
+    """SIGKILL to the parent: each worker notices (its channel closes; PR_SET_PDEATHSIG) and
+    stops, so the data directory's lock goes and the node starts again."""
+    data = random.Random(12).randbytes(2 * MiB)
+    oid = node.new_upload(data)
+    pids = worker_pids(node)
+    assert node.kill(signal.SIGKILL) == -signal.SIGKILL
+    wait_gone(pids)
+    node.start()
+    offset = node.offset(oid)
+    done = node.patch(oid, offset, data[offset:])
+    assert done.status_code == 204, (done.status_code, done.text)
+    node.verify_receipt(done.headers.get("Artifact-Receipt"), oid, data)
+
+
 def test_a_second_receiver_on_the_data_dir_refuses_naming_the_node(
     node: Receiver, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from canner.checksum import parse_checksum
 from canner.config import ConfigError, parse_config, usable_cores
 from canner.daemon.node import settle_uploads
 from canner.daemon.node_protocol import (
+    STORED_STEP,
     Admit,
     BeginOrigin,
     Disconnect,
@@ -115,10 +116,15 @@ def test_creations_on_two_workers_are_admitted_against_one_account(tmp_path: Pat
 def test_stand_in_promises_tell_the_parent_in_order(tmp_path: Path) -> None:
     node = Node(tmp_path)
     promises = NodePromises(link=node.links[1])
-    promises.hold("a", 100, 10)
+    size = 4 * STORED_STEP
+    promises.hold("a", size, 10)
     promises.stored("a", 30)
     node.flush()
-    assert node.state.promises.total == 70 and promises.total == 70
+    # A small step is not told: the parent counts it as owing more, never less.
+    assert promises.total == size - 30 and node.state.promises.total == size - 10
+    promises.stored("a", STORED_STEP + 10)
+    node.flush()
+    assert node.state.promises.total == promises.total == size - STORED_STEP - 10
     promises.release_all(["a"])
     node.flush()
     assert node.state.promises.total == 0 and node.state.holdings[1].uploads == set()
