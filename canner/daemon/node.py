@@ -57,8 +57,9 @@ RESPAWN_DELAY = 1.0
 RESPAWN_MAX = 30.0
 # A worker that ran this long before it ended counts as healthy: the next respawn waits 1 s.
 HEALTHY_RUN = 30.0
-# How long a stopping parent waits for its workers before SIGKILL.
-STOP_WAIT = 30.0
+# How long a stopping parent waits for its workers before SIGKILL (below the unit's
+# TimeoutStopSec=30s, so the parent's own stop still runs).
+STOP_WAIT = 20.0
 
 
 class SharedListener(Service):

@@ -69,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     link.lost.addCallback(parent_gone)
     quiet_repeated_stop_signals(reactor)
+    # Ctrl-C in a terminal reaches the whole process group: the parent stops its workers.
+    reactor.callWhenRunning(signal.signal, signal.SIGINT, signal.SIG_IGN)
     reactor.callWhenRunning(service.startService)
     reactor.callWhenRunning(freeze_startup_objects)
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
