@@ -148,8 +148,15 @@ class WorkerRecord:
 class WorkerProcess(ProcessProtocol):
     """One worker's process: its log events re-published in the parent's stream, naming it."""
 
-    def __init__(self, record: WorkerRecord, publisher: LogPublisher, ended: Callable[..., None]):
+    def __init__(
+        self,
+        record: WorkerRecord,
+        channel: NodeAnswers,
+        publisher: LogPublisher,
+        ended: Callable[..., None],
+    ):
         self.record = record
+        self.channel = channel
         self._publisher = publisher
         self._ended = ended
         self._buffers: dict[int, bytes] = {}
@@ -249,7 +256,7 @@ class WorkerSupervisor(Service):
             parent_end.fileno(), socket.AF_UNIX, ChannelFactory(answers)
         )
         parent_end.close()
-        process = WorkerProcess(record, self._publisher, self._ended)
+        process = WorkerProcess(record, answers, self._publisher, self._ended)
         argv = self._command(index)
         try:
             transport = self._reactor.spawnProcess(
@@ -296,13 +303,20 @@ class WorkerSupervisor(Service):
         record = process.record
         if self._processes.get(record.index) is process:
             del self._processes[record.index]
-        held = self._node.worker_gone(record.index)
+        status = exit_status(reason)
+        # What it held is let go once every box it sent has been answered (its socket's end
+        # may come after its exit status).
+        process.channel.lost.addCallback(lambda _: self._let_go(process, status))
+
+    def _let_go(self, process: WorkerProcess, status: str) -> None:
+        record = process.record
+        held = self._node.worker_gone(process.channel)
         if self._stopping:
             log.info(
                 "worker {worker} (pid {pid}) stopped: {status}",
                 worker=record.index,
                 pid=record.pid,
-                status=exit_status(reason),
+                status=status,
             )
             return
         ran = self._reactor.seconds() - (record.started or 0.0)
@@ -316,7 +330,7 @@ class WorkerSupervisor(Service):
             " {uploads} uploads; restarting it in {delay} s",
             worker=record.index,
             pid=record.pid,
-            status=exit_status(reason),
+            status=status,
             ran=round(ran, 1),
             uploads=len(held),
             delay=delay,

@@ -182,11 +182,7 @@ class NodeState:
     promises: Promises
     limits: ConnectionLimits
     origins: AcceptedOrigins
-    holdings: dict[int, WorkerHoldings] = field(factory=dict)
     channels: dict[int, NodeAnswers] = field(factory=dict)
-
-    def of(self, worker: int) -> WorkerHoldings:
-        return self.holdings.setdefault(worker, WorkerHoldings())
 
     def take_over(self, upload_id: str, asking: int) -> Deferred[bool]:
         """Run the takeover of ``upload_id`` on every worker but ``asking``: True when a writer
@@ -209,14 +205,14 @@ class NodeState:
                 return True
         return False
 
-    def worker_gone(self, worker: int) -> set[str]:
-        """Forget the connections and origin commits of a worker that ended; the upload ids it
-        admitted or wrote are returned (their promises are the caller's: see
+    def worker_gone(self, channel: NodeAnswers) -> set[str]:
+        """Forget the connections and origin commits of a worker that ended, once its
+        ``channel`` is closed (no box of it is answered after); the upload ids it admitted or
+        wrote are returned (their promises are the caller's: see
         :func:`canner.daemon.node.settle_uploads`)."""
-        self.channels.pop(worker, None)
-        held = self.holdings.pop(worker, None)
-        if held is None:
-            return set()
+        if self.channels.get(channel.worker) is channel:
+            del self.channels[channel.worker]
+        held, channel.held = channel.held, WorkerHoldings()
         for address, count in held.connections.items():
             for _ in range(count):
                 self.limits.release(address)
@@ -233,6 +229,8 @@ class NodeAnswers(amp.AMP):
         self.node = node
         self.worker = worker
         self._listening = listening
+        # What this worker holds (a worker started again gets a channel of its own).
+        self.held = WorkerHoldings()
         self.lost: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
@@ -246,10 +244,6 @@ class NodeAnswers(amp.AMP):
         if not self.lost.called:
             self.lost.callback(None)
 
-    @property
-    def _held(self) -> WorkerHoldings:
-        return self.node.of(self.worker)
-
     @Listening.responder
     def listening(self, pid: int) -> dict[str, Any]:
         self._listening(self.worker, pid)
@@ -259,7 +253,7 @@ class NodeAnswers(amp.AMP):
     def admit(self, upload_id: str, size: int, free: int, floor: int) -> dict[str, Any]:
         refusal = self.node.promises.admit(upload_id, size, free, floor)
         if refusal is None:
-            self._held.uploads.add(upload_id)
+            self.held.uploads.add(upload_id)
             return {"refused": False}
         return {
             "refused": True,
@@ -271,7 +265,7 @@ class NodeAnswers(amp.AMP):
     @Hold.responder
     def hold(self, upload_id: str, size: int, stored: int) -> dict[str, Any]:
         self.node.promises.hold(upload_id, size, stored)
-        self._held.uploads.add(upload_id)
+        self.held.uploads.add(upload_id)
         return {}
 
     @Stored.responder
@@ -282,25 +276,25 @@ class NodeAnswers(amp.AMP):
     @Release.responder
     def release(self, upload_id: str) -> dict[str, Any]:
         self.node.promises.release(upload_id)
-        self._held.uploads.discard(upload_id)
+        self.held.uploads.discard(upload_id)
         return {}
 
     @ReleaseAll.responder
     def release_all(self, upload_ids: list[str]) -> dict[str, Any]:
         self.node.promises.release_all(upload_ids)
-        self._held.uploads.difference_update(upload_ids)
+        self.held.uploads.difference_update(upload_ids)
         return {}
 
     @Connect.responder
     def connect(self, address: str) -> dict[str, Any]:
         admitted = self.node.limits.admit(address)
         if admitted:
-            self._held.connections[address] += 1
+            self.held.connections[address] += 1
         return {"admitted": admitted}
 
     @Disconnect.responder
     def disconnect(self, address: str) -> dict[str, Any]:
-        held = self._held.connections
+        held = self.held.connections
         if held[address] > 0:  # never release what this worker does not hold
             self.node.limits.release(address)
             held[address] -= 1
@@ -313,7 +307,10 @@ class NodeAnswers(amp.AMP):
         origin = key_of(key)
 
         def claimed(object_id: str | None) -> dict[str, Any]:
-            self._held.origins.add(origin)
+            if self.lost.called:  # the worker went while it waited: nobody commits it
+                self.node.origins.settle(origin, None)
+            else:
+                self.held.origins.add(origin)
             return {"object_id": object_id}
 
         return self.node.origins.claim(origin).addCallback(claimed)
@@ -321,8 +318,8 @@ class NodeAnswers(amp.AMP):
     @EndOrigin.responder
     def end_origin(self, key: str, object_id: str | None = None) -> dict[str, Any]:
         origin = key_of(key)
-        if origin in self._held.origins:
-            self._held.origins.discard(origin)
+        if origin in self.held.origins:
+            self.held.origins.discard(origin)
             self.node.origins.settle(origin, object_id)
         return {}
 

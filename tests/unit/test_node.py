@@ -109,8 +109,8 @@ def test_creations_on_two_workers_are_admitted_against_one_account(tmp_path: Pat
     assert refused["refused"] and refused["promised_bytes"] == 40 and refused["uploads"] == 1
     assert node.state.promises.total == 40
     # Worker 1 dies: what it held is returned for settling, nothing else is forgotten.
-    assert node.state.worker_gone(1) == {"a"}
-    assert node.state.worker_gone(2) == set()
+    assert node.state.worker_gone(node.answers[1]) == {"a"}
+    assert node.state.worker_gone(node.answers[2]) == set()
 
 
 def test_stand_in_promises_tell_the_parent_in_order(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_stand_in_promises_tell_the_parent_in_order(tmp_path: Path) -> None:
     assert node.state.promises.total == promises.total == size - STORED_STEP - 10
     promises.release_all(["a"])
     node.flush()
-    assert node.state.promises.total == 0 and node.state.holdings[1].uploads == set()
+    assert node.state.promises.total == 0 and node.answers[1].held.uploads == set()
 
 
 def test_connections_are_capped_across_workers_and_a_dead_worker_frees_its_own(
@@ -146,7 +146,7 @@ def test_connections_are_capped_across_workers_and_a_dead_worker_frees_its_own(
     node.links[1].tell(Disconnect, address="10.0.0.9")
     node.flush()
     assert node.state.limits.open == 2
-    node.state.worker_gone(1)
+    node.state.worker_gone(node.answers[1])
     again = two.admit("10.0.0.2")
     node.flush()
     assert result_of(again) is True and node.state.limits.open == 2
@@ -168,7 +168,13 @@ def test_a_commit_of_an_origin_waits_for_the_other_workers_and_finds_its_object(
     node.flush()
     assert result_of(waiting) == {"object_id": "obj1"}
     # Worker 2 dies while it holds the key: the next one does not wait for ever.
-    node.state.worker_gone(2)
+    node.state.worker_gone(node.answers[2])
+    assert result_of(node.ask(1, BeginOrigin, key=text)) == {"object_id": "obj1"}
+    # One that waited for a key and went before it got it claims nothing.
+    waiting = node.ask(2, BeginOrigin, key=text)
+    node.answers[2].lost.callback(None)
+    node.links[1].tell(EndOrigin, key=text, object_id="obj1")
+    node.flush()
     assert result_of(node.ask(1, BeginOrigin, key=text)) == {"object_id": "obj1"}
 
 
