@@ -20,11 +20,13 @@ from typing import Any
 from attrs import define
 from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import serverFromString
 from twisted.logger import (
     Logger,
     LogPublisher,
     globalLogPublisher,
 )
+from twisted.protocols.tls import TLSMemoryBIOFactory
 
 import canner.sinks.registry  # noqa: F401 (registers the sinks a config may name)
 from canner.blocking import ThreadPoolRunner
@@ -87,6 +89,18 @@ class AdoptedListener(Service):
         return d
 
 
+def served(description: str, site: Any, reactor: Any) -> Any:
+    """What serves the adopted socket of ``description``: ``site``, behind TLS for an ``ssl:``
+    listener (the parent's socket is a plain one; the worker speaks TLS on it with the context
+    the endpoint string describes, as the endpoint's own listener would)."""
+    endpoint = serverFromString(reactor, description)
+    # Twisted's SSL4ServerEndpoint keeps its context factory here (a canary test checks it).
+    context = getattr(endpoint, "_sslContextFactory", None)
+    if context is None:
+        return site
+    return TLSMemoryBIOFactory(context, False, site)
+
+
 def worker_service(
     config: Config,
     reactor: Any,
@@ -134,7 +148,9 @@ def worker_service(
     )
     link.take_over_here = parts.intake.take_over_here
     # views: i36-views proxies these to the parent
-    AdoptedListener(LISTEN_FD, parts.site, reactor, link).setServiceParent(top)
+    AdoptedListener(
+        LISTEN_FD, served(config.listen, parts.site, reactor), reactor, link
+    ).setServiceParent(top)
     ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
     return top
