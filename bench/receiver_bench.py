@@ -263,8 +263,16 @@ class CannerServer(Server):
     name = "canner"
 
     def __init__(
-        self, work: Path, max_upload: int, access_log: bool = True, tree: Path | None = None
+        self,
+        work: Path,
+        max_upload: int,
+        access_log: bool = True,
+        workers: int = 1,
+        tree: Path | None = None,
     ) -> None:
+        self.workers = workers
+        if workers > 1:
+            self.name = f"{self.name} w{workers}"
         self.port = free_port()
         self.data_dir = work / "canner-data"
         self.data_dir.mkdir()
@@ -277,7 +285,9 @@ class CannerServer(Server):
             "min_free_bytes = 1\n"
             'partial_upload_retention = "30m"\n'
             f"access_log = {'true' if access_log else 'false'}\n"
-            f"\n[projects.{PROJECT}]\n"
+            # Only a node of several workers names the section (a --base-tree may predate it).
+            + (f"\n[receiver]\nworkers = {workers}\n" if workers > 1 else "")
+            + f"\n[projects.{PROJECT}]\n"
         )
         self.log_path = work / "canner.log"
         env = dict(os.environ)
@@ -304,6 +314,12 @@ class CannerServer(Server):
             )
         self._wait_ready()
 
+    def _ready(self) -> bool:
+        # A node of several workers is measured once every worker serves the socket.
+        return len(process_tree(self.pid)) >= (self.workers + 1 if self.workers > 1 else 1) and (
+            super()._ready()
+        )
+
 
 class CannerBaseServer(CannerServer):
     """canner-receiver from another checkout (``--base-tree``, e.g. main), beside this one's:
@@ -311,7 +327,7 @@ class CannerBaseServer(CannerServer):
 
     def __init__(self, work: Path, max_upload: int, access_log: bool, tree: Path) -> None:
         self.name = base_name(tree)
-        super().__init__(work, max_upload, access_log, tree)
+        super().__init__(work, max_upload, access_log, tree=tree)
 
 
 def base_name(tree: Path) -> str:
@@ -328,6 +344,8 @@ class CannerPutServer(CannerServer):
         return f"http://127.0.0.1:{self.port}/seesaw/{PROJECT}/bench/"
 
     def _ready(self) -> bool:
+        if len(process_tree(self.pid)) < (self.workers + 1 if self.workers > 1 else 1):
+            return False
         # The PUT target answers no OPTIONS: the tus endpoint of the same process does.
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/files/", method="OPTIONS")
         try:
@@ -395,6 +413,31 @@ def ensure_node_modules() -> None:
 # -- sampling -----------------------------------------------------------------------------------
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a canner node's parent and its workers)."""
+    children: defaultdict[int, list[int]] = defaultdict(list)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            children[int(fields[1])].append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def _tree_user_sys(pids: Sequence[int]) -> dict[int, tuple[float, float]]:
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            found[pid] = _proc_user_sys(pid)
+    return found
+
+
 def _proc_user_sys(pid: int) -> tuple[float, float]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime
@@ -444,19 +487,28 @@ def _thread_cpu_seconds(pid: int) -> dict[int, tuple[float, float]]:
 
 class Sampler:
     """Samples a server's VmRSS every 50 ms; its CPU time (whole process, and per thread: the
-    main thread is the reactor); whole-machine CPU use."""
+    main thread is the reactor); whole-machine CPU use.  A server of several processes (a
+    canner node: its parent and workers) is measured over all of them: CPU summed, and the peak
+    RSS both of the largest single process (``peak_rss_kib``) and of all together
+    (``peak_total_rss_kib``)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peak_rss_kib = 0
+        self.peak_total_rss_kib = 0
+        self.processes = 1
+        self.main_tids: set[int] = {pid}
         self.thread_cpu_s: dict[int, float] = {}
         self.thread_sys_s: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> Sampler:
-        self._cpu0 = _proc_user_sys(self.pid)
-        self._threads0 = _thread_cpu_seconds(self.pid)
+        pids = process_tree(self.pid)
+        self._cpu0 = _tree_user_sys(pids)
+        self._threads0: dict[int, tuple[float, float]] = {}
+        for pid in pids:
+            self._threads0.update(_thread_cpu_seconds(pid))
         self._machine0 = _machine_ticks()
         self._kernel0 = _kernel_thread_seconds()
         self._t0 = time.monotonic()
@@ -465,22 +517,34 @@ class Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(OSError, ValueError):
-                self.peak_rss_kib = max(self.peak_rss_kib, _status_kib(self.pid, "VmRSS"))
+            total = 0
+            for pid in process_tree(self.pid):
+                with contextlib.suppress(OSError, ValueError):
+                    rss = _status_kib(pid, "VmRSS")
+                    self.peak_rss_kib = max(self.peak_rss_kib, rss)
+                    total += rss
+            self.peak_total_rss_kib = max(self.peak_total_rss_kib, total)
             self._stop.wait(RSS_INTERVAL)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.wall = time.monotonic() - self._t0
-        with contextlib.suppress(OSError, ValueError):
-            # The process is fresh per scenario, so its high-water mark is this scenario's.
-            self.peak_rss_kib = max(self.peak_rss_kib, _status_kib(self.pid, "VmHWM"))
-        user, system = _proc_user_sys(self.pid)
-        self.server_user_s = user - self._cpu0[0]
-        self.server_sys_s = system - self._cpu0[1]
+        pids = process_tree(self.pid)
+        self.processes = len(pids)
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError):
+                # The processes are fresh per scenario, so their high-water marks are its own.
+                self.peak_rss_kib = max(self.peak_rss_kib, _status_kib(pid, "VmHWM"))
+        cpu1 = _tree_user_sys(pids)
+        # A process that started during the run counts from zero.
+        self.server_user_s = sum(u - self._cpu0.get(p, (0.0, 0.0))[0] for p, (u, _) in cpu1.items())
+        self.server_sys_s = sum(s - self._cpu0.get(p, (0.0, 0.0))[1] for p, (_, s) in cpu1.items())
         self.server_cpu_s = self.server_user_s + self.server_sys_s
-        threads1 = _thread_cpu_seconds(self.pid)
+        self.main_tids = set(pids)
+        threads1: dict[int, tuple[float, float]] = {}
+        for pid in pids:
+            threads1.update(_thread_cpu_seconds(pid))
         for tid, (user, system) in threads1.items():
             user0, system0 = self._threads0.get(tid, (0.0, 0.0))
             self.thread_cpu_s[tid] = user - user0 + system - system0
@@ -497,8 +561,8 @@ class Sampler:
 
     @property
     def main_thread_cores(self) -> float:
-        """CPU of the main (reactor) thread, in cores."""
-        return self.thread_cpu_s.get(self.pid, 0.0) / self.wall
+        """CPU of the main (reactor) threads, in cores (of every process of a node)."""
+        return sum(self.thread_cpu_s.get(pid, 0.0) for pid in self.main_tids) / self.wall
 
 
 # -- profiling ----------------------------------------------------------------------------------
@@ -778,6 +842,16 @@ def wait_idle(limit: float, nproc: int) -> float:
             return cores
 
 
+def canner_workers(label: str) -> int:
+    """The ``[receiver] workers`` of a canner row's label (``canner w2``: 2; ``canner``: 1)."""
+    last = label.rsplit(" ", 1)[-1]
+    return int(last[1:]) if last.startswith("w") and last[1:].isdigit() else 1
+
+
+def canner_label(base: str, workers: int) -> str:
+    return base if workers == 1 else f"{base} w{workers}"
+
+
 def run_one(
     work: Path,
     scenario: Scenario,
@@ -799,13 +873,14 @@ def run_one(
     if args.idle_wait > 0:
         wait_idle(args.idle_wait, len(os.sched_getaffinity(0)))
     server: Server
-    if server_name == "canner":
-        server = CannerServer(work, max(scenario.size, 1), args.access_log == "on")
-    elif server_name.startswith("canner@"):
+    workers = canner_workers(server_name)
+    if server_name.startswith("canner@"):
         tree = next(t for t in args.base_tree if base_name(t) == server_name)
         server = CannerBaseServer(work, max(scenario.size, 1), args.access_log == "on", tree)
-    elif server_name == "canner PUT":
-        server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on")
+    elif server_name.startswith("canner PUT"):
+        server = CannerPutServer(work, max(scenario.size, 1), args.access_log == "on", workers)
+    elif server_name.startswith("canner"):
+        server = CannerServer(work, max(scenario.size, 1), args.access_log == "on", workers)
     elif server_name == "Go canner":
         server = GoCannerServer(work)
     else:
@@ -813,7 +888,7 @@ def run_one(
     profiler: Profiler | None = None
     profile_text: str | None = None
     try:
-        if profile and server_name == "canner" and not scenario.head_probe:
+        if profile and server_name.startswith("canner") and not scenario.head_probe:
             if PY_SPY.exists():
                 profiler = Profiler(
                     server.pid, work / f"profile-{scenario.key}.txt", args.profile_gil
@@ -904,8 +979,8 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
     medians = {key: _median_run(group) for key, group in groups.items()}
     header = (
         f"{'scenario':<24} {'server':<12} {'rate':>16} {'range':>11} {'+sync':>8} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'fin p50':>8} {'peak RSS':>9} {'srv CPU':>7} {'sys':>4} {'main':>5} "
-        f"{'cost':>11} {'cli CPU':>7} {'kern':>5} {'other':>5} {'fail':>4}"
+        f"{'p99 ms':>8} {'fin p50':>8} {'peak RSS':>9} {'all RSS':>8} {'srv CPU':>7} {'sys':>4} "
+        f"{'main':>5} {'cost':>11} {'cli CPU':>7} {'kern':>5} {'other':>5} {'fail':>4}"
     )
     print(f"median of {args.repeat} run(s) per row (range: slowest-fastest rate)")
     print(header)
@@ -923,6 +998,8 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
         rates = [g.rate for g in group if g.rate is not None]
         spread = f"{min(rates):.0f}-{max(rates):.0f}" if len(rates) > 1 else "-"
         peak = max((g.sampler.peak_rss_kib for g in group if g.sampler), default=None)
+        # Of all the server's processes together (a canner node: its parent and workers).
+        total_rss = max((g.sampler.peak_total_rss_kib for g in group if g.sampler), default=None)
         main_cpu = s.main_thread_cores if s else None
         sys_share = f"{100 * s.server_sys_s / s.server_cpu_s:.0f}%" if s and s.server_cpu_s else "-"
         cost = run.cost
@@ -932,6 +1009,7 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
             f"{run.scenario.label:<24} {run.server:<12} {rate_text:>16} {spread:>11} "
             f"{fmt(run.durable_rate):>8} {fmt(run.latency(50)):>8} {fmt(run.latency(99)):>8} "
             f"{fmt(finalize):>8} {(f'{peak / 1024:.0f} MiB' if peak else '-'):>9} "
+            f"{(f'{total_rss / 1024:.0f} MiB' if total_rss else '-'):>8} "
             f"{fmt(cpu, '.2f'):>7} {sys_share:>4} {fmt(main_cpu, '.2f'):>5} {cost_text:>11} "
             f"{fmt(run.client_cpu, '.2f'):>7} {fmt(run.kernel_cores, '.2f'):>5} "
             f"{fmt(run.other_cores(facts['nproc']), '.2f'):>5} "
@@ -952,13 +1030,16 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
         "ratio canner / Go canner (both durable; throughput >1 means canner is faster; cost is"
         " CPU per upload or per GiB, <1 means canner spends less):"
     )
-    bases = [base_name(tree) for tree in args.base_tree]
-    for label, name in itertools.product(labels, ["canner", *bases]):
-        c, g = medians.get((label, name)), medians.get((label, "Go canner"))
+    tus_rows = [
+        name
+        for name in dict.fromkeys(server for _, server in groups)
+        if name.startswith("canner") and not name.startswith("canner PUT")
+    ]
+    for label, row in itertools.product(labels, tus_rows):
+        c, g = medians.get((label, row)), medians.get((label, "Go canner"))
         if c is not None and g is not None:
-            shown = label if name == "canner" else f"{label} ({name})"
             print(
-                f"  {shown:<24} throughput x{_ratio(c.rate, g.rate)}"
+                f"  {label:<24} {row:<14} throughput x{_ratio(c.rate, g.rate)}"
                 f"   cost x{_ratio(c.cost, g.cost)}"
                 f"   p50 latency x{_ratio(c.latency(50), g.latency(50))}"
                 f"   p99 latency x{_ratio(c.latency(99), g.latency(99))}"
@@ -1104,6 +1185,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="another checkout of canner (e.g. `git archive main` unpacked) run as the server"
         " `base` with this venv, to compare a branch with main in one run (repeat it for several)",
     )
+    p.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1],
+        help="comma list of [receiver] workers for canner's rows (e.g. 1,2: rows canner and"
+        " canner w2)",
+    )
     p.add_argument("--big-count", type=int, default=None, help="default 4 (quick 2)")
     p.add_argument("--big-size", type=parse_size, default=None, help="default 1GiB (quick 128MiB)")
     p.add_argument("--mid-count", type=int, default=None, help="default 32 (quick 8)")
@@ -1205,15 +1293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for scenario in scenarios:
             log(f"{scenario.label}: hashing payloads ...")
             specs = payloads.specs(scenario.count, scenario.size)
-            for rep, name in itertools.product(range(args.repeat), servers):
-                if scenario.head_probe and name != "canner":
+            rows = [
+                canner_label({"canner": "canner", "put": "canner PUT"}[name], workers)
+                if name in ("canner", "put")
+                else {"go": "Go canner", "tus": "@tus/server"}.get(name, name)
+                for name in servers
+                for workers in (args.workers if name in ("canner", "put") else [1])
+            ]
+            for rep, label in itertools.product(range(args.repeat), rows):
+                if scenario.head_probe and label != "canner":
                     continue
-                label = {
-                    "canner": "canner",
-                    "put": "canner PUT",
-                    "go": "Go canner",
-                    "tus": "@tus/server",
-                }.get(name, name)
                 log(f"{scenario.label}: {label} (run {rep + 1}/{args.repeat}) ...")
                 run = run_one(work, scenario, label, specs, args, profile=args.profile and rep == 0)
                 run.rep = rep
@@ -1240,6 +1329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "p50_ms": run.latency(50),
                             "p99_ms": run.latency(99),
                             "peak_rss_kib": run.sampler.peak_rss_kib if run.sampler else None,
+                            "peak_total_rss_kib": (
+                                run.sampler.peak_total_rss_kib if run.sampler else None
+                            ),
+                            "processes": run.sampler.processes if run.sampler else None,
                             "server_cpu_s": run.sampler.server_cpu_s if run.sampler else None,
                             "server_sys_s": run.sampler.server_sys_s if run.sampler else None,
                             "cost": run.cost,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import os
 import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping
@@ -226,6 +227,19 @@ class ConnectionsConfig:
     header_timeout: float = 30.0
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@frozen
+class ReceiverConfig:
+    """``[receiver]``: how canner-receiver runs on the node."""
+
+    # Worker processes serving the listening socket; 1 is one process doing everything.
+    workers: int = 1
+
+
 @frozen
 class ManholeConfig:
     """``[manhole]``: the operator's SSH shell (absent: no manhole, the default).
@@ -314,6 +328,7 @@ class Config:
     manhole: ManholeConfig | None = None
     access_log: bool = True
     connections: ConnectionsConfig = ConnectionsConfig()
+    receiver: ReceiverConfig = ReceiverConfig()
     # Where megawarc packages are built and kept until delivered (default: <data_dir>/packages).
     packages_dir: Path | None = None
     # Package builds running at once (a bounded pool of their own, beside delivery_concurrency).
@@ -348,6 +363,7 @@ _TOP_KEYS = {
     "manhole",
     "access_log",
     "connections",
+    "receiver",
     "packages_dir",
     "packaging_concurrency",
     "hq",
@@ -368,6 +384,7 @@ _LEDGER_KEYS = {
     "metadata",
 }
 _CONNECTIONS_KEYS = {"max", "max_per_client", "header_timeout"}
+_RECEIVER_KEYS = {"workers"}
 _PACKAGING_KEYS = {"mode", "target_bytes", "max_wait", "zstd_dictionary_url"}
 _METRICS_KEYS = {"deliver_listen", "refresh"}
 _MANHOLE_KEYS = {
@@ -399,6 +416,7 @@ _TABLES: Final[dict[str, set[str]]] = {
     "metrics": _METRICS_KEYS,
     "manhole": _MANHOLE_KEYS,
     "connections": _CONNECTIONS_KEYS,
+    "receiver": _RECEIVER_KEYS,
     "hq": _HQ_KEYS,
     "ledger": _LEDGER_KEYS,
     "rsync": _RSYNC_KEYS,
@@ -820,6 +838,15 @@ def _parse_connections(raw: Any) -> ConnectionsConfig:
     return ConnectionsConfig(max=total, max_per_client=per_client, header_timeout=header_timeout)
 
 
+def _parse_receiver(raw: Any) -> ReceiverConfig:
+    """``[receiver]``; ``workers`` defaults to the cores this process may use."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("receiver", "must be a table")
+    return ReceiverConfig(workers=positive_int(raw, "workers", usable_cores(), "receiver.workers"))
+
+
 def _parse_metrics(raw: Any) -> MetricsConfig:
     if raw is None:
         return MetricsConfig()
@@ -972,6 +999,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
         "manhole": attempt(_parse_manhole, None, raw.get("manhole"), base_dir, resolved_data_dir),
         "access_log": attempt(_bool, True, raw, "access_log", True),
         "connections": attempt(_parse_connections, None, raw.get("connections")),
+        "receiver": attempt(_parse_receiver, None, raw.get("receiver")),
         "packages_dir": attempt(_packages_dir, None, raw, base_dir),
         "packaging_concurrency": attempt(
             positive_int, 1, raw, "packaging_concurrency", 1, "packaging_concurrency"

@@ -285,6 +285,11 @@ class DataDirLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
+    def fileno(self) -> int:
+        """The locked descriptor (a process it is handed to keeps the lock while it lives)."""
+        assert self._fd is not None, "not locked"
+        return self._fd
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

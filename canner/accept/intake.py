@@ -134,6 +134,9 @@ class UploadIntake:
     free_space: Callable[[Path], int] = fs.free_bytes
     # The memory the bodies streaming at once share (canner.web.stream).
     body_budget: BodyBudget = field(factory=BodyBudget)
+    # On a node of several workers (``[receiver] workers``): takes over the writer of an upload
+    # that another worker holds locked (True: one still sending keeps it).  None: one process.
+    take_over_elsewhere: Callable[[str], Deferred[bool]] | None = None
     # The request writing each upload now (reactor thread only).
     _writers: dict[str, BodyStream] = field(factory=dict)
 
@@ -201,8 +204,58 @@ class UploadIntake:
         is taken over; 404, 409, 413, 422 (rejected), 423 (another writer still sending)."""
         if upload_id not in self._writers and not self._acceptance.is_running(upload_id):
             # The common case, without a coroutine: nobody here writes or accepts it.
-            return self._run(self._open_for_append, upload_id, offset, length)
+            return self._open_anywhere(upload_id, offset, length)
         return Deferred.fromCoroutine(self._admit_known(upload_id, offset, length))
+
+    def take_over_here(self, upload_id: str) -> Deferred[bool]:
+        """Another worker of the node was refused the lock of ``upload_id``: take over a
+        stalled writer of it here as for a request of this process.  Fires once no writer
+        here holds it (False), or True when one still sending keeps it."""
+        return Deferred.fromCoroutine(self._take_over_here(upload_id))
+
+    async def _take_over_here(self, upload_id: str) -> bool:
+        try:
+            await self._take_over(upload_id, wait_for_live=True)
+        except HTTPError as e:
+            if e.status == 423:
+                return True
+            raise
+        return False
+
+    def _open_anywhere(
+        self, upload_id: str, offset: int, length: int | None
+    ) -> Deferred[LockedUpload | UploadStanding]:
+        """:meth:`_open_for_append` in a thread; on a node, an upload locked by a writer of
+        another worker is taken over there (:attr:`take_over_elsewhere`) and opened again."""
+        opened = self._run(self._open_for_append, upload_id, offset, length)
+        if self.take_over_elsewhere is None:
+            return opened
+        return Deferred.fromCoroutine(self._locked_elsewhere(opened, upload_id, offset, length))
+
+    async def _locked_elsewhere(
+        self,
+        opened: Deferred[LockedUpload | UploadStanding],
+        upload_id: str,
+        offset: int,
+        length: int | None,
+    ) -> LockedUpload | UploadStanding:
+        try:
+            return await opened
+        except HTTPError as e:
+            if e.status != 423 or upload_id in self._writers:
+                raise
+        return await self._take_over_there(upload_id, offset, length)
+
+    async def _take_over_there(
+        self, upload_id: str, offset: int, length: int | None
+    ) -> LockedUpload | UploadStanding:
+        assert self.take_over_elsewhere is not None
+        if await self.take_over_elsewhere(upload_id):
+            raise _locked()
+        opened: LockedUpload | UploadStanding = await self._run(
+            self._open_for_append, upload_id, offset, length
+        )
+        return opened
 
     # -- whole files in one request (canner.doors.seesaw) ---------------------------------------
 
@@ -351,7 +404,7 @@ class UploadIntake:
                 size, upload_id, offset, length
             )
             return result
-        return await self._run(self._open_for_append, upload_id, offset, length)
+        return await self._open_anywhere(upload_id, offset, length)
 
     def _join(
         self, size: int, upload_id: str, offset: int, length: int | None

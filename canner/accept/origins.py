@@ -94,6 +94,28 @@ class AcceptedOrigins:
         """
         return Deferred.fromCoroutine(self._once(key, commit))
 
+    def claim(self, key: OriginKey) -> Deferred[str | None]:
+        """Mark ``key`` as committing for another process of the node (a receiver worker,
+        :mod:`canner.daemon.node_protocol`), once nobody commits it any more: what :meth:`once`
+        does around its own commit.  Fires with the object remembered for ``key`` (None: none),
+        which the caller checks against its receipt; :meth:`settle` ends the claim."""
+        return Deferred.fromCoroutine(self._claim(key))
+
+    async def _claim(self, key: OriginKey) -> str | None:
+        while key in self._committing:
+            waiter: Deferred[None] = Deferred()
+            self._committing[key].append(waiter)
+            await waiter
+        self._committing[key] = []
+        return self._recent.get(key)
+
+    def settle(self, key: OriginKey, object_id: str | None) -> None:
+        """End a :meth:`claim` of ``key``; ``object_id`` is the object it committed, if any."""
+        if object_id is not None:
+            self.remember(key, object_id)
+        for waiter in self._committing.pop(key, []):
+            waiter.callback(None)
+
     def remember(self, key: OriginKey, object_id: str) -> None:
         """Note that ``object_id`` was committed with ``key`` in this process."""
         self._recent[key] = object_id

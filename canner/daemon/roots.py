@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from attrs import frozen
@@ -37,6 +38,8 @@ from canner.daemon.deliver_parts import (
     packed_projects,
     receipt_rescan,
 )
+from canner.daemon.node import WorkerNode, settle_uploads
+from canner.daemon.node_protocol import NodeState
 from canner.daemon.services import (
     DaemonRoot,
     Listening,
@@ -88,7 +91,7 @@ from canner.store.recovery import current_boot_id, cut_after_restart
 from canner.store.sweep import StaleSweep, remove_whole_files
 from canner.store.uploads import UploadStore
 from canner.web.channel import ReceiverSite
-from canner.web.connections import ConnectionLimits, connection_limits
+from canner.web.connections import ConnectionCaps, connection_limits
 
 log = Logger()
 
@@ -125,6 +128,7 @@ class ReceiverParts:
 
     acceptance: Acceptance
     intake: UploadIntake
+    origins: AcceptedOrigins
     hq: HQRoutes
     site: ReceiverSite
     floor: FloorWatch
@@ -143,10 +147,13 @@ def receiver_parts(
     index: DeliveryIndex | None,
     metrics: Metrics,
     problems: RecentProblems,
-    connection_limits: ConnectionLimits | None,
+    connection_limits: ConnectionCaps | None,
     doors: Sequence[DoorFactory] = DOORS,
     node: IResource | None = None,
     parent: NodeParent | None = None,
+    promises: Promises | None = None,
+    origins: AcceptedOrigins | None = None,
+    take_over_elsewhere: Callable[[str], Deferred[bool]] | None = None,
 ) -> ReceiverParts:
     """The receiver's HTTP site and everything behind it, from its collaborators: no threads,
     listeners or timers of its own, so the in-memory tests build the same graph with a
@@ -157,11 +164,15 @@ def receiver_parts(
     On a node whose workers serve the socket: a worker's site forwards the node's view to
     ``node`` (a :class:`~canner.web.proxy.NodeProxy` to the parent's private socket); the
     parent's own site (on that socket, with ``connection_limits`` None: every request comes
-    from a worker) takes ``parent``."""
-    remove_whole_files(uploads, receipts, config.object_ids)
-    cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
-    promises = Promises.from_disk(uploads, receipts, config.object_ids)
-    origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
+    from a worker) takes ``parent``.
+
+    A worker of a node (``[receiver] workers``, :mod:`canner.daemon.worker`) passes the node's
+    stand-ins as ``promises``, ``origins`` and ``connection_limits``, and ``take_over_elsewhere``;
+    then nothing is done at start (the parent did it)."""
+    if promises is None:
+        promises = receiver_start_up(config, uploads, receipts)
+    if origins is None:
+        origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
         uploads=uploads,
         receipts=receipts,
@@ -192,6 +203,7 @@ def receiver_parts(
         purged_origin=reader.origin,
         observer=metrics,
         promises=promises,
+        take_over_elsewhere=take_over_elsewhere,
     )
     releases = Releases(
         index=index,
@@ -224,16 +236,33 @@ def receiver_parts(
         metrics_page=parent.metrics.render if parent is not None else None,
         forwarded=parent is not None,
     )
-    return ReceiverParts(acceptance, intake, hq, site, floor, journal)
+    return ReceiverParts(acceptance, intake, origins, hq, site, floor, journal)
+
+
+def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptStore) -> Promises:
+    """What a receiver does before it serves (blocking, under ``receiver.lock``): what a stop
+    left of whole-file uploads is removed, every upload in flight is cut back to its durable
+    offset after a restart of the machine; the promises to uploads in flight, from ``uploads/``."""
+    remove_whole_files(uploads, receipts, config.object_ids)
+    cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
+    return Promises.from_disk(uploads, receipts, config.object_ids)
 
 
 def receiver_service(
-    config: Config, reactor: Any, log_publisher: LogPublisher = globalLogPublisher
+    config: Config,
+    reactor: Any,
+    log_publisher: LogPublisher = globalLogPublisher,
+    config_path: Path | None = None,
 ) -> IService:
     """The receiver process: tus, receipts, health, the stale-upload sweep, status page,
     metrics and (when configured) the rsync intake and the manhole.  Raises
     :class:`~canner.store.datadir.ReceiverLocked` when another receiver serves the data
-    directory."""
+    directory.
+
+    With ``[receiver] workers`` above 1 this process is the node's parent
+    (:mod:`canner.daemon.node`): it does all of that but serve the public socket, which it
+    opens and hands to that many worker processes (:mod:`canner.daemon.worker`, reading the
+    config at ``config_path``); its own site listens on a private unix socket."""
     with watching_start_up(log_publisher) as problems:
         uploads, receipts = prepare_data_dir(config, RECEIVER_WRITES)
     # Before anything reads uploads/: a second receiver must not touch the first's uploads.
@@ -253,9 +282,13 @@ def receiver_service(
             now=reactor.seconds,
         )
 
+    node: WorkerNode | None = None
+
     def stopped() -> None:
         if pool is not None:
             pool.close()
+        if node is not None:
+            node.remove_private_dir()
         lock.release()
 
     # The index closes, and the lock goes, once every service and thread pool has stopped.
@@ -266,6 +299,8 @@ def receiver_service(
     LogObservers(log_publisher, [problems.observe]).setServiceParent(top)
     reactor.callWhenRunning(problems.started)
     metrics, survey_cache = process_metrics(config, RECEIVER, io, reactor)
+    caps = connection_limits(config.connections)
+    workers = config.receiver.workers
     parts = receiver_parts(
         config,
         uploads=uploads,
@@ -277,8 +312,20 @@ def receiver_service(
         index=index,
         metrics=metrics,
         problems=problems,
-        connection_limits=connection_limits(config.connections),
+        # A node's parent serves only its private site: the caps count the workers' clients.
+        connection_limits=caps if workers == 1 else None,
     )
+    if workers > 1:
+        assert config_path is not None, "a node's workers read the config file"
+        node = WorkerNode.build(
+            config,
+            config_path,
+            reactor,
+            NodeState(promises=parts.intake.promises, limits=caps, origins=parts.origins),
+            lock,
+            lambda held: io(settle_uploads, uploads, receipts, parts.intake.promises, held),
+            log_publisher,
+        )
     PeriodicService(
         clock=reactor,
         interval=config.metrics.refresh,
@@ -301,12 +348,22 @@ def receiver_service(
         site=parts.site,
         hq=parts.hq,
         metrics=metrics,
+        **({} if node is None else {"workers": node.supervisor.workers}),
     )
     if manhole is not None:
         manhole.setServiceParent(top)
-    Listening(
-        description=config.listen, factory=parts.site, reactor=reactor, what="listen"
-    ).setServiceParent(top)
+    if node is None:
+        Listening(
+            description=config.listen, factory=parts.site, reactor=reactor, what="listen"
+        ).setServiceParent(top)
+    else:
+        node.listener.setServiceParent(top)
+        Listening(
+            description=node.site_description,
+            factory=parts.site,
+            reactor=reactor,
+            what="the node's own site",
+        ).setServiceParent(top)
     sweep = StaleSweep(
         uploads=uploads,
         receipts=receipts,
@@ -336,8 +393,14 @@ def receiver_service(
         ).setServiceParent(top)
     ShutdownHook(parts.intake.stop).setServiceParent(top)
     ShutdownHook(parts.acceptance.stop).setServiceParent(top)
-    # Last: by the time it starts the port listens (listeners listen in privilegedStartService).
-    SystemdNotifier(reactor).setServiceParent(top)
+    if node is None:
+        # Last: by the time it starts the port listens (listeners listen in
+        # privilegedStartService).
+        SystemdNotifier(reactor).setServiceParent(top)
+    else:
+        # Stops first: every worker has ended before the parent's own services stop.
+        node.supervisor.setServiceParent(top)
+        SystemdNotifier(reactor, node.supervisor.all_listening).setServiceParent(top)
     reactor.callWhenRunning(freeze_startup_objects)
     return top
 

@@ -125,9 +125,7 @@ class Listening(MultiService):
         strports.service(description, factory, reactor=reactor).setServiceParent(self)
 
     def _refuse(self, error: CannotListenError) -> NoReturn:
-        reason = error.socketError
-        text = getattr(reason, "strerror", None) or str(reason)
-        raise SystemExit(f"canner: cannot listen on {self._description} ({self._what}): {text}")
+        raise cannot_listen(self._description, self._what, error)
 
     def privilegedStartService(self) -> None:
         try:
@@ -140,6 +138,13 @@ class Listening(MultiService):
             super().startService()
         except CannotListenError as e:
             self._refuse(e)
+
+
+def cannot_listen(description: str, what: str, error: CannotListenError) -> SystemExit:
+    """The one line that ends a start-up which cannot listen on ``description``."""
+    reason = error.socketError
+    text = getattr(reason, "strerror", None) or str(reason)
+    return SystemExit(f"canner: cannot listen on {description} ({what}): {text}")
 
 
 @define(eq=False)

@@ -39,7 +39,7 @@ from canner.ops.readiness import Readiness
 from canner.ops.status_page import StatusSource, render_status
 from canner.web.answer import render_error
 from canner.web.channel import BodyRouter, ReceiverSite
-from canner.web.connections import ConnectionLimits
+from canner.web.connections import ConnectionCaps
 from canner.web.errors import HTTPError
 from canner.web.routing import OTHER, Kind, Surface
 
@@ -230,7 +230,7 @@ def receiver_site(
     status: StatusSource,
     ready: Callable[[], Readiness],
     access_log: bool = True,
-    connection_limits: ConnectionLimits | None = None,
+    connection_limits: ConnectionCaps | None = None,
     header_timeout: float | None = None,
     hq: IResource | None = None,
     reactor: IReactorTime | None = None,

@@ -35,7 +35,9 @@ def makeService(options: Options) -> IService:
     from canner.store.datadir import CannotStart
 
     try:
-        service = receiver_service(options.loaded, reactor)
+        service = receiver_service(
+            options.loaded, reactor, config_path=Path(options["config"]).resolve()
+        )
     except (CannotStart, ConfigError) as e:  # e.g. no data_dir, or one this user cannot write
         raise SystemExit(f"canner-receiver: {e}") from None
     quiet_repeated_stop_signals(reactor)

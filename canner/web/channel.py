@@ -31,6 +31,7 @@ from io import BytesIO
 from typing import Any, Protocol
 
 from attrs import frozen
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -46,7 +47,7 @@ from canner.web.answer import (
     OVER_CAPACITY,
     Answer,
 )
-from canner.web.connections import ConnectionLimits
+from canner.web.connections import ConnectionCaps
 from canner.web.errors import TUS_VERSION, HTTPError
 from canner.web.proxy import forwarded_client
 from canner.web.routing import (
@@ -116,6 +117,8 @@ class Phase(enum.Enum):
     IDLE = "idle"  # kept alive between requests: the next head's clock starts at its first byte
     CLOSING = "closing"  # answered early: what still arrives is discarded, then the cut
     REFUSED = "refused"  # over the connection cap: answered 503 at once, nothing parsed
+    ASKING = "asking"  # a node's worker waits for the parent's cap (transport paused)
+    GONE = "gone"  # lost while asking: never served
 
 
 class ReceiverChannel(HTTPChannel):
@@ -135,29 +138,57 @@ class ReceiverChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         site: Any = self.factory
-        limits: ConnectionLimits | None = site.connection_limits
-        if limits is not None:
-            host = _peer_host(self.transport)
-            if not limits.admit(host):
-                if limits.due_warning(site.reactor.seconds()):
-                    log.warn(
-                        "connection cap reached ({open} open, {per} per address): refusing"
-                        " connections with 503; {refused} refused so far",
-                        open=limits.open,
-                        per=limits.per_address or "no cap",
-                        refused=limits.refused,
-                    )
-                # Over the cap: say so cheaply (tus clients retry a 503) and close.
-                self.phase = Phase.REFUSED
-                self.transport.write(OVER_CAPACITY.wire())  # type: ignore[union-attr]
-                self.transport.loseConnection()  # type: ignore[union-attr]
-                return
-            self._limited_host = host
+        limits: ConnectionCaps | None = site.connection_limits
+        if limits is None:
+            self._serve()
+            return
+        host = _peer_host(self.transport)
+        answer = limits.admit(host)
+        if not isinstance(answer, Deferred):
+            self._admitted_or_not(answer, limits, host)
+            return
+        # A node's worker asks its parent: nothing is read until the answer.
+        self.phase = Phase.ASKING
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+        answer.addCallback(self._answered, limits, host)
+
+    def _answered(self, admitted: bool, limits: ConnectionCaps, host: str) -> None:
+        if self.phase is Phase.GONE:  # lost while the cap was asked
+            if admitted:
+                limits.release(host)
+            return
+        self.phase = Phase.HEAD
+        self.transport.resumeProducing()  # type: ignore[union-attr]
+        self._admitted_or_not(admitted, limits, host)
+
+    def _admitted_or_not(self, admitted: bool, limits: ConnectionCaps, host: str) -> None:
+        if not admitted:
+            site: Any = self.factory
+            if limits.due_warning(site.reactor.seconds()):
+                log.warn(
+                    "connection cap reached ({open} open, {per} per address): refusing"
+                    " connections with 503; {refused} refused so far",
+                    open=limits.open,
+                    per=limits.per_address or "no cap",
+                    refused=limits.refused,
+                )
+            # Over the cap: say so cheaply (tus clients retry a 503) and close.
+            self.phase = Phase.REFUSED
+            self.transport.write(OVER_CAPACITY.wire())  # type: ignore[union-attr]
+            self.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        self._limited_host = host
+        self._serve()
+
+    def _serve(self) -> None:
         super().connectionMade()
         self._start_head_deadline()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if self.phase is Phase.REFUSED:
+        if self.phase is Phase.ASKING:
+            self.phase = Phase.GONE
+            return  # HTTPChannel never started; the answer releases what it admitted
+        if self.phase in (Phase.REFUSED, Phase.GONE):
             return  # refused in connectionMade: HTTPChannel never started
         self._cancel_head_deadline()
         if self._linger is not None and self._linger.active():
@@ -171,7 +202,7 @@ class ReceiverChannel(HTTPChannel):
     # head byte by byte would hold its connection forever without it), its size, its first line
 
     def dataReceived(self, data: bytes) -> None:
-        if self.phase is Phase.REFUSED:
+        if self.phase in (Phase.REFUSED, Phase.ASKING, Phase.GONE):
             return
         if self.phase is Phase.IDLE:
             # A kept-alive connection starts its next request: its head has the same deadline.
@@ -311,7 +342,7 @@ class ReceiverSite(Site):
         self,
         resource: Any,
         body_router: BodyRouter,
-        connection_limits: ConnectionLimits | None = None,
+        connection_limits: ConnectionCaps | None = None,
         header_timeout: float | None = None,
         door_paths: Sequence[DoorPath] = (),
         forwarded: bool = False,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import resource
 from collections import Counter
+from typing import Protocol
 
 from attrs import define, field
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from canner.config import ConnectionsConfig
@@ -40,6 +42,24 @@ def raise_open_file_limit() -> int:
 def usable_connections(configured: int, open_file_limit: int) -> int:
     """The total cap in force: ``configured``, but never more than the open files allow."""
     return max(1, min(configured, open_file_limit - RESERVED_FILES))
+
+
+class ConnectionCaps(Protocol):
+    """What a channel asks of the caps: :class:`ConnectionLimits` in one process; a worker of a
+    node asks its parent (``canner.daemon.node_protocol``), whose answer comes later, so
+    :meth:`admit` may return a Deferred."""
+
+    per_address: int
+    refused: int
+
+    @property
+    def open(self) -> int: ...
+
+    def admit(self, address: str) -> bool | Deferred[bool]: ...
+
+    def release(self, address: str) -> None: ...
+
+    def due_warning(self, now: float, every: float = 60.0) -> bool: ...
 
 
 @define

@@ -86,6 +86,10 @@ class Nobody:
     twistd: list[str]
 
 
+# [receiver] workers of every receiver a test does not configure itself.
+E2E_WORKERS = int(os.environ.get("CANNER_E2E_WORKERS", "1"))
+
+
 def twistd_command() -> list[str]:
     candidate = Path(sys.executable).parent / "twistd"
     if not candidate.exists():
@@ -218,6 +222,9 @@ class Receiver:
             "max_upload_bytes": DEFAULT_MAX_UPLOAD,
             "min_free_bytes": 1,
             "partial_upload_retention": "30m",
+            # One process, as before [receiver] workers existed; a test asks for more, and
+            # CANNER_E2E_WORKERS runs a whole suite on nodes of that many workers.
+            "receiver": {"workers": E2E_WORKERS},
         }
         config.update(overrides)
         self.config = config

@@ -1,9 +1,11 @@
 """Canaries for what the receiver's channel relies on in twisted.web beyond its documented API.
 
-One private name remains: ``HTTPChannel._respondToBadRequestAndDisconnect``, where Twisted
+Two private names remain: ``HTTPChannel._respondToBadRequestAndDisconnect``, where Twisted
 answers malformed framing with a bare 400 (no ``Tus-Resumable``); ``ReceiverChannel`` overrides
-it.  The rest are public methods whose order of calls the channel depends on.  Each test fails
-with a message naming what changed, so a Twisted upgrade that breaks the seam says where.
+it; and ``SSL4ServerEndpoint._sslContextFactory``, the TLS context a receiver node's worker puts
+on the ``ssl:`` socket it adopts.  The rest are public methods whose order of calls the channel
+depends on.  Each test fails with a message naming what changed, so a Twisted upgrade that
+breaks the seam says where.
 ``pyproject.toml`` bounds Twisted above the newest release these ran against.
 """
 
@@ -97,4 +99,18 @@ def test_all_headers_received_calls_got_length_before_handling_expect() -> None:
     assert quiet_transport.value() == b"", (
         "Twisted sends 100 Continue though the Expect header was removed in allHeadersReceived:"
         " ReceiverChannel would send it before admission (canner/web/channel.py)"
+    )
+
+
+def test_an_ssl_endpoint_keeps_its_context_factory_where_a_node_worker_reads_it() -> None:
+    """A receiver node's worker serves an ``ssl:`` listener's adopted socket with the context of
+    the endpoint the description parses to (``canner.daemon.worker.served``): Twisted's
+    ``SSL4ServerEndpoint._sslContextFactory``, the second private name relied on."""
+    from twisted.internet.endpoints import SSL4ServerEndpoint
+
+    context = object()
+    endpoint = SSL4ServerEndpoint(None, 0, context)
+    assert getattr(endpoint, "_sslContextFactory", None) is context, (
+        "SSL4ServerEndpoint no longer keeps _sslContextFactory: canner.daemon.worker.served"
+        " must find an ssl: listener's context another way"
     )

@@ -1,0 +1,277 @@
+"""The node of several receiver workers: the parent's answers and the workers' stand-ins over
+AMP (``twisted.test.iosim``: real AMP boxes, in memory), what a dead worker leaves, and a channel
+whose connection cap is answered later."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from twisted.internet.defer import Deferred, succeed
+from twisted.test import iosim
+
+from canner.accept.origins import AcceptedOrigins, OriginKey
+from canner.blocking import BlockingRunner
+from canner.checksum import parse_checksum
+from canner.config import ConfigError, parse_config, usable_cores
+from canner.daemon.node import settle_uploads
+from canner.daemon.node_protocol import (
+    STORED_STEP,
+    Admit,
+    BeginOrigin,
+    Disconnect,
+    EndOrigin,
+    NodeAnswers,
+    NodeConnections,
+    NodePromises,
+    NodeState,
+    TakeOver,
+    WorkerLink,
+    key_text,
+)
+from canner.store.promises import Promises
+from canner.store.receipts import ReceiptStore
+from canner.store.uploads import UploadDoor, UploadInfo, UploadStore
+from canner.web.connections import ConnectionLimits
+from tests.unit.receiver_harness import InMemoryReceiver
+
+KEY = OriginKey("example", "alice", "a.warc.gz", 10, parse_checksum("blake3:" + "ab" * 32))
+
+
+class Inline:
+    """callFromThread at once (the test is the reactor thread)."""
+
+    def callFromThread(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        f(*args, **kwargs)
+
+
+def inline_runner(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
+    return succeed(f(*args))
+
+
+def _same(answers: NodeAnswers) -> NodeAnswers:
+    return answers
+
+
+class Node:
+    """A parent's state with two workers' links, each over its own in-memory AMP connection."""
+
+    def __init__(self, tmp_path: Path, total: int = 10, per_address: int = 2) -> None:
+        receipts = ReceiptStore(tmp_path)
+        self.state = NodeState(
+            promises=Promises(),
+            limits=ConnectionLimits(total, per_address),
+            origins=AcceptedOrigins(receipts=receipts, run=cast(BlockingRunner, inline_runner)),
+        )
+        self.listening: list[tuple[int, int]] = []
+        self.links: dict[int, WorkerLink] = {}
+        self.answers: dict[int, NodeAnswers] = {}
+        self.pumps: list[iosim.IOPump] = []
+        for worker in (1, 2):
+            answers = NodeAnswers(self.state, worker, self._listening)
+            link, server, pump = iosim.connectedServerAndClient(
+                partial(_same, answers), partial(WorkerLink, Inline())
+            )
+            self.links[worker], self.answers[worker] = link, server
+            self.pumps.append(pump)
+
+    def _listening(self, worker: int, pid: int) -> None:
+        self.listening.append((worker, pid))
+
+    def flush(self) -> None:
+        for _ in range(5):
+            for pump in self.pumps:
+                pump.flush()
+
+    def ask(self, worker: int, command: Any, **arguments: Any) -> Any:
+        d = self.links[worker].ask(command, **arguments)
+        self.flush()
+        return d
+
+
+def result_of(d: Deferred[Any]) -> Any:
+    results: list[Any] = []
+    d.addBoth(results.append)
+    assert results, "not fired"
+    return results[0]
+
+
+def test_creations_on_two_workers_are_admitted_against_one_account(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    assert (
+        result_of(node.ask(1, Admit, upload_id="a", size=40, free=100, floor=10))["refused"]
+        is False
+    )
+    refused = result_of(node.ask(2, Admit, upload_id="b", size=60, free=100, floor=10))
+    assert refused["refused"] and refused["promised_bytes"] == 40 and refused["uploads"] == 1
+    assert node.state.promises.total == 40
+    # Worker 1 dies: what it held is returned for settling, nothing else is forgotten.
+    assert node.state.worker_gone(node.answers[1]) == {"a"}
+    assert node.state.worker_gone(node.answers[2]) == set()
+
+
+def test_stand_in_promises_tell_the_parent_in_order(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    promises = NodePromises(link=node.links[1])
+    size = 4 * STORED_STEP
+    promises.hold("a", size, 10)
+    promises.stored("a", 30)
+    node.flush()
+    # A small step is not told: the parent counts it as owing more, never less.
+    assert promises.total == size - 30 and node.state.promises.total == size - 10
+    promises.stored("a", STORED_STEP + 10)
+    node.flush()
+    assert node.state.promises.total == promises.total == size - STORED_STEP - 10
+    promises.release_all(["a"])
+    node.flush()
+    assert node.state.promises.total == 0 and node.answers[1].held.uploads == set()
+
+
+def test_connections_are_capped_across_workers_and_a_dead_worker_frees_its_own(
+    tmp_path: Path,
+) -> None:
+    node = Node(tmp_path, per_address=2)
+    one = NodeConnections(node.links[1], 2)
+    two = NodeConnections(node.links[2], 2)
+    first, second = one.admit("10.0.0.2"), two.admit("10.0.0.2")
+    node.flush()
+    assert result_of(first) is True and result_of(second) is True
+    third = two.admit("10.0.0.2")
+    node.flush()
+    assert result_of(third) is False and two.refused == 1
+    # A disconnect the worker never held changes nothing.
+    node.links[1].tell(Disconnect, address="10.0.0.9")
+    node.flush()
+    assert node.state.limits.open == 2
+    node.state.worker_gone(node.answers[1])
+    again = two.admit("10.0.0.2")
+    node.flush()
+    assert result_of(again) is True and node.state.limits.open == 2
+    two.release("10.0.0.2")
+    node.flush()
+    assert node.state.limits.open == 1
+
+
+def test_a_commit_of_an_origin_waits_for_the_other_workers_and_finds_its_object(
+    tmp_path: Path,
+) -> None:
+    node = Node(tmp_path)
+    text = key_text(KEY)
+    first = node.ask(1, BeginOrigin, key=text)
+    assert result_of(first) == {"object_id": None}
+    waiting = node.ask(2, BeginOrigin, key=text)
+    assert not waiting.called, "two workers commit the same key at once"
+    node.links[1].tell(EndOrigin, key=text, object_id="obj1")
+    node.flush()
+    assert result_of(waiting) == {"object_id": "obj1"}
+    # Worker 2 dies while it holds the key: the next one does not wait for ever.
+    node.state.worker_gone(node.answers[2])
+    assert result_of(node.ask(1, BeginOrigin, key=text)) == {"object_id": "obj1"}
+    # One that waited for a key and went before it got it claims nothing.
+    waiting = node.ask(2, BeginOrigin, key=text)
+    node.answers[2].lost.callback(None)
+    node.links[1].tell(EndOrigin, key=text, object_id="obj1")
+    node.flush()
+    assert result_of(node.ask(1, BeginOrigin, key=text)) == {"object_id": "obj1"}
+
+
+def test_takeover_asks_the_other_workers(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    asked: list[str] = []
+
+    def live(upload_id: str) -> Deferred[bool]:
+        asked.append(upload_id)
+        return succeed(True)
+
+    node.links[2].take_over_here = live
+    node.links[1].take_over_here = lambda upload_id: pytest.fail("asked the asking worker")
+    assert result_of(node.ask(1, TakeOver, upload_id="u")) == {"live": True}
+    assert asked == ["u"]
+    node.links[2].take_over_here = lambda upload_id: succeed(False)
+    assert result_of(node.ask(1, TakeOver, upload_id="u")) == {"live": False}
+
+
+def _info(upload_id: str, door: UploadDoor, size: int = 100) -> UploadInfo:
+    return UploadInfo(
+        upload_id=upload_id,
+        size=size,
+        metadata={"project": "example"},
+        created_at=1,
+        durable=0,
+        door=door,
+    )
+
+
+def test_a_dead_workers_put_goes_and_its_tus_upload_keeps_its_promise(tmp_path: Path) -> None:
+    (tmp_path / "uploads").mkdir()
+    (tmp_path / "receipts").mkdir()
+    uploads, receipts = UploadStore(tmp_path / "uploads"), ReceiptStore(tmp_path / "receipts")
+    put, tus = "a" * 32, "b" * 32
+    for upload_id, door in ((put, UploadDoor.PUT), (tus, UploadDoor.TUS)):
+        uploads.create(_info(upload_id, door))
+        upload = uploads.open_locked(_info(upload_id, door))
+        uploads.append(upload, [b"x" * 30])
+        upload.close()
+    promises = Promises()
+    promises.hold(put, 100, 10)
+    promises.hold(tus, 100, 10)
+    assert settle_uploads(uploads, receipts, promises, {put, tus}) == 1
+    assert uploads.read_info(put) is None and not (tmp_path / "uploads" / put).exists()
+    assert promises.total == 70 and promises.uploads == 1
+
+
+def test_receiver_workers_must_be_a_positive_integer(tmp_path: Path) -> None:
+    raw: dict[str, Any] = {
+        "issuer": "https://x.test",
+        "data_dir": str(tmp_path),
+        "min_free_bytes": 1,
+        "projects": {"example": {}},
+    }
+    assert parse_config({**raw, "receiver": {"workers": 3}}, tmp_path).receiver.workers == 3
+    assert parse_config(raw, tmp_path).receiver.workers == usable_cores()
+    for bad in (0, -1, "2", True):
+        with pytest.raises(ConfigError) as e:
+            parse_config({**raw, "receiver": {"workers": bad}}, tmp_path)
+        assert "receiver.workers" in str(e.value)
+
+
+class LaterCaps(ConnectionLimits):
+    """Caps whose answers the test gives (as a node's worker gets its parent's)."""
+
+    def __init__(self) -> None:
+        super().__init__(10, 0)
+        self.asked: list[Deferred[bool]] = []
+        self.released: list[str] = []
+
+    def admit(self, address: str) -> Deferred[bool]:  # type: ignore[override]
+        d: Deferred[bool] = Deferred()
+        self.asked.append(d)
+        return d
+
+    def release(self, address: str) -> None:
+        self.released.append(address)
+
+
+def test_a_channel_waits_for_its_cap_with_its_transport_paused(tmp_path: Path) -> None:
+    rcv = InMemoryReceiver.build(tmp_path)
+    caps = LaterCaps()
+    rcv.site.connection_limits = caps
+    admitted = rcv.connect("10.0.0.2")
+    assert admitted.transport.producerState == "paused"
+    caps.asked[0].callback(True)
+    assert admitted.transport.producerState == "producing"
+    admitted.send_head("GET", "/healthz")
+    assert admitted.answer().status == 200
+
+    refused = rcv.connect("10.0.0.3")
+    caps.asked[1].callback(False)
+    rcv.settle()
+    assert refused.answer().status == 503 and refused.closed
+
+    gone = rcv.connect("10.0.0.4")
+    gone.close()
+    caps.asked[2].callback(True)
+    assert caps.released[-1] == "10.0.0.4", "a connection lost while asking kept its slot"
