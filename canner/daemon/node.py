@@ -216,6 +216,23 @@ def exit_status(reason: Failure) -> str:
     return str(error)
 
 
+@frozen
+class Roster:
+    """The workers as the supervisor last saw them; read from any thread (``/readyz``)."""
+
+    _count: int
+    _workers: dict[int, WorkerRecord]
+
+    def configured(self) -> int:
+        return self._count
+
+    def running(self) -> int:
+        return sum(1 for record in list(self._workers.values()) if record.listening)
+
+    def restarts(self) -> int:
+        return sum(record.restarts for record in list(self._workers.values()))
+
+
 @define(eq=False, kw_only=True)
 class WorkerSupervisor(Service):
     """Starts the node's workers, starts one again when it ends unasked, and stops them all."""
@@ -235,6 +252,11 @@ class WorkerSupervisor(Service):
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
+
+    @property
+    def roster(self) -> Roster:
+        """What the node's view reads of the workers (:class:`canner.ops.node.WorkerRoster`)."""
+        return Roster(self._count, self.workers)
 
     def all_listening(self) -> Deferred[None]:
         """Fires once every worker has said it serves the socket (the first time)."""

@@ -69,6 +69,7 @@ from canner.ledger.files import ArchivedIds, LedgerDir
 from canner.ops.manhole import daemon_manhole
 from canner.ops.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.ops.node import RosterCollector
+from canner.ops.node_metrics import NodeMetrics
 from canner.ops.problems import RecentProblems, watching_start_up
 from canner.ops.readiness import FloorWatch, check_readiness, with_workers
 from canner.ops.status_page import StatusSource
@@ -301,6 +302,29 @@ def receiver_service(
     metrics, survey_cache = process_metrics(config, RECEIVER, io, reactor)
     caps = connection_limits(config.connections)
     workers = config.receiver.workers
+    promises: Promises | None = None
+    origins: AcceptedOrigins | None = None
+    parent: NodeParent | None = None
+    if workers > 1:
+        assert config_path is not None, "a node's workers read the config file"
+        # The node's one account, which the workers reach over their channels.
+        promises = receiver_start_up(config, uploads, receipts)
+        origins = AcceptedOrigins(receipts=receipts, run=io, index=index)
+        held_promises = promises
+        node = WorkerNode.build(
+            config,
+            config_path,
+            reactor,
+            NodeState(promises=promises, limits=caps, origins=origins),
+            lock,
+            lambda held: io(settle_uploads, uploads, receipts, held_promises, held),
+            log_publisher,
+        )
+        node_metrics, scraper = NodeMetrics.for_parent(
+            metrics.render, node.private_dir, workers, reactor
+        )
+        parent = NodeParent(node.supervisor.roster, node_metrics)
+        ShutdownHook(lambda: scraper.close().addCallback(lambda _: None)).setServiceParent(top)
     parts = receiver_parts(
         config,
         uploads=uploads,
@@ -314,18 +338,10 @@ def receiver_service(
         problems=problems,
         # A node's parent serves only its private site: the caps count the workers' clients.
         connection_limits=caps if workers == 1 else None,
+        promises=promises,
+        origins=origins,
+        parent=parent,
     )
-    if workers > 1:
-        assert config_path is not None, "a node's workers read the config file"
-        node = WorkerNode.build(
-            config,
-            config_path,
-            reactor,
-            NodeState(promises=parts.intake.promises, limits=caps, origins=parts.origins),
-            lock,
-            lambda held: io(settle_uploads, uploads, receipts, parts.intake.promises, held),
-            log_publisher,
-        )
     PeriodicService(
         clock=reactor,
         interval=config.metrics.refresh,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 from attrs import define
@@ -41,15 +42,15 @@ from canner.daemon.node_protocol import (
     WorkerLink,
 )
 from canner.daemon.roots import HASH_THREADS, IO_THREADS, receiver_parts
-from canner.daemon.services import (
-    DaemonRoot,
-    ShutdownHook,
-)
+from canner.daemon.services import DaemonRoot, ShutdownHook
+from canner.daemon.services import Listening as ListeningService
 from canner.delivery.index import receiver_feed
-from canner.ops.metrics import RECEIVER, process_metrics
+from canner.ops.metrics import RECEIVER, metrics_site, process_metrics
+from canner.ops.node import listen_description, parent_address, worker_metrics_address
 from canner.ops.problems import watching_start_up
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import UploadStore
+from canner.web.proxy import NodeProxy
 
 log = Logger()
 
@@ -106,9 +107,11 @@ def worker_service(
     reactor: Any,
     link: WorkerLink,
     index: int,
+    private_dir: Path,
     log_publisher: LogPublisher = globalLogPublisher,
 ) -> IService:
-    """Worker ``index``'s service tree over the node's ``link``."""
+    """Worker ``index``'s service tree over the node's ``link``; the parent's own site and this
+    worker's metrics listen in the node's ``private_dir``."""
     with watching_start_up(log_publisher) as problems:
         uploads = UploadStore(config.data_dir / "uploads")
         receipts = ReceiptStore(config.data_dir / "receipts")
@@ -126,6 +129,8 @@ def worker_service(
     top.outlive(hashing)
     reactor.callWhenRunning(problems.started)
     metrics, _survey = process_metrics(config, RECEIVER, io, reactor)
+
+    proxy = NodeProxy(parent_address(private_dir), reactor)
 
     def take_over_elsewhere(upload_id: str) -> Deferred[bool]:
         return link.ask(TakeOver, upload_id=upload_id).addCallback(lambda a: bool(a["live"]))
@@ -145,9 +150,18 @@ def worker_service(
         promises=NodePromises(link=link),
         origins=NodeOrigins(receipts=receipts, run=io, index=index_, link=link),
         take_over_elsewhere=take_over_elsewhere,
+        # The node's view (status page, /readyz, /metrics, HQ's API) is the parent's.
+        node=proxy,
     )
     link.take_over_here = parts.intake.take_over_here
-    # views: i36-views proxies these to the parent
+    # The parent scrapes this worker's own counters for the node's /metrics.
+    ListeningService(
+        description=listen_description(worker_metrics_address(private_dir, index)),
+        factory=metrics_site(metrics),
+        reactor=reactor,
+        what="the worker's metrics for its parent",
+    ).setServiceParent(top)
+    ShutdownHook(proxy.close).setServiceParent(top)
     AdoptedListener(
         LISTEN_FD, served(config.listen, parts.site, reactor), reactor, link
     ).setServiceParent(top)

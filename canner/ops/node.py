@@ -7,9 +7,9 @@ and N worker processes serve the public socket.  The node's view (status page, `
 (:func:`parent_address`), which every worker forwards those routes to
 (:class:`~canner.web.proxy.NodeProxy`); each worker serves its raw metrics on its own private
 socket (:func:`worker_metrics_address`), which the parent scrapes for the node's ``/metrics``
-(:mod:`canner.ops.node_metrics`).  Both sides compute the addresses from (parent pid, worker
-index), so nothing has to be passed along.  On Linux they are abstract unix sockets (no file:
-they go with the process); elsewhere, sockets in the temporary directory.
+(:mod:`canner.ops.node_metrics`).  Both sides compute the addresses from the node's private
+directory (a 0700 temporary directory the parent makes and removes, short whatever the data
+directory's path: a unix socket's path holds 107 bytes) and the worker's index.
 
 :class:`WorkerRoster` is what the parent tells the view about its workers; the process model
 fills it in.  Pure, but for reading the roster.
@@ -17,8 +17,6 @@ fills it in.  Pure, but for reading the roster.
 
 from __future__ import annotations
 
-import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -29,22 +27,16 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 
-def _address(name: str) -> str:
-    if sys.platform.startswith("linux"):
-        return "\0" + name
-    return str(Path(tempfile.gettempdir()) / f"{name}.sock")
+def parent_address(private_dir: Path) -> str:
+    """The unix socket in the node's private directory (made by the parent, 0700) where the
+    parent serves its own receiver site (the node's view) to its workers."""
+    return str(private_dir / "site.sock")
 
 
-def parent_address(parent_pid: int) -> str:
-    """The unix socket where the parent ``parent_pid`` serves its own receiver site (the node's
-    view) to its workers."""
-    return _address(f"canner-receiver-{parent_pid}")
-
-
-def worker_metrics_address(parent_pid: int, index: int) -> str:
-    """The unix socket where worker ``index`` (0 ... N-1) of the parent ``parent_pid`` serves its
-    raw metrics (``GET /metrics``).  A restarted worker takes its index's address again."""
-    return _address(f"canner-receiver-{parent_pid}-metrics-{index}")
+def worker_metrics_address(private_dir: Path, index: int) -> str:
+    """The unix socket where worker ``index`` (1 ... N) serves its raw metrics (``GET
+    /metrics``) to the parent.  A restarted worker takes its index's address again."""
+    return str(private_dir / f"metrics-{index}.sock")
 
 
 def listen_description(address: str) -> str:

@@ -21,6 +21,7 @@ over them sees no false reset) while the same parent runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from attrs import define, field
@@ -154,7 +155,8 @@ def merge(
 def _per_process(parent: Families, workers: Sequence[Families | None]) -> Families:
     """The per-process families of :data:`PER_PROCESS`, labelled ``process``."""
     families = {name: Metric(target, doc, typ) for name, (target, typ, doc) in PER_PROCESS.items()}
-    sources = [(PARENT, parent), *((str(i), w) for i, w in enumerate(workers) if w is not None)]
+    # Workers are numbered 1 ... N, as the parent numbers them in its log.
+    sources = [(PARENT, parent), *((str(i), w) for i, w in enumerate(workers, 1) if w is not None)]
     for process, source in sources:
         for metric in source:
             target = families.get(metric.name)
@@ -301,11 +303,12 @@ class NodeMetrics:
 
     @classmethod
     def for_parent(
-        cls, own: Callable[[], bytes], parent_pid: int, workers: int, reactor: Any
+        cls, own: Callable[[], bytes], private_dir: Path, workers: int, reactor: Any
     ) -> tuple[NodeMetrics, UnixScraper]:
-        """The node's metrics of parent ``parent_pid`` with ``workers`` workers, each at its
-        :func:`~canner.ops.node.worker_metrics_address`, and the scraper to close on stop."""
-        addresses = [worker_metrics_address(parent_pid, i) for i in range(workers)]
+        """The node's metrics with ``workers`` workers (1 ... N), each at its
+        :func:`~canner.ops.node.worker_metrics_address` in the node's ``private_dir``, and the
+        scraper to close on stop."""
+        addresses = [worker_metrics_address(private_dir, i) for i in range(1, workers + 1)]
         scraper = UnixScraper(reactor)
         return cls(own, addresses, scraper, reactor), scraper
 

@@ -40,7 +40,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--index", required=True, type=int)
     # The path of the unix socket of the parent's own site.
-    parser.add_argument("--node-site", required=True)
+    parser.add_argument("--node-site", required=True, type=Path)
     return parser.parse_args(argv)
 
 
@@ -53,14 +53,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = os.fdopen(LOG_FD, "w", encoding="utf-8", buffering=1)
     globalLogBeginner.beginLoggingTo([jsonFileLogObserver(out)], redirectStandardIO=False)
     config = load_config(args.config)
-    os.environ["CANNER_NODE_SITE"] = args.node_site
 
     from twisted.internet import reactor
 
     link = WorkerLink(reactor)
     reactor.adoptStreamConnection(CHANNEL_FD, socket.AF_UNIX, ChannelFactory(link))  # type: ignore[attr-defined]
     os.close(CHANNEL_FD)
-    service = worker_service(config, reactor, link, args.index)
+    service = worker_service(config, reactor, link, args.index, args.node_site.parent)
 
     def parent_gone(_: object) -> None:
         if reactor.running:

@@ -7,8 +7,9 @@ workers' (and ``promtool check metrics`` accepts it); with the parent gone the w
 from __future__ import annotations
 
 import json
-import random
+import shutil
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -118,30 +119,32 @@ def _parts(config: Config, metrics: Metrics, index: Any = None, **node: Any) -> 
 @pytest_twisted.async_yield_fixture
 async def node(tmp_path: Path) -> AsyncIterator[Node]:
     config = _config(tmp_path)
-    # A pid no process of this test run has: the addresses are this node's alone.
-    parent_pid = random.randrange(10**6, 10**7)
+    # The node's private directory, short (a unix socket's path holds 107 bytes).
+    private = Path(tempfile.mkdtemp(prefix="canner-node-"))
+    parent_pid = 0
     roster = Roster()
     parent_metrics = Metrics(RECEIVER, config.projects)
     workers = [Metrics(RECEIVER, config.projects) for _ in range(2)]
     closers: list[Any] = []
     node_metrics, scraper = NodeMetrics.for_parent(
-        parent_metrics.render, parent_pid, len(workers), reactor
+        parent_metrics.render, private, len(workers), reactor
     )
     closers.append(scraper.close)
+    closers.append(lambda: shutil.rmtree(private, ignore_errors=True))
     _, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
     assert pool is not None
     closers.append(lambda: pool.close())
     parent = _parts(config, parent_metrics, index, parent=NodeParent(roster, node_metrics))
     ports = {
         "parent": await serverFromString(
-            reactor, listen_description(parent_address(parent_pid))
+            reactor, listen_description(parent_address(private))
         ).listen(parent.site)
     }
-    for i, metrics in enumerate(workers):
-        address = worker_metrics_address(parent_pid, i)
+    for i, metrics in enumerate(workers, start=1):
+        address = worker_metrics_address(private, i)
         endpoint = serverFromString(reactor, listen_description(address))
         ports[f"metrics-{i}"] = await endpoint.listen(metrics_site(metrics))
-    proxy = NodeProxy(parent_address(parent_pid), reactor, timeout=5.0)
+    proxy = NodeProxy(parent_address(private), reactor, timeout=5.0)
     closers.append(proxy.close)
     worker = _parts(config, workers[0], node=proxy)
     ports["worker"] = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
@@ -149,7 +152,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     )
     pool_ = HTTPConnectionPool(reactor, persistent=False)
     client = HTTPClient(Agent(reactor, pool=pool_))
-    agent, parent_pool = unix_agent(reactor, parent_address(parent_pid))
+    agent, parent_pool = unix_agent(reactor, parent_address(private))
     closers.append(parent_pool.closeCachedConnections)
     url = f"http://127.0.0.1:{ports['worker'].getHost().port}"
     yield Node(
@@ -281,15 +284,15 @@ async def test_metrics_through_a_worker_add_up_over_the_parent_and_both_workers(
         for (name, labels) in samples
         if name == "canner_process_resident_memory_bytes"
     }
-    assert processes == {"parent", "0", "1"}
+    assert processes == {"parent", "1", "2"}
     checked = _promtool(text)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
-    await node.ports.pop("metrics-1").stopListening()
+    await node.ports.pop("metrics-2").stopListening()
     text = (await treq.content(await node.get("/metrics"))).decode()
     samples = _samples(text)
     assert samples[("canner_receiver_workers_unreachable", ())] == 1
-    assert samples[accepted] == 6  # worker 1's last answer: the node's counter never drops
+    assert samples[accepted] == 6  # worker 2's last answer: the node's counter never drops
     checked = _promtool(text)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 

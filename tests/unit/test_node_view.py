@@ -179,9 +179,9 @@ def test_counters_and_histograms_sum_and_the_parents_gauges_stand() -> None:
     assert got[("canner_worker_only", ())] == 7
     per = "canner_process_resident_memory_bytes"
     assert got[(per, (("process", "parent"),))] == 1000
-    assert got[(per, (("process", "0"),))] == 2000
-    assert got[(per, (("process", "1"),))] == 3000
-    assert got[("canner_process_cpu_seconds_total", (("process", "1"),))] == pytest.approx(3)
+    assert got[(per, (("process", "1"),))] == 2000
+    assert got[(per, (("process", "2"),))] == 3000
+    assert got[("canner_process_cpu_seconds_total", (("process", "2"),))] == pytest.approx(3)
 
 
 def test_an_absent_worker_is_left_out_but_carried_counts_are_added() -> None:
