@@ -192,7 +192,7 @@ def test_an_absent_worker_is_left_out_but_carried_counts_are_added() -> None:
     got = _values(merge(parent, [None], [last]))
     assert got[ACCEPTED] == 5
     assert got[("process_resident_memory_bytes", ())] == 1000
-    assert ("canner_process_resident_memory_bytes", (("process", "0"),)) not in got
+    assert ("canner_process_resident_memory_bytes", (("process", "1"),)) not in got
 
 
 # -- scraping over time ---------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_the_nodes_counters_never_go_back_when_a_worker_fails_or_restarts() -> N
     second = _scrape(node)
     assert second[ACCEPTED] == 7  # w0 unreachable: its 2 kept; w1 now 4
     assert second[("canner_receiver_workers_unreachable", ())] == 1
-    assert ("canner_process_resident_memory_bytes", (("process", "0"),)) not in second
+    assert ("canner_process_resident_memory_bytes", (("process", "1"),)) not in second
     third = _scrape(node)
     assert third[ACCEPTED] == 1 + 2 + 1 + 5  # w0 restarted: its earlier 2 carried
     assert third[("canner_receiver_workers_unreachable", ())] == 0
