@@ -13,6 +13,7 @@ running acceptances finished) on SIGTERM, and when its parent is gone (the chann
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -154,9 +155,14 @@ def worker_service(
         node=proxy,
     )
     link.take_over_here = parts.intake.take_over_here
-    # The parent scrapes this worker's own counters for the node's /metrics.
+    # The parent scrapes this worker's own counters for the node's /metrics.  The socket file of
+    # this index's previous worker (killed: nothing removed it) is in the way of a new one; the
+    # parent starts a worker again only once the previous one has ended.
+    metrics_address = worker_metrics_address(private_dir, index)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(metrics_address)
     ListeningService(
-        description=listen_description(worker_metrics_address(private_dir, index)),
+        description=listen_description(metrics_address),
         factory=metrics_site(metrics),
         reactor=reactor,
         what="the worker's metrics for its parent",
