@@ -152,6 +152,46 @@ def test_tus_and_put_uploads_on_both_workers_get_one_receipt_each(
     assert set(ids) <= set(on_disk) and len(on_disk) == len(ids) + 1, "one receipt per upload"
 
 
+def _sample(text: str, name: str) -> float:
+    """The value of the one sample ``name`` (with its labels as written) in metrics ``text``."""
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+    ]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_the_node_has_one_view_whichever_worker_answers(node: Receiver) -> None:
+    """/metrics adds up the uploads both workers accepted, and /readyz and the status page are
+    the parent's (the same answer from either worker), counting the workers."""
+    seen: set[int] = set()
+    accepted = 0
+    for n in range(TRIES):
+        fresh(node)
+        _, worker = served_by(node, "PATCH", partial(node.upload_all, os.urandom(10_000 + n)))
+        seen.add(worker)
+        accepted += 1
+        if len(seen) == 2 and n >= 3:
+            break
+    assert seen == {1, 2}, f"only worker {seen} answered"
+    metrics, via = set(), set()
+    for _ in range(TRIES):
+        got, worker = served_by(node, "GET", lambda: fresh(node).get(f"{node.base_url}/metrics"))
+        assert got.status_code == 200
+        text = got.text
+        metrics.add(_sample(text, 'canner_uploads_accepted_total{project="example"}'))
+        assert _sample(text, "canner_receiver_workers_running") == 2
+        via.add(worker)
+        if len(via) == 2:
+            break
+    assert metrics == {accepted}, "both workers' /metrics count every upload of the node"
+    ready = fresh(node).get(f"{node.base_url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["workers"] == {"configured": 2, "running": 2, "restarts": 0}
+    page = fresh(node).get(f"{node.base_url}/")
+    assert page.status_code == 200 and "2 of 2 workers" in page.text
+
+
 @pytest.mark.skipif(not have_rsync(), reason="needs the rsync package (./dev test installs it)")
 def test_rsync_and_put_of_the_same_file_are_one_object_across_the_node(
     tmp_path: Path, cleanup: Callable[[Callable[[], Any]], None]
