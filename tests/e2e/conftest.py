@@ -9,12 +9,36 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import e2e_support
 import pytest
 from e2e_support import AS_NOBODY, REPO, Nobody, Receiver
 
+# Suites that run twice: on one process and on a node of two workers (DESIGN §9): tus
+# conformance, the third-party clients, the Go SDK in every network situation.
+NODE_SUITES = frozenset(
+    {"test_e2e_acceptance.py", "test_e2e_clients.py", "test_e2e_real_networks.py"}
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if Path(str(metafunc.module.__file__)).name in NODE_SUITES:
+        metafunc.parametrize(
+            "node_workers", [1, 2], indirect=True, scope="module", ids=["w1", "w2"]
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_workers(request: pytest.FixtureRequest) -> Iterator[int]:
+    """``[receiver] workers`` of the receivers a module's tests start without naming it: 1 and
+    2 for :data:`NODE_SUITES`, else ``CANNER_E2E_WORKERS`` (default 1)."""
+    before = e2e_support.E2E_WORKERS
+    e2e_support.E2E_WORKERS = getattr(request, "param", before)
+    yield e2e_support.E2E_WORKERS
+    e2e_support.E2E_WORKERS = before
+
 
 @pytest.fixture
-def receiver(tmp_path: Path) -> Iterator[Receiver]:
+def receiver(tmp_path: Path, node_workers: int) -> Iterator[Receiver]:
     """A fresh receiver (projects ``example`` and ``other``, ``min_free_bytes = 1``)."""
     rcv = Receiver.in_dir(tmp_path / "receiver")
     try:
@@ -25,7 +49,9 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def shared_receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Receiver]:
+def shared_receiver(
+    tmp_path_factory: pytest.TempPathFactory, node_workers: int
+) -> Iterator[Receiver]:
     """One receiver for a whole module of tests that neither kill it nor change its config."""
     rcv = Receiver.in_dir(tmp_path_factory.mktemp("shared") / "receiver")
     try:
@@ -36,7 +62,7 @@ def shared_receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Receiv
 
 
 @pytest.fixture
-def make_receiver(tmp_path: Path) -> Iterator[Callable[..., Receiver]]:
+def make_receiver(tmp_path: Path, node_workers: int) -> Iterator[Callable[..., Receiver]]:
     """A factory for receivers with a custom data directory or config keys (started)."""
     made: list[Receiver] = []
 
