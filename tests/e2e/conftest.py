@@ -99,3 +99,15 @@ def nobody() -> Iterator[Nobody]:
     finally:
         subprocess.run(["umount", str(repo)], check=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Callable[[Callable[[], Any]], None]]:
+    """Register stops (daemons, rsync servers) that run at the test's end, last first."""
+    stops: list[Callable[[], Any]] = []
+    yield stops.append
+    for stop in reversed(stops):
+        try:
+            stop()
+        except Exception:  # tear everything down, whatever fails
+            pass

@@ -20,7 +20,7 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,17 +100,6 @@ def check_object(stored: Stored, data: bytes, filename: str, downloader: str) ->
     assert stored.origin["project"] == "example"
     assert stored.origin["filename"] == filename
     assert stored.origin["downloader"] == downloader
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Callable[[Callable[[], Any]], None]]:
-    stops: list[Callable[[], Any]] = []
-    yield stops.append
-    for stop in reversed(stops):
-        try:
-            stop()
-        except Exception:  # tear everything down, whatever fails
-            pass
 
 
 def assert_leftovers(data_dir: Path, expected: tuple[list[str], list[str], list[str]]) -> None:

@@ -219,17 +219,6 @@ def test_rsync_and_put_of_the_same_file_are_one_object_across_the_node(
     assert [s.object_id for s in objects(rcv.data_dir)] == [stored[0].object_id]
 
 
-@pytest.fixture
-def cleanup() -> Iterator[Callable[[Callable[[], Any]], None]]:
-    stops: list[Callable[[], Any]] = []
-    yield stops.append
-    for stop in reversed(stops):
-        try:
-            stop()
-        except Exception:
-            pass
-
-
 # -- promises -------------------------------------------------------------------------------------
 
 PROMISED = 4 << 20
