@@ -445,7 +445,6 @@ class NodeConnections:
     per_address: int
     refused: int = 0
     open: int = 0
-    _warned_at: float | None = None
 
     def admit(self, address: str) -> Deferred[bool]:
         def answered(answer: dict[str, Any]) -> bool:
@@ -465,12 +464,6 @@ class NodeConnections:
     def release(self, address: str) -> None:
         self.open -= 1
         self._link.tell(Disconnect, address=address)
-
-    def due_warning(self, now: float, every: float = 60.0) -> bool:
-        if self._warned_at is None or now - self._warned_at >= every:
-            self._warned_at = now
-            return True
-        return False
 
 
 @define(eq=False, kw_only=True)

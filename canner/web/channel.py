@@ -163,8 +163,8 @@ class ReceiverChannel(HTTPChannel):
 
     def _admitted_or_not(self, admitted: bool, limits: ConnectionCaps, host: str) -> None:
         if not admitted:
-            site: Any = self.factory
-            if limits.due_warning(site.reactor.seconds()):
+            site: ReceiverSite = self.factory
+            if site.cap_warning_due():
                 log.warn(
                     "connection cap reached ({open} open, {per} per address): refusing"
                     " connections with 503; {refused} refused so far",
@@ -354,6 +354,16 @@ class ReceiverSite(Site):
         self.connection_limits = connection_limits
         self.header_timeout = header_timeout
         self.door_paths = tuple(door_paths)
+        self._cap_warned_at: float | None = None
+
+    def cap_warning_due(self, every: float = 60.0) -> bool:
+        """True at most once per ``every`` seconds: refusals at the connection cap are logged,
+        not each one (whichever caps are in force)."""
+        now = self.reactor.seconds()
+        if self._cap_warned_at is None or now - self._cap_warned_at >= every:
+            self._cap_warned_at = now
+            return True
+        return False
 
     def route(self, method: bytes, path: bytes) -> Route:
         """The route of a request (:func:`canner.web.routing.route`), decided once per request."""

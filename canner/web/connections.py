@@ -59,8 +59,6 @@ class ConnectionCaps(Protocol):
 
     def release(self, address: str) -> None: ...
 
-    def due_warning(self, now: float, every: float = 60.0) -> bool: ...
-
 
 @define
 class ConnectionLimits:
@@ -75,7 +73,6 @@ class ConnectionLimits:
     _open: int = 0
     _by_address: Counter[str] = field(factory=Counter)
     refused: int = 0
-    _warned_at: float | None = None
 
     def admit(self, address: str) -> bool:
         if self._open >= self.total or (
@@ -92,13 +89,6 @@ class ConnectionLimits:
         self._by_address[address] -= 1
         if not self._by_address[address]:
             del self._by_address[address]
-
-    def due_warning(self, now: float, every: float = 60.0) -> bool:
-        """True at most once per ``every`` seconds: refusals are logged, not each one."""
-        if self._warned_at is None or now - self._warned_at >= every:
-            self._warned_at = now
-            return True
-        return False
 
     @property
     def open(self) -> int:
