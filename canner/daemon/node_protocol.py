@@ -382,9 +382,9 @@ class WorkerLink(amp.AMP):
 
 @define(eq=False)
 class NodePromises(Promises):
-    """The node's promises as a worker sees them: admission is the parent's, and this worker's
-    own share is kept here too (what its readiness and status count until the node's views
-    answer them).  Safe across threads, like :class:`Promises`."""
+    """The node's promises as a worker sees them: admission is the parent's; this worker's own
+    share is still kept here, though no view reads it any more (``/readyz`` and the status page
+    are the parent's, which count the node's).  Safe across threads, like :class:`Promises`."""
 
     _link: WorkerLink | None = None
     # The stored bytes last told to the parent, by upload.
