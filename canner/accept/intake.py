@@ -53,6 +53,21 @@ log = Logger()
 # 100 GiB upload hashes for minutes, and proxies commonly give up on an answer after 60 s.
 ACCEPTANCE_WAIT = 20.0
 ACCEPTANCE_RETRY_AFTER = 5
+# How often a lookup looks again while another worker of the node accepts the upload.
+ELSEWHERE_POLL = 0.05
+# What a read answers instead while another worker accepts the upload.
+_ELSEWHERE = object()
+
+
+def _still_accepting() -> HTTPError:
+    """A lookup that waited its bound for an acceptance (here or on another worker)."""
+    return storage_trouble(
+        "the upload is complete and its acceptance (hash and commit) is still running; retry to"
+        " get the receipt",
+        ACCEPTANCE_RETRY_AFTER,
+    )
+
+
 # A request writing an upload that has received nothing for this long is taken to be a client
 # gone without closing its connection, and a newer request of the same upload takes over.
 TAKEOVER_QUIET = 2.0
@@ -618,13 +633,40 @@ class UploadIntake:
 
     async def _committed(self, upload_id: str, read: Callable[[str], Any]) -> Any:
         """``read(upload_id)`` in a thread, at a moment no acceptance of it runs here: one that
-        started while we read may have linked a receipt it has not committed yet."""
+        started while we read may have linked a receipt it has not committed yet.  On a node,
+        nor on another worker: see :meth:`_accepting_elsewhere`."""
+        deadline = self._clock.seconds() + ACCEPTANCE_WAIT
         while True:
             await self._after_completing_write(upload_id)
             await self._after_acceptance(upload_id)
-            result = await self._run(read, upload_id)
+            result = await self._run(self._unless_accepting_elsewhere, read, upload_id)
+            if result is _ELSEWHERE:
+                if self._clock.seconds() >= deadline:
+                    raise _still_accepting()
+                await task.deferLater(self._clock, ELSEWHERE_POLL)
+                continue
             if not self._acceptance.is_running(upload_id) and not self._completing(upload_id):
                 return result
+
+    def _unless_accepting_elsewhere(self, read: Callable[[str], Any], upload_id: str) -> Any:
+        """``read(upload_id)``, or :data:`_ELSEWHERE` (blocking)."""
+        if self._accepting_elsewhere(upload_id):
+            return _ELSEWHERE
+        return read(upload_id)
+
+    def _accepting_elsewhere(self, upload_id: str) -> bool:
+        """On a node of several workers (blocking): whether another process holds the lock of
+        ``upload_id`` while every byte is on disk and no receipt is: its final request is
+        accepting it (the lock is held from the last byte through the commit), and the receipt
+        is on its way.  One process knows that from its own writers and acceptances alone."""
+        if self.take_over_elsewhere is None or self._receipts.receipt_path(upload_id).exists():
+            return False
+        info = self._read_info(upload_id)
+        if info is None or info.rejected is not None:
+            return False
+        if self._uploads.offset(upload_id) < info.size:
+            return False
+        return fs.lock_held(self._uploads.data_path(upload_id))
 
     def _completing(self, upload_id: str) -> bool:
         writer = self._writers.get(upload_id)
@@ -674,11 +716,7 @@ class UploadIntake:
             # Success or failure is the acceptance's business (its own request answers it);
             # the caller reads the disk afterwards.
             if isinstance(result, Failure) and result.check(defer.TimeoutError):
-                raise storage_trouble(
-                    "the upload is complete and its acceptance (hash and commit) is still"
-                    " running; retry to get the receipt",
-                    ACCEPTANCE_RETRY_AFTER,
-                )
+                raise _still_accepting()
 
         return running.addBoth(settled)
 

@@ -4,6 +4,9 @@ whose connection cap is answered later."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.test import iosim
 
+from canner.accept.intake import ACCEPTANCE_RETRY_AFTER, ACCEPTANCE_WAIT
 from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner
 from canner.checksum import parse_checksum
@@ -33,10 +37,10 @@ from canner.daemon.node_protocol import (
     key_text,
 )
 from canner.store.promises import Promises
-from canner.store.receipts import ReceiptStore
+from canner.store.receipts import Receipt, ReceiptStore
 from canner.store.uploads import UploadDoor, UploadInfo, UploadStore
 from canner.web.connections import ConnectionLimits
-from tests.unit.receiver_harness import InMemoryReceiver
+from tests.unit.receiver_harness import InMemoryReceiver, blake3_hex
 
 KEY = OriginKey("example", "alice", "a.warc.gz", 10, parse_checksum("blake3:" + "ab" * 32))
 
@@ -275,3 +279,58 @@ def test_a_channel_waits_for_its_cap_with_its_transport_paused(tmp_path: Path) -
     gone.close()
     caps.asked[2].callback(True)
     assert caps.released[-1] == "10.0.0.4", "a connection lost while asking kept its slot"
+
+
+def test_a_receipt_lookup_waits_while_another_worker_accepts_the_upload(tmp_path: Path) -> None:
+    """On a node, the final PATCH of an upload may be accepted by another worker: every byte is
+    on disk, that worker holds the upload's lock, no receipt exists yet.  A lookup here waits
+    for the receipt (as it waits for an acceptance of its own) instead of answering 404."""
+    rcv = InMemoryReceiver.build(tmp_path)
+    # A worker of a node: other processes write uploads too.
+    rcv.intake.take_over_elsewhere = lambda upload_id: succeed(False)
+    data = b"x" * 1000
+    oid = rcv.new_upload(data)
+    path = rcv.data_dir / "uploads" / oid
+    path.write_bytes(data)  # the other worker received every byte
+    other = os.open(path, os.O_RDONLY)  # and holds the lock (another open file description)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lookup = rcv.connect()
+        lookup.send_head("GET", f"/api/v1/receipts/{oid}", [])
+        rcv.advance(1.0)
+        assert lookup.answers == [], "answered while another worker accepts the upload"
+        receipt = Receipt(
+            object_id=oid,
+            issuer=rcv.config.issuer,
+            checksum=parse_checksum(blake3_hex(data)),
+            size_bytes=len(data),
+            accepted_at=1,
+        )
+        ReceiptStore(rcv.data_dir / "receipts").commit(receipt)  # its commit point
+    finally:
+        os.close(other)  # its acceptance ends: the lock goes
+    rcv.advance(0.1)
+    answer = lookup.answer()
+    assert answer.status == 200, answer.status_line
+    assert json.loads(answer.body)["object_id"] == oid
+
+
+def test_a_lookup_waits_for_another_workers_acceptance_only_so_long(tmp_path: Path) -> None:
+    """An acceptance elsewhere that never ends gets the lookup a 503 with Retry-After after the
+    bounded wait, as one of this process's would."""
+    rcv = InMemoryReceiver.build(tmp_path)
+    rcv.intake.take_over_elsewhere = lambda upload_id: succeed(False)
+    data = b"y" * 1000
+    oid = rcv.new_upload(data)
+    path = rcv.data_dir / "uploads" / oid
+    path.write_bytes(data)
+    other = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lookup = rcv.connect()
+        lookup.send_head("GET", f"/api/v1/receipts/{oid}", [])
+        rcv.advance(ACCEPTANCE_WAIT + 1)
+        answer = lookup.answer()
+    finally:
+        os.close(other)
+    assert answer.status == 503 and answer.header("Retry-After") == str(ACCEPTANCE_RETRY_AFTER)
