@@ -7,9 +7,9 @@ holds them all; the index says which ids of a batch it lacks (``known_among``) a
 :func:`read_accepted` reads those: each receipt with its origin record (its file in ``receipts/``;
 once the payload was purged, the facts journal; for a receipt whose origin record was never
 written, or is torn (a power cut before its writeback, see ``canner.store.recovery``), the
-upload's info sidecar, and the record is rewritten from it), for an object whose payload was purged after delivery its
-delivery record and, for a released one, its release: both from the facts journal (or a
-delivery side file in a data directory of version 0.1).  A damaged
+upload's info sidecar, and the record is rewritten from it), for an object whose payload was
+purged after delivery its delivery record and, for a released one, its release: both from the
+facts journal (or a delivery side file in a data directory of version 0.1).  A damaged
 file is reported by path and its object skipped (retried at the next rescan), never fatal.  A
 damaged journal line costs only the record it held: its object, when its id is legible there,
 comes back flagged for an operator (``needs_operator``, with the segment and line).  A payload

@@ -251,7 +251,7 @@ class ReceiptStore:
         return _whole_origin(object_id, data)
 
     def origin_torn(self, object_id: str) -> bool:
-        """Whether ``object_id`` has an origin record that reads as torn (see :meth:`read_origin`)."""
+        """Whether ``object_id`` has an origin record that reads as torn (:meth:`read_origin`)."""
         return self.origin_path(object_id).exists() and self.read_origin(object_id) is None
 
     def write_origin(self, object_id: str, origin: Origin) -> None:
