@@ -979,8 +979,9 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
     medians = {key: _median_run(group) for key, group in groups.items()}
     header = (
         f"{'scenario':<24} {'server':<12} {'rate':>16} {'range':>11} {'+sync':>8} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'fin p50':>8} {'peak RSS':>9} {'all RSS':>8} {'srv CPU':>7} {'sys':>4} "
-        f"{'main':>5} {'cost':>11} {'cli CPU':>7} {'kern':>5} {'other':>5} {'fail':>4}"
+        f"{'p99 ms':>8} {'cre p50':>8} {'fin p50':>8} {'peak RSS':>9} {'all RSS':>8} "
+        f"{'srv CPU':>7} {'sys':>4} {'main':>5} {'cost':>11} {'cli CPU':>7} {'kern':>5} "
+        f"{'other':>5} {'fail':>4}"
     )
     print(f"median of {args.repeat} run(s) per row (range: slowest-fastest rate)")
     print(header)
@@ -992,6 +993,7 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
         failures = sum(int(g.result.get("failures", 0)) for g in group)
         fails = failures if all(g.ok for g in group) else "ERR"
         finalize = percentile(r.get("finalizeMs", []), 50)
+        creation = percentile(r.get("creationMs", []), 50)
         cpu = s.server_cpu_s / s.wall if s else None
         rate = run.rate
         rate_text = "-" if rate is None else f"{rate:,.1f} {run.scenario.unit}"
@@ -1008,7 +1010,8 @@ def print_report(facts: dict[str, Any], runs: list[Run], args: Any) -> None:
         print(
             f"{run.scenario.label:<24} {run.server:<12} {rate_text:>16} {spread:>11} "
             f"{fmt(run.durable_rate):>8} {fmt(run.latency(50)):>8} {fmt(run.latency(99)):>8} "
-            f"{fmt(finalize):>8} {(f'{peak / 1024:.0f} MiB' if peak else '-'):>9} "
+            f"{fmt(creation):>8} {fmt(finalize):>8} "
+            f"{(f'{peak / 1024:.0f} MiB' if peak else '-'):>9} "
             f"{(f'{total_rss / 1024:.0f} MiB' if total_rss else '-'):>8} "
             f"{fmt(cpu, '.2f'):>7} {sys_share:>4} {fmt(main_cpu, '.2f'):>5} {cost_text:>11} "
             f"{fmt(run.client_cpu, '.2f'):>7} {fmt(run.kernel_cores, '.2f'):>5} "

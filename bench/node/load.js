@@ -160,6 +160,7 @@ async function upload(index, spec, hooks = {}) {
   }
   try {
     const url = await create(spec.size, spec.checksum, `bench-${index}.bin`);
+    rec.createdAt = performance.now();
     const objectId = url.pathname.split("/").pop();
     rec.objectId = objectId;
     const patchSize = config.patchSize > 0 ? config.patchSize : spec.size;
@@ -310,6 +311,8 @@ async function main() {
     // From the last body byte handed to the kernel to the final response: the server's
     // completion work (for canner: fsync, BLAKE3 over the file, receipt).
     finalizeMs: results.filter((r) => r.ok && r.finalSentAt).map((r) => r.end - r.finalSentAt),
+    // The creation POST alone, from its start to its 201 (tus only).
+    creationMs: results.filter((r) => r.ok && r.createdAt).map((r) => r.createdAt - r.start),
     clientCpuUserSeconds: cpu.user / 1e6,
     clientCpuSystemSeconds: cpu.system / 1e6,
     clientMaxRssKiB: process.resourceUsage().maxRSS,

@@ -2,7 +2,8 @@
 
 See docs/architecture.md, "Acceptance".
 
-``sync_upload`` (data file, info sidecar, ``uploads/``; the origin record is written here too) ->
+``sync_upload`` (data file, info sidecar, ``uploads/``; the origin record is written here too,
+not fsynced) ->
 ``verify_checksum`` (BLAKE3 of the stored bytes, in the hash pool) -> ``commit_receipt`` (the
 receipt published without overwriting, then ``receipts/`` fsynced: the commit point) ->
 ``enqueue_delivery`` (best effort).  Each step runs in as few thread hops as it can.
@@ -282,8 +283,9 @@ class Acceptance:
     def sync_upload(self, upload: LockedUpload, origin: Origin) -> Receipt | None:
         """Step 2: fsync data, sidecar and ``uploads/`` (a failure resets the upload:
         :class:`StorageFault`), then record the origin next to where the receipt will go
-        (fsynced; its name is made durable by the ``receipts/`` fsync that the receipt needs
-        anyway).
+        (:meth:`~canner.store.receipts.ReceiptStore.write_origin`: no fsync of its own; its name
+        is made durable by the ``receipts/`` fsync that the receipt needs anyway, and the
+        sidecar fsynced here backs its content until the kernel writes it back).
 
         Returns the receipt when an earlier acceptance committed one (``receipts/`` is fsynced
         again first, in case that acceptance failed before its own directory fsync).
@@ -292,7 +294,7 @@ class Acceptance:
         existing = self._receipts.read(oid)
         if existing is None:
             self._uploads.sync_upload(upload)
-        self._receipts.record_origin(oid, origin)
+        self._receipts.write_origin(oid, origin)
         if existing is not None:
             self._receipts.sync_directory()
         return existing

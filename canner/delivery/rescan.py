@@ -6,9 +6,10 @@ walks the directory lazily, a batch of ids at a time, so a rescan of millions of
 holds them all; the index says which ids of a batch it lacks (``known_among``) and
 :func:`read_accepted` reads those: each receipt with its origin record (its file in ``receipts/``;
 once the payload was purged, the facts journal; for a receipt whose origin record was never
-written, the upload's info sidecar), for an object whose payload was purged after delivery its
-delivery record and, for a released one, its release: both from the facts journal (or a
-delivery side file in a data directory of version 0.1).  A damaged
+written, or is torn (a power cut before its writeback, see ``canner.store.recovery``), the
+upload's info sidecar, and the record is rewritten from it), for an object whose payload was
+purged after delivery its delivery record and, for a released one, its release: both from the
+facts journal (or a delivery side file in a data directory of version 0.1).  A damaged
 file is reported by path and its object skipped (retried at the next rescan), never fatal.  A
 damaged journal line costs only the record it held: its object, when its id is legible there,
 comes back flagged for an operator (``needs_operator``, with the segment and line).  A payload
@@ -92,6 +93,14 @@ def _origin(
     if info is None:
         return None
     origin = info.origin
+    if receipts.origin_torn(object_id):
+        # Acceptance writes the record without an fsync of its own; a power cut came before
+        # the kernel wrote it back (canner.store.recovery).  The sidecar has the same origin.
+        log.info(
+            "{object_id}: its origin record was torn by an unclean stop: rewritten from {path}",
+            object_id=object_id,
+            path=str(uploads.info_path(object_id)),
+        )
     receipts.record_origin(object_id, origin)
     return origin
 
@@ -158,8 +167,9 @@ def read_accepted(
             found.problems.append(problem)
             continue
         if origin is None:
+            state = "unreadable" if receipts.origin_path(object_id).exists() else "missing"
             problem = (
-                f"{receipts.origin_path(object_id)}: missing, the journal has no origin record"
+                f"{receipts.origin_path(object_id)}: {state}, the journal has no origin record"
                 " either, and no info sidecar names the project"
                 + ("" if damage is None else f" (damaged: {damage.describe()})")
             )

@@ -32,6 +32,8 @@ from canner.ids import ObjectIds
 from canner.ledger.files import ArchivedIds
 from canner.packaging.batches import object_package
 from canner.store.receipts import Origin, ReceiptStore
+from canner.store.recovery import accepted_origin
+from canner.store.uploads import UploadStore
 
 MAX_QUERY = 1000
 
@@ -210,7 +212,8 @@ class ObjectReader:
         receipt = receipts.read(object_id)
         if receipt is None:
             return None
-        origin = receipts.read_origin(object_id)
+        # The sidecar stands in for an origin record a power cut tore (canner.store.recovery).
+        origin = accepted_origin(receipts, UploadStore(self.data_dir / "uploads"), object_id)
         row = {
             "object_id": object_id,
             "project": origin.project if origin else None,

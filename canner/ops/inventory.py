@@ -42,7 +42,7 @@ from canner.store.drain import (
 )
 from canner.store.promises import open_uploads
 from canner.store.receipts import ReceiptStore
-from canner.store.uploads import CorruptInfo, UploadStore
+from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
 INDEX_NAME = "delivery.sqlite"
 # Rows in retry_wait with more attempts than this count as stuck (as do those needing an operator).
@@ -466,6 +466,28 @@ def _json_file(path: Path) -> Mapping[str, Any] | None:
     return loaded
 
 
+def _origin_record(
+    receipts: ReceiptStore, object_id: str, info: UploadInfo | None, problems: list[str]
+) -> Mapping[str, Any] | None:
+    """The origin record as it is on disk; for a torn one (acceptance writes it without an
+    fsync of its own, and a power cut may leave it empty: ``canner.store.recovery``) what the
+    upload's sidecar says in its place, and a problem naming both."""
+    path = receipts.origin_path(object_id)
+    if receipts.read_origin(object_id) is not None:
+        return _json_file(path)
+    if not path.exists():
+        return None
+    if info is None:
+        problems.append(f"unreadable origin record {path}, and no sidecar to read it from")
+        return None
+    problems.append(
+        f"unreadable origin record {path} (torn by an unclean stop): shown from the upload's"
+        " sidecar; canner-deliver's rescan rewrites it if the index is rebuilt"
+    )
+    from_sidecar: Mapping[str, Any] = json.loads(info.origin.to_json(object_id))
+    return from_sidecar
+
+
 def local_record(data_dir: Path, object_id: str) -> LocalRecord:
     """Receipt, origin record, tus sidecar and payload presence of ``object_id`` (blocking).
 
@@ -476,14 +498,14 @@ def local_record(data_dir: Path, object_id: str) -> LocalRecord:
     receipt = origin = upload = None
     try:
         receipt = _json_file(receipts.receipt_path(object_id))
-        origin = _json_file(receipts.origin_path(object_id))
     except ValueError as e:
-        problems.append(f"unreadable receipt or origin record: {e}")
+        problems.append(f"unreadable receipt: {e}")
     try:
         info = uploads.read_info(object_id)
     except CorruptInfo as e:
         problems.append(str(e))
         info = None
+    origin = _origin_record(receipts, object_id, info, problems)
     if info is not None:
         upload = {
             "project": info.metadata.get("project"),

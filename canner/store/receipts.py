@@ -179,6 +179,19 @@ def parse_origin(data: bytes) -> Origin:
     return _origin(json.loads(data))
 
 
+def _whole_origin(object_id: str, data: bytes) -> Origin | None:
+    """The origin an origin record's bytes hold; None when they are not a whole record of
+    ``object_id`` (every record is one JSON object naming its object, so a record cut short,
+    emptied or filled with another file's old blocks never parses as one)."""
+    try:
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or raw.get("object_id", object_id) != object_id:
+            return None
+        return _origin(raw)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _origin(raw: Any) -> Origin:
     project, filename, downloader = raw["project"], raw.get("filename"), raw.get("downloader")
     if not isinstance(project, str) or not all(
@@ -226,16 +239,53 @@ class ReceiptStore:
         return None if data is None else parse_receipt(data)
 
     def read_origin(self, object_id: str) -> Origin | None:
+        """The origin record; None when there is none *or when it is torn*: empty, cut short or
+        not this object's (what a power cut leaves of a record :meth:`write_origin` wrote less
+        than a writeback ago).  A reader that needs the origin then reads the upload's sidecar
+        (:func:`canner.store.recovery.accepted_origin`), durable before the record was begun,
+        or, once the payload was purged, the facts journal."""
         try:
-            return parse_origin(self.origin_path(object_id).read_bytes())
+            data = self.origin_path(object_id).read_bytes()
         except FileNotFoundError:
             return None
+        return _whole_origin(object_id, data)
+
+    def origin_torn(self, object_id: str) -> bool:
+        """Whether ``object_id`` has an origin record that reads as torn (:meth:`read_origin`)."""
+        return self.origin_path(object_id).exists() and self.read_origin(object_id) is None
+
+    def write_origin(self, object_id: str, origin: Origin) -> None:
+        """Acceptance's origin record, written in place and not fsynced: its name is made durable
+        by the ``receipts/`` fsync that commits the receipt, its content by the kernel's
+        writeback.  A power cut within that window may leave it empty or short beside a
+        committed receipt: readers take such a record as torn (:meth:`read_origin`), and the
+        upload's sidecar, fsynced before this call, holds the same origin.  Call it only once the
+        data is fsynced (its name then says so to start-up's cut, ``canner.store.recovery``).
+
+        A whole record already there is kept (never overwritten); a torn one (a kill or a power
+        cut during an earlier acceptance) is replaced."""
+        path = self.origin_path(object_id)
+        data = origin.to_json(object_id)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            if self.read_origin(object_id) is None:
+                fs.replace_file(self.directory, path.name, data, sync=False)
+            return
+        try:
+            fs.write_all(fd, data)
+        finally:
+            os.close(fd)
 
     def record_origin(self, object_id: str, origin: Origin) -> None:
-        """Write the origin record (fsynced) unless it exists; fsync the directory before relying
-        on it."""
+        """Write the origin record with its content fsynced, unless a whole one exists (a torn one
+        is replaced); fsync the directory before relying on it.  For records nothing else backs
+        (adoption, the rescan's repair from a sidecar that a purge removes later)."""
+        name = f"{object_id}.meta.json"
         if not self.origin_path(object_id).exists():
-            fs.publish_once(self.directory, f"{object_id}.meta.json", origin.to_json(object_id))
+            fs.publish_once(self.directory, name, origin.to_json(object_id))
+        elif self.read_origin(object_id) is None:
+            fs.replace_file(self.directory, name, origin.to_json(object_id), sync=True)
 
     def delivery_path(self, object_id: str) -> Path:
         """A delivery record of a version 0.1 data directory (newer ones are in the journal)."""

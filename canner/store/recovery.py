@@ -17,7 +17,15 @@ again.  Where the boot id cannot be read, every start cuts.
 Left alone: a sidecar from before the durable offset existed (its ``Offset`` means nothing; the
 file's size counts, as it did), an unreadable one (the sweep's), a rejected upload, and a complete
 upload whose acceptance recorded its origin: that record is written only once acceptance has
-fsynced the data (``Acceptance.sync_upload``), so its whole length is durable.
+fsynced the data (``Acceptance.sync_upload``), so its whole length is durable.  Its name counts,
+not its content: acceptance writes the record without an fsync of its own
+(``ReceiptStore.write_origin``), so a power cut may leave it empty beside a committed receipt.
+
+Such a torn record reads as none (``ReceiptStore.read_origin``), and :func:`accepted_origin` reads
+the upload's sidecar instead, which acceptance fsynced before it began the record and which stays
+until the payload is purged.  A purge journals the object's origin (from its index row) durably
+before it removes the payload, so an object whose sidecar is gone has its origin in the facts
+journal, which the rescan reads; only the rescan rewrites a torn record (``record_origin``).
 """
 
 from __future__ import annotations
@@ -29,8 +37,8 @@ from twisted.logger import Logger
 from canner import fs
 from canner.ids import ObjectIds
 from canner.store.promises import open_uploads
-from canner.store.receipts import ReceiptStore
-from canner.store.uploads import UploadStore
+from canner.store.receipts import Origin, ReceiptStore
+from canner.store.uploads import CorruptInfo, UploadStore
 
 log = Logger()
 
@@ -101,3 +109,17 @@ def cut_to_durable_offsets(uploads: UploadStore, receipts: ReceiptStore, ids: Ob
             offset=keep,
         )
     return cut
+
+
+def accepted_origin(receipts: ReceiptStore, uploads: UploadStore, object_id: str) -> Origin | None:
+    """The origin of ``object_id`` from the data directory (blocking): its origin record, or,
+    when that is missing or torn (see the module docstring), its upload's sidecar; None when
+    neither holds one (the payload was purged: the facts journal has it)."""
+    origin = receipts.read_origin(object_id)
+    if origin is not None:
+        return origin
+    try:
+        info = uploads.read_info(object_id)
+    except CorruptInfo:
+        return None
+    return None if info is None else info.origin
