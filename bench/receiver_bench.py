@@ -259,6 +259,12 @@ class Server:
                 self.proc.wait(10)
 
 
+def _knows_workers(tree: Path) -> bool:
+    """Whether the canner in ``tree`` reads ``[receiver] workers`` (added in #36)."""
+    config = tree / "canner" / "config.py"
+    return config.exists() and "_RECEIVER_KEYS" in config.read_text()
+
+
 class CannerServer(Server):
     name = "canner"
 
@@ -285,8 +291,9 @@ class CannerServer(Server):
             "min_free_bytes = 1\n"
             'partial_upload_retention = "30m"\n'
             f"access_log = {'true' if access_log else 'false'}\n"
-            # Only a node of several workers names the section (a --base-tree may predate it).
-            + (f"\n[receiver]\nworkers = {workers}\n" if workers > 1 else "")
+            # Always named: its default is every core, so a one-process row must say 1 (a
+            # --base-tree from before the key runs one process anyway, and would refuse it).
+            + (f"\n[receiver]\nworkers = {workers}\n" if _knows_workers(tree or ROOT) else "")
             + f"\n[projects.{PROJECT}]\n"
         )
         self.log_path = work / "canner.log"
