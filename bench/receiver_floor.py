@@ -4,7 +4,8 @@
 
 Runs the small-upload scenario of ``receiver_bench.py`` (the same ``bench/node/load.js`` client,
 64 KiB bodies, 16 at a time) against stripped-down receivers written only for this measurement,
-next to canner itself and @tus/server, and prints uploads/s, latency and server CPU per upload.
+next to canner itself, the Go canner peer (``go``) and @tus/server, and prints uploads/s, latency
+and server CPU per upload.
 The stripped-down receivers keep canner's storage work per upload and drop everything else:
 
 - the syscalls of a creation (data file, sidecar by rename) and of an acceptance (write, fsync of
@@ -36,7 +37,9 @@ from typing import Any
 
 import blake3
 from receiver_bench import (
+    GO_PEER,
     CannerServer,
+    GoCannerServer,
     Payloads,
     Scenario,
     Server,
@@ -247,6 +250,8 @@ def measure(work: Path, name: str, args: argparse.Namespace, specs: list[dict[st
         server = CannerServer(work, max_upload=1 << 30)
     elif name == "@tus/server":
         server = TusServer(work)
+    elif name == "go":
+        server = GoCannerServer(work)
     else:
         server = FloorServer(work, name)
     scenario = Scenario(
@@ -276,10 +281,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument(
         "--servers",
-        default="canner,@tus/server,web,web-nosync,raw,raw-nosync",
-        help="comma list of: canner, @tus/server, web, web-nosync, raw, raw-nosync",
+        default="canner,go,@tus/server,web,web-nosync,raw,raw-nosync",
+        help="comma list of: canner, go (the Go canner peer, skipped where it is absent),"
+        " @tus/server, web, web-nosync, raw, raw-nosync",
     )
     args = p.parse_args()
+    servers = args.servers.split(",")
+    if "go" in servers and not (GO_PEER / "start.sh").exists():
+        print(f"skipping go: no Go canner peer at {GO_PEER}", file=sys.stderr)
+        servers.remove("go")
     # The load settings run_load reads from receiver_bench's arguments.
     args.max_seconds, args.patch_size, args.chunk = None, 0, 1 << 20
     args.head_interval_ms = args.head_baseline = 0
@@ -291,7 +301,7 @@ def main() -> None:
         print(f"{args.count} x 64 KiB, concurrency {args.concurrency}, {args.rounds} rounds")
         print(f"{'server':<14} {'uploads/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/up':>9}")
         for round_ in range(args.rounds):
-            for name in args.servers.split(","):
+            for name in servers:
                 print(measure(work, name, args, specs), flush=True)
             if round_ + 1 < args.rounds:
                 print()
