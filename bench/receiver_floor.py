@@ -37,7 +37,6 @@ from typing import Any
 
 import blake3
 from receiver_bench import (
-    GO_PEER,
     CannerServer,
     GoCannerServer,
     Payloads,
@@ -49,6 +48,8 @@ from receiver_bench import (
     free_port,
     run_load,
 )
+
+from tests.go_peer import GO_PEER
 
 KiB = 1024
 Answer = tuple[int, dict[str, str]]  # status, headers
