@@ -189,7 +189,14 @@ def receiver_parts(
     roster = parent.roster if parent is not None else None
     if roster is not None:
         metrics.register(RosterCollector(roster))
-    status = StatusSource.for_config(config, run=run, clock=clock, problems=problems, roster=roster)
+    status = StatusSource.for_config(
+        config,
+        run=run,
+        clock=clock,
+        problems=problems,
+        roster=roster,
+        in_flight=promises.upload_ids,
+    )
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
     journal = Journal(config.data_dir / "journal")
@@ -342,6 +349,8 @@ def receiver_service(
         origins=origins,
         parent=parent,
     )
+    # The receiver's own account of its uploads in flight, instead of a walk of uploads/.
+    survey_cache.in_flight = parts.intake.promises.upload_ids
     PeriodicService(
         clock=reactor,
         interval=config.metrics.refresh,

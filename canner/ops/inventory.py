@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ from canner.store.drain import (
     read_drain,
     retirement,
 )
-from canner.store.promises import open_uploads
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
@@ -295,14 +294,59 @@ def read_index(path: Path, f: Any, *args: Any) -> Any:
 # -- the disk ----------------------------------------------------------------------------------
 
 
+def uploads_without_receipt(
+    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
+) -> set[str]:
+    """Ids of the uploads in ``uploads/`` that have no receipt (blocking): the names of the
+    sidecars minus the names of the receipts, from one names-only listing of each directory,
+    with no stat or read per entry (:func:`canner.store.promises.open_uploads` looks at each
+    upload's receipt; this costs what the two listings hold, in the C of ``scandir``).
+
+    ``uploads/`` is listed first: an upload accepted between the two listings has its receipt
+    in the second, so it is left out, as a look at its receipt after the listing leaves it
+    out.  Rejected uploads and unreadable sidecars are still in: :func:`scan_uploads` reads
+    the sidecars of these few."""
+    suffix = ".info"
+    with os.scandir(uploads.directory) as entries:
+        found = {
+            e.name[: -len(suffix)]
+            for e in entries
+            if e.name.endswith(suffix) and not e.name.startswith(fs.TEMP_PREFIX)
+        }
+    found = {upload_id for upload_id in found if ids.is_valid(upload_id)}
+    if found:
+        with os.scandir(receipts.directory) as entries:
+            # A receipt is {id}.json, and an id holds no dot: the other files there
+            # ({id}.meta.json...) never name an upload's id with ".json" cut off.
+            found.difference_update(e.name[:-5] for e in entries if e.name.endswith(".json"))
+    return found
+
+
 def scan_uploads(
-    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds, now: float
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    now: float,
+    candidates: Iterable[str] | None = None,
 ) -> tuple[list[ActiveUpload], int]:
-    """Uploads without a receipt (not rejected), and how many sidecars could not be read."""
+    """Uploads without a receipt (not rejected), and how many sidecars could not be read.
+
+    ``candidates``: the ids that may be such uploads (the receiver's promises: the uploads in
+    flight it holds in memory); None: every upload in ``uploads/`` without a receipt
+    (:func:`uploads_without_receipt`).  Only the candidates' files are read or looked at, each
+    as :func:`canner.store.promises.open_uploads` looks at it, so both give the same list."""
+    if candidates is None:
+        candidates = uploads_without_receipt(uploads, receipts, ids)
     active, unreadable = [], 0
-    for upload_id, info in open_uploads(uploads, receipts, ids):
-        if info is None:
+    for upload_id in candidates:
+        if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
+            continue
+        try:
+            info = uploads.read_info(upload_id)
+        except CorruptInfo:
             unreadable += 1
+            continue
+        if info is None or info.rejected is not None:
             continue
         offset = uploads.offset(upload_id)
         idle = max(0.0, now - uploads.idle_since(upload_id))
@@ -312,10 +356,24 @@ def scan_uploads(
     return active, unreadable
 
 
-def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = False) -> Survey:
+UploadsInFlight = Callable[[], Iterable[str]]
+
+
+def take_survey(
+    data_dir: Path,
+    ids: ObjectIds,
+    now: float,
+    history: bool = False,
+    in_flight: UploadsInFlight | None = None,
+) -> Survey:
     """Look at ``data_dir`` and its index (blocking); failures become ``*_error`` fields.
 
-    ``history``: also read the last 24 hours of trend samples (for the status page)."""
+    ``history``: also read the last 24 hours of trend samples (for the status page).
+    ``in_flight``: the ids of the uploads in flight, as a running receiver holds them (its
+    promises, :meth:`canner.store.promises.Promises.upload_ids`): only those are looked at,
+    instead of listing ``uploads/`` and ``receipts/``.  While the receiver runs the two agree
+    (every upload without a receipt holds a promise), except for an unreadable sidecar, which
+    promises nothing and which the sweep removes."""
     free: int | None = None
     free_error = index_error = None
     try:
@@ -324,7 +382,9 @@ def take_survey(data_dir: Path, ids: ObjectIds, now: float, history: bool = Fals
         free_error = e.strerror or str(e)
     uploads, receipts = UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
     try:
-        active, unreadable = scan_uploads(uploads, receipts, ids, now)
+        active, unreadable = scan_uploads(
+            uploads, receipts, ids, now, None if in_flight is None else in_flight()
+        )
     except OSError:
         active, unreadable = [], 0
     summary = None
@@ -598,16 +658,21 @@ def resolve_id(data_dir: Path, ids: ObjectIds, text: str) -> str:
     if path.exists():
         conn = open_read_only(path)
         try:
+            # A range over the primary key (a search of its index), not a scan of every row:
+            # the ids starting with prefix are those from prefix up to, not including, prefix
+            # with its last character one higher (ids are ASCII, compared byte by byte).
             rows = conn.execute(
-                "SELECT object_id FROM objects WHERE substr(object_id, 1, ?) = ? LIMIT 10",
-                (len(prefix), prefix),
+                "SELECT object_id FROM objects WHERE object_id >= ? AND object_id < ? LIMIT 10",
+                (prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)),
             ).fetchall()
         finally:
             conn.close()
         found.update(row[0] for row in rows)
     for sub in ("receipts", "uploads"):
+        # One names-only listing each (no stat per entry); only the names that start with the
+        # prefix are looked at further.
         try:
-            names = os.listdir(data_dir / sub)
+            names = [n for n in os.listdir(data_dir / sub) if n.startswith(prefix)]
         except FileNotFoundError:
             continue
         for name in names:

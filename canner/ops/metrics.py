@@ -49,7 +49,7 @@ from canner.config import Config
 from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
 from canner.observe import Destination, Outbound
-from canner.ops.inventory import Survey, take_survey
+from canner.ops.inventory import Survey, UploadsInFlight, take_survey
 from canner.version import version
 from canner.web.routing import BAD_HOST_MESSAGE, bindable_host
 
@@ -404,9 +404,11 @@ class SurveyCache:
     :meth:`refresh`."""
 
     _run: BlockingRunner
-    _take: Callable[[float], Survey]
+    _take: Callable[..., Survey]
     _clock: IReactorTime
     latest: Survey | None = None
+    # The receiver's uploads in flight (its promises): surveys look only at those.
+    in_flight: UploadsInFlight | None = None
 
     def refresh(self) -> Deferred[None]:
         """Take a new survey off the reactor thread and keep it (a periodic job's body)."""
@@ -414,7 +416,10 @@ class SurveyCache:
         def keep(survey: Survey) -> None:
             self.latest = survey
 
-        return self._run(self._take, self._clock.seconds()).addCallback(keep)
+        now = self._clock.seconds()
+        if self.in_flight is None:
+            return self._run(self._take, now).addCallback(keep)
+        return self._run(self._take, now, in_flight=self.in_flight).addCallback(keep)
 
     def refresh_and_tell(self, free_space_seen: Callable[[int | None], None]) -> Deferred[None]:
         """:meth:`refresh`, then tell ``free_space_seen`` the free bytes the survey found (the

@@ -35,7 +35,7 @@ from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
 from canner.doors.rsync.incoming import count_waiting
 from canner.ops.humane import human_bytes, human_duration, shorten_ids
-from canner.ops.inventory import IndexSummary, Survey, take_survey
+from canner.ops.inventory import IndexSummary, Survey, UploadsInFlight, take_survey
 from canner.ops.node import WorkerCount, WorkerRoster
 from canner.ops.problems import Problem, RecentProblems
 from canner.ops.status_charts import Line, trend_chart
@@ -152,13 +152,19 @@ class StatusSource:
         clock: IReactorTime,
         problems: RecentProblems,
         roster: WorkerRoster | None = None,
+        in_flight: UploadsInFlight | None = None,
     ) -> StatusSource:
         """The receiver's status page source, started now: surveys with history, where each
-        project delivers to, this version of canner and, with ``roster``, its workers."""
+        project delivers to, this version of canner and, with ``roster``, its workers.
+        ``in_flight``: the receiver's uploads in flight (its promises), which the surveys look
+        at instead of listing ``uploads/`` and ``receipts/``."""
+        take = partial(
+            take_survey, config.data_dir, config.object_ids, history=True, in_flight=in_flight
+        )
         return cls(
             roster=roster,
             run=run,
-            take=partial(take_survey, config.data_dir, config.object_ids, history=True),
+            take=take,
             clock=clock,
             problems=problems,
             issuer=config.issuer,

@@ -84,6 +84,11 @@ class Promises:
         with self._lock:
             return len(self._open)
 
+    def upload_ids(self) -> list[str]:
+        """The uploads holding a promise, now (the survey's uploads in flight)."""
+        with self._lock:
+            return list(self._open)
+
     def admit(self, upload_id: str, size: int, free: int, floor: int) -> Overpromised | None:
         """Promise ``size`` bytes to a new upload unless that would overrun free space (the
         refusal is returned, and nothing is promised).  Check and promise are one step, so two
