@@ -23,6 +23,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from canner import fs
+from canner.crashpoints import crash_point
 from canner.delivery import outbound
 from canner.observe import Outbound
 from canner.store.receipts import DeliveryRecord, Origin, Receipt
@@ -219,6 +220,8 @@ def upgrade_schema(path: Path) -> int:
                 if current < number:
                     for statement in _statements(sql):
                         conn.execute(statement)
+                    # A kill here rolls the whole step back: the next opener applies it again.
+                    crash_point(f"index-upgrade-v{number}")
                     conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
                 conn.execute("COMMIT")
             except BaseException:
