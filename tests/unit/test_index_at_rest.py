@@ -268,3 +268,35 @@ def test_what_deliver_asks_every_tick_and_at_start_is_found_through_an_index(
         assert "object_totals" in sample[0] and "objects" not in sample[0].split()
     finally:
         conn.close()
+
+
+def test_an_upgrade_waits_out_the_other_daemons_step_longer_than_the_busy_timeout(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Both daemons start together and both upgrade: while one applies a step that reads every
+    row (schema 9 on a large index takes longer than the busy timeout of queries), the other
+    waits for it instead of failing with "database is locked" (deliver would refuse to start,
+    the receiver would run without its index feed)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(sql, "BUSY_TIMEOUT_MS", 50)
+    path = tmp_path / "delivery.sqlite"
+    v8_index(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the other daemon, mid-step
+    outcome: list[object] = []
+
+    def upgrade() -> None:
+        try:
+            outcome.append(upgrade_schema(path))
+        except Exception as e:
+            outcome.append(e)
+
+    opener = threading.Thread(target=upgrade)
+    opener.start()
+    time.sleep(0.5)  # ten busy timeouts
+    holder.execute("COMMIT")
+    holder.close()
+    opener.join(30)
+    assert outcome == [9]
