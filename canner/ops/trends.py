@@ -3,10 +3,11 @@
 Once a minute each daemon that holds a writer connection to ``delivery.sqlite`` records a sample
 (table ``trends``): per project and for all projects together (project ``''``), the cumulative
 bytes accepted and delivered, the backlog in bytes and objects, and the free bytes on the data
-filesystem.  The figures come from the totals the index keeps up to date (``object_totals``), so
-a sample costs the same whatever the index holds.  Samples older than :data:`WINDOW` are deleted in the same transaction, so the table
-stays at about 1440 rows per project and survives restarts.  Rates per minute are differences of
-the cumulative columns (:func:`per_minute`, pure).  The SQL lives in cursor functions.
+filesystem: from the totals the index keeps up to date (``object_totals``), so a sample costs
+the same whatever the index holds.  Samples older than :data:`WINDOW` are deleted in the same
+transaction, so the table stays at about 1440 rows per project and survives restarts.  Rates
+per minute are differences of the cumulative columns (:func:`per_minute`, pure).  The SQL
+lives in cursor functions.
 """
 
 from __future__ import annotations

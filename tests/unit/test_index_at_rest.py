@@ -89,7 +89,7 @@ def fill(conn: sqlite3.Connection) -> None:
         NOW - 900,
     )
     transact(conn, outbound.hold, OBJECT, [(oid(5), "flagged")], NOW + 3600, NOW - 800)
-    [first, second] = transact(conn, sql.claim_due, NOW - 700, 2, ["example", "other"])
+    [first, _] = transact(conn, sql.claim_due, NOW - 700, 2, ["example", "other"])
     transact(conn, sql.record_delivered, first.object_id, "item-x", "f.warc", NOW - 600, 60.0)
     transact(conn, sql.record_verified, first.object_id, NOW - 500)
     conn.execute("UPDATE objects SET released_at = ? WHERE object_id = ?", (NOW - 400, oid(8)))
@@ -200,7 +200,9 @@ def test_the_totals_follow_every_change_of_the_rows(tmp_path: Path) -> None:
         transact(conn, outbound.add, Outbound.PACKAGE, [("1", "example")], NOW)
         transact(conn, sql.insert_objects, [accepted(6, delivery=purged(6))], NOW)
         check()
-        conn.execute("UPDATE objects SET released_at = ? WHERE object_id IN (?, ?)", (NOW, a, oid(6)))
+        conn.execute(
+            "UPDATE objects SET released_at = ? WHERE object_id IN (?, ?)", (NOW, a, oid(6))
+        )
         [ledger] = transact(conn, lstore.assign_records, NOW, 0.0, "day", "n", True)
         assert transact(conn, lstore.delete_records, ledger, [a, oid(6)]) == 2
         check()
@@ -233,9 +235,7 @@ def _plans(conn: sqlite3.Connection, f: Callable[..., Any], *args: Any) -> list[
         conn.set_trace_callback(None)
         cur.execute("ROLLBACK")
     found = [s for s in statements if s.lstrip().upper().startswith(("SELECT", "UPDATE"))]
-    return [
-        " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + s)) for s in found
-    ]
+    return [" ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + s)) for s in found]
 
 
 def test_what_deliver_asks_every_tick_and_at_start_is_found_through_an_index(
