@@ -23,6 +23,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from canner import fs
+from canner.crashpoints import crash_point
 from canner.delivery import outbound
 from canner.observe import Outbound
 from canner.store.receipts import DeliveryRecord, Origin, Receipt
@@ -30,6 +31,9 @@ from canner.store.receipts import DeliveryRecord, Origin, Receipt
 log = Logger()
 
 BUSY_TIMEOUT_MS = 10_000
+# How long a schema upgrade waits for another process's (receiver and deliver start together):
+# a step that reads every row (schema 9) takes seconds per million objects.
+UPGRADE_WAIT_MS = 600_000
 RETRY_PAUSES = (0.1, 0.5, 2.0, 5.0)
 OBJECT = Outbound.OBJECT
 # The project of an object nobody recorded one for (a Go canner receipt without its artifacts
@@ -204,12 +208,14 @@ def upgrade_schema(path: Path) -> int:
     """Bring the database at ``path`` to the newest schema (blocking); return its version.
 
     Each step runs in one ``BEGIN IMMEDIATE`` transaction, so concurrent openers (receiver and
-    deliver) never apply a step twice.  Raises ``RuntimeError`` for a database newer than us.
+    deliver) never apply a step twice; one waits up to :data:`UPGRADE_WAIT_MS` for the other's
+    step to end.  Raises ``RuntimeError`` for a database newer than us.
     """
     steps = _migrations()
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         configure_connection(conn)
+        conn.execute(f"PRAGMA busy_timeout={UPGRADE_WAIT_MS}")
         conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         for number, sql in steps:
             conn.execute("BEGIN IMMEDIATE")
@@ -219,6 +225,8 @@ def upgrade_schema(path: Path) -> int:
                 if current < number:
                     for statement in _statements(sql):
                         conn.execute(statement)
+                    # A kill here rolls the whole step back: the next opener applies it again.
+                    crash_point(f"index-upgrade-v{number}")
                     conn.execute("INSERT INTO schema_version (version) VALUES (?)", (number,))
                 conn.execute("COMMIT")
             except BaseException:

@@ -249,6 +249,11 @@ class ReceiptRescan:
     transaction per batch).  ``keep_going`` is asked before each batch: once false (the daemon
     stops) the pass ends there, and the next one starts again from the beginning.  Never run it
     while a ledger deletes records: it could insert them again.
+
+    A pass lists every receipt, so with ``pace`` it is paced: after a batch that found nothing
+    to add (what is at rest), the pass waits for the Deferred ``pace(seconds)`` returns, given
+    the seconds that batch took, before the next one; batches that add rows (a lost index
+    being rebuilt: what changed) go on at once.
     """
 
     _index: Index
@@ -261,6 +266,7 @@ class ReceiptRescan:
     _now: Callable[[], float]
     _keep_going: Callable[[], bool] = _always
     _batch: int = BATCH
+    _pace: Callable[[float], Deferred[None]] | None = None
 
     def run(self) -> Deferred[Rescanned]:
         """One pass over ``receipts/``; logs how many rows it added, when any."""
@@ -273,10 +279,14 @@ class ReceiptRescan:
         problems: list[str] = []
         try:
             while self._keep_going():
+                started = self._now()
                 batch = await self._run(next, batches, None)
                 if batch is None:
                     break
                 known = await self._index.run(known_among, batch)
+                if self._pace is not None and len(known) == len(batch):
+                    await self._pace(max(0.0, self._now() - started))
+                    continue
                 missing = [oid for oid in batch if oid not in known]
                 if missing:
                     missing = await self._run(not_archived, self._archived, missing)

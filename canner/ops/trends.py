@@ -3,9 +3,11 @@
 Once a minute each daemon that holds a writer connection to ``delivery.sqlite`` records a sample
 (table ``trends``): per project and for all projects together (project ``''``), the cumulative
 bytes accepted and delivered, the backlog in bytes and objects, and the free bytes on the data
-filesystem.  Samples older than :data:`WINDOW` are deleted in the same transaction, so the table
-stays at about 1440 rows per project and survives restarts.  Rates per minute are differences of
-the cumulative columns (:func:`per_minute`, pure).  The SQL lives in cursor functions.
+filesystem: from the totals the index keeps up to date (``object_totals``), so a sample costs
+the same whatever the index holds.  Samples older than :data:`WINDOW` are deleted in the same
+transaction, so the table stays at about 1440 rows per project and survives restarts.  Rates
+per minute are differences of the cumulative columns (:func:`per_minute`, pure).  The SQL
+lives in cursor functions.
 """
 
 from __future__ import annotations
@@ -45,12 +47,11 @@ def sample_trends(cur: sqlite3.Cursor, free_bytes: int | None, now: float) -> in
     Returns the number of rows written.  A second sample in the same minute replaces the first.
     """
     minute = int(now // 60)
+    # The index keeps these totals up to date as rows change (schema v9's object_totals): a
+    # sample reads one row per project, not every object.
     cur.execute(
-        "SELECT project, coalesce(sum(size_bytes), 0),"
-        " coalesce(sum(CASE WHEN state = 'delivered' THEN size_bytes END), 0),"
-        " coalesce(sum(CASE WHEN state != 'delivered' THEN size_bytes END), 0),"
-        " coalesce(sum(state != 'delivered'), 0)"
-        " FROM object_delivery GROUP BY project"
+        "SELECT project, accepted_bytes, delivered_bytes, pending_bytes, pending_objects"
+        " FROM object_totals WHERE objects > 0 ORDER BY project"
     )
     rows: list[tuple[int, str, int, int, int, int, int | None]] = [
         (minute, p, a, d, pb, po, None) for p, a, d, pb, po in cur.fetchall()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import LogPublisher, globalLogPublisher
 
 from canner.blocking import run_inline
@@ -61,8 +62,14 @@ class DataDir:
             Manifest("n-x", "x", len(ns), 1, "m", "b", "item", "n-x.jsonl.zst", "u", 7.0)
         )
 
-    def rescan(self, keep_going: Callable[[], bool] | None = None) -> ReceiptRescan:
-        more = {} if keep_going is None else {"keep_going": keep_going}
+    def rescan(
+        self,
+        keep_going: Callable[[], bool] | None = None,
+        pace: Callable[[float], Deferred[None]] | None = None,
+    ) -> ReceiptRescan:
+        more: dict[str, Any] = {} if keep_going is None else {"keep_going": keep_going}
+        if pace is not None:
+            more["pace"] = pace
         return ReceiptRescan(
             index=self.index,
             receipts=self.receipts,
@@ -149,6 +156,35 @@ def test_a_rescan_stops_between_batches_when_told_and_the_next_one_finishes(
     rest = succeeded(data.rescan().run())
     assert rest.added == 2
     assert set(data.states()) == {oid(n) for n in range(1, 7)}
+
+
+def test_a_paced_rescan_pauses_after_batches_it_found_indexed_and_rebuilds_at_once(
+    data: DataDir,
+) -> None:
+    """With a pace, every batch whose receipts the index holds is followed by a pause (what is
+    at rest is checked slowly); a batch that adds rows (a lost index rebuilt) is not, and the
+    pass still adds every missing receipt."""
+    for n in range(1, 7):
+        data.receipt(n)
+    data.index.run(
+        sql.insert_objects,
+        [AcceptedObject(oid(n), "example", None, n, CHECKSUM, 1) for n in range(1, 6)],
+        NOW - 100,
+    )
+    pauses: list[float] = []
+
+    def pace(seconds: float) -> Deferred[None]:
+        pauses.append(seconds)
+        return succeed(None)
+
+    done = succeeded(data.rescan(pace=pace).run())
+
+    # Three batches of two (in directory order): two fully indexed, one with the missing one.
+    assert done.added == 1 and set(data.states()) == {oid(n) for n in range(1, 7)}
+    assert len(pauses) == 2 and all(p == 0.0 for p in pauses)
+    pauses.clear()
+    again = succeeded(data.rescan(pace=pace).run())
+    assert again.added == 0 and len(pauses) == 3
 
 
 def test_a_damaged_receipt_is_named_and_skipped_and_the_rest_are_added(data: DataDir) -> None:
