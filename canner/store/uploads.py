@@ -41,7 +41,7 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -619,16 +619,6 @@ class UploadStore:
         """Delete data and sidecar; already missing counts as done."""
         self.data_path(upload_id).unlink(missing_ok=True)
         self.info_path(upload_id).unlink(missing_ok=True)
-
-    def entries(self) -> Iterator[tuple[str, float]]:
-        """``(upload_id, mtime)`` of every info sidecar, for the stale-upload sweep."""
-        with os.scandir(self.directory) as it:
-            for entry in it:
-                if entry.name.endswith(".info") and not entry.name.startswith(fs.TEMP_PREFIX):
-                    try:
-                        yield entry.name[: -len(".info")], entry.stat().st_mtime
-                    except FileNotFoundError:
-                        continue
 
     def idle_since(self, upload_id: str) -> float:
         """The last time the upload changed (newest mtime of data and sidecar)."""
