@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
 from attrs import define, field, frozen
@@ -199,6 +200,16 @@ def no_pace() -> None:
     """A listing's ``pace`` that never waits."""
 
 
+def _names(directory: Path, pace: Callable[[], None]) -> Iterator[list[str]]:
+    """The names in ``directory``, :data:`PACE_ENTRIES` at a time, ``pace`` called after each
+    full batch: a listing held a batch at a time, never whole."""
+    with os.scandir(directory) as entries:
+        while batch := [entry.name for entry in islice(entries, PACE_ENTRIES)]:
+            yield batch
+            if len(batch) == PACE_ENTRIES:
+                pace()
+
+
 def unreceipted(
     uploads: UploadStore,
     receipts: ReceiptStore,
@@ -215,31 +226,20 @@ def unreceipted(
     found: set[str] = set()
     sidecars: set[str] = set()
     temps: list[Path] = []
-    seen = 0
-    with os.scandir(uploads.directory) as entries:
-        for entry in entries:
-            seen += 1
-            if seen % PACE_ENTRIES == 0:
-                pace()
-            name = entry.name
+    for batch in _names(uploads.directory, pace):
+        for name in batch:
             if name.startswith(fs.TEMP_PREFIX):
-                temps.append(Path(entry.path))
+                temps.append(uploads.directory / name)
                 continue
             stem = name.removesuffix(".info")
             if ids.is_valid(stem):
                 found.add(stem)
                 if stem != name:
                     sidecars.add(stem)
-    with os.scandir(receipts.directory) as entries:
-        for entry in entries:
-            seen += 1
-            if seen % PACE_ENTRIES == 0:
-                pace()
-            name = entry.name
-            if name.startswith(fs.TEMP_PREFIX):
-                temps.append(Path(entry.path))
-            elif name.endswith(".json"):
-                found.discard(name[: -len(".json")])
+    for batch in _names(receipts.directory, pace):
+        # "{id}.meta.json" takes out "{id}.meta", which is no upload's name.
+        found.difference_update([name[:-5] for name in batch if name.endswith(".json")])
+        temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
     return Unreceipted(frozenset(found), frozenset(sidecars & found), tuple(temps))
 
 
@@ -250,7 +250,7 @@ def sidecars_of(
     (None: unreadable), blocking: its receipt is looked for again just before its sidecar is
     read (an acceptance may have committed since the ids were listed)."""
     for upload_id in upload_ids:
-        if receipts.receipt_path(upload_id).exists():
+        if receipts.has_receipt(upload_id):
             continue
         try:
             info = uploads.read_info(upload_id)

@@ -141,7 +141,7 @@ def _sweep_uploads(
     for count, upload_id in enumerate(upload_ids, 1):
         if pace is not None and count % PACE_ENTRIES == 0:
             pace()
-        if receipts.receipt_path(upload_id).exists():
+        if receipts.has_receipt(upload_id):
             continue
         idle = uploads.idle_since(upload_id)
         if promised is not None and idle == 0.0 and not uploads.present(upload_id):

@@ -621,11 +621,13 @@ class UploadStore:
         self.info_path(upload_id).unlink(missing_ok=True)
 
     def idle_since(self, upload_id: str) -> float:
-        """The last time the upload changed (newest mtime of data and sidecar)."""
+        """The last time the upload changed (newest mtime of data and sidecar); 0.0 when both
+        are gone.  Two stats of string paths: the sweep asks it of every upload in flight."""
+        data = os.path.join(self.directory, upload_id)
         times = []
-        for path in (self.data_path(upload_id), self.info_path(upload_id)):
+        for path in (data, data + ".info"):
             try:
-                times.append(path.stat().st_mtime)
+                times.append(os.stat(path).st_mtime)
             except FileNotFoundError:
                 continue
         return max(times, default=0.0)
