@@ -200,10 +200,19 @@ def no_pace() -> None:
     """A listing's ``pace`` that never waits."""
 
 
-def _names(directory: Path, pace: Callable[[], None]) -> Iterator[list[str]]:
+def _names(
+    directory: Path, pace: Callable[[], None], missing_ok: bool = False
+) -> Iterator[list[str]]:
     """The names in ``directory``, :data:`PACE_ENTRIES` at a time, ``pace`` called after each
-    full batch: a listing held a batch at a time, never whole."""
-    with os.scandir(directory) as entries:
+    full batch: a listing held a batch at a time, never whole.  A directory that does not exist
+    has no names with ``missing_ok``."""
+    try:
+        entries = os.scandir(directory)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    with entries:
         while batch := [entry.name for entry in islice(entries, PACE_ENTRIES)]:
             yield batch
             if len(batch) == PACE_ENTRIES:
@@ -236,7 +245,8 @@ def unreceipted(
                 found.add(stem)
                 if stem != name:
                     sidecars.add(stem)
-    for batch in _names(receipts.directory, pace):
+    # No receipts/ (a data directory a receiver never started in): nothing has a receipt.
+    for batch in _names(receipts.directory, pace, missing_ok=True):
         # "{id}.meta.json" takes out "{id}.meta", which is no upload's name.
         found.difference_update([name[:-5] for name in batch if name.endswith(".json")])
         temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
