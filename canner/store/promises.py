@@ -232,8 +232,9 @@ def unreceipted(
     The set held is the names in ``uploads/`` (the payloads waiting for delivery among them),
     never those of ``receipts/``.  A receipt committed after its name was listed is missed: a
     caller that races acceptances checks again per upload (:func:`sidecars_of` does)."""
-    found: set[str] = set()
-    sidecars: set[str] = set()
+    # One string per upload, with whether its sidecar was listed: a node holding a million
+    # objects holds their waiting payloads' names here while receipts/ is listed, once.
+    names: dict[str, bool] = {}
     temps: list[Path] = []
     for batch in _names(uploads.directory, pace):
         for name in batch:
@@ -242,15 +243,16 @@ def unreceipted(
                 continue
             stem = name.removesuffix(".info")
             if ids.is_valid(stem):
-                found.add(stem)
-                if stem != name:
-                    sidecars.add(stem)
+                names[stem] = names.get(stem, False) or stem != name
     # No receipts/ (a data directory a receiver never started in): nothing has a receipt.
     for batch in _names(receipts.directory, pace, missing_ok=True):
-        # "{id}.meta.json" takes out "{id}.meta", which is no upload's name.
-        found.difference_update([name[:-5] for name in batch if name.endswith(".json")])
+        for name in batch:
+            # "{id}.meta.json" looks for "{id}.meta", which is no upload's name.
+            if name.endswith(".json"):
+                names.pop(name[:-5], None)
         temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
-    return Unreceipted(frozenset(found), frozenset(sidecars & found), tuple(temps))
+    sidecars = frozenset(upload_id for upload_id, listed in names.items() if listed)
+    return Unreceipted(frozenset(names), sidecars, tuple(temps))
 
 
 def sidecars_of(
