@@ -86,7 +86,7 @@ from canner.store.datadir import (
     prepare_data_dir,
 )
 from canner.store.journal import Journal, JournalLog
-from canner.store.promises import Promises
+from canner.store.promises import Promises, sidecars_of, unreceipted
 from canner.store.receipts import Origin, Receipt, ReceiptStore
 from canner.store.recovery import current_boot_id, cut_after_restart
 from canner.store.sweep import StaleSweep, remove_whole_files
@@ -171,7 +171,7 @@ def receiver_parts(
     stand-ins as ``promises``, ``origins`` and ``connection_limits``, and ``take_over_elsewhere``;
     then nothing is done at start (the parent did it)."""
     if promises is None:
-        promises = receiver_start_up(config, uploads, receipts)
+        promises = receiver_start_up(config, uploads, receipts).promises
     if origins is None:
         origins = AcceptedOrigins(receipts=receipts, run=run, index=index)
     acceptance = Acceptance(
@@ -247,13 +247,31 @@ def receiver_parts(
     return ReceiverParts(acceptance, intake, origins, hq, site, floor, journal)
 
 
-def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptStore) -> Promises:
+@frozen
+class StartedUp:
+    """What :func:`receiver_start_up` leaves: the promises to the uploads in flight, and every
+    upload without a receipt it found (the stale-upload sweep's first watch list)."""
+
+    promises: Promises
+    unreceipted: frozenset[str]
+
+
+def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptStore) -> StartedUp:
     """What a receiver does before it serves (blocking, under ``receiver.lock``): what a stop
     left of whole-file uploads is removed, every upload in flight is cut back to its durable
-    offset after a restart of the machine; the promises to uploads in flight, from ``uploads/``."""
-    remove_whole_files(uploads, receipts, config.object_ids)
-    cut_after_restart(uploads, receipts, config.object_ids, config.data_dir, current_boot_id())
-    return Promises.from_disk(uploads, receipts, config.object_ids)
+    offset after a restart of the machine; the promises to uploads in flight, from ``uploads/``.
+
+    One pass: the uploads without a receipt, by name (one listing each of ``uploads/`` and
+    ``receipts/``, :func:`~canner.store.promises.unreceipted`), then one read of each of their
+    sidecars, which the three steps share; nothing of an accepted payload is read or stat'ed."""
+    ids = config.object_ids
+    found = unreceipted(uploads, receipts, ids)
+    in_flight = list(sidecars_of(uploads, receipts, sorted(found.sidecars)))
+    removed = set(remove_whole_files(uploads, receipts, ids, in_flight))
+    in_flight = [(upload_id, info) for upload_id, info in in_flight if upload_id not in removed]
+    cut_after_restart(uploads, receipts, ids, config.data_dir, current_boot_id(), in_flight)
+    promises = Promises.from_disk(uploads, receipts, ids, in_flight)
+    return StartedUp(promises, found.ids - removed)
 
 
 def receiver_service(
@@ -309,13 +327,13 @@ def receiver_service(
     metrics, survey_cache = process_metrics(config, RECEIVER, io, reactor)
     caps = connection_limits(config.connections)
     workers = config.receiver.workers
-    promises: Promises | None = None
+    # On a node, the one account, which the workers reach over their channels.
+    started = receiver_start_up(config, uploads, receipts)
+    promises = started.promises
     origins: AcceptedOrigins | None = None
     parent: NodeParent | None = None
     if workers > 1:
         assert config_path is not None, "a node's workers read the config file"
-        # The node's one account, which the workers reach over their channels.
-        promises = receiver_start_up(config, uploads, receipts)
         origins = AcceptedOrigins(receipts=receipts, run=io, index=index)
         held_promises = promises
         node = WorkerNode.build(
@@ -400,6 +418,7 @@ def receiver_service(
         observer=metrics,
         promises=parts.intake.promises,
         adopting=adoption_dir(config.data_dir),
+        watched=started.unreceipted,
     )
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"

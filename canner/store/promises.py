@@ -17,16 +17,26 @@ start is dead (its request ended with the process before): the receiver removes 
 status``, the status page, the metrics) counts every upload without a receipt, whole files
 included, since it cannot tell a PUT in flight from one a stop cut: the two agree while the
 receiver runs, and a stopped receiver's dead PUTs are counted until it starts.
+
+Which uploads have no receipt is a set difference of names (:func:`unreceipted`): one listing of
+``uploads/`` and one of ``receipts/``, no stat or read per entry, so its cost follows the number of
+names, not the bytes or sidecars at rest; only the uploads left over have their sidecars read
+(:func:`sidecars_of`).  A node holding a million accepted payloads reads ten thousand sidecars of
+uploads in flight, not a million.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from pathlib import Path
 
 from attrs import define, field, frozen
 from twisted.logger import Logger
 
+from canner import fs
 from canner.ids import ObjectIds
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
@@ -71,6 +81,10 @@ class Promises:
 
     _open: dict[str, tuple[int, int]] = field(factory=dict)
     _lock: threading.Lock = field(factory=threading.Lock)
+    # Ids admitted or held since the sweep last took them (None: nobody asked to record them,
+    # e.g. a worker's stand-in, whose parent sweeps): how the sweep learns of new uploads
+    # without listing uploads/ (canner.store.sweep).
+    _admitted: set[str] | None = field(default=None)
 
     @property
     def total(self) -> int:
@@ -98,6 +112,8 @@ class Promises:
             refusal = overpromised(free, promised, len(self._open), size, floor)
             if refusal is None:
                 self._open[upload_id] = (size, 0)
+                if self._admitted is not None:
+                    self._admitted.add(upload_id)
             return refusal
 
     def hold(self, upload_id: str, size: int, stored: int) -> None:
@@ -105,6 +121,8 @@ class Promises:
         reset or an acceptance that failed.  Never refused: the upload was admitted before."""
         with self._lock:
             self._open[upload_id] = (size, stored)
+            if self._admitted is not None:
+                self._admitted.add(upload_id)
 
     def stored(self, upload_id: str, offset: int) -> None:
         """The upload now has ``offset`` bytes stored (nothing when it holds no promise)."""
@@ -123,10 +141,40 @@ class Promises:
             for upload_id in upload_ids:
                 self._open.pop(upload_id, None)
 
+    def holds(self, upload_id: str) -> bool:
+        """Whether ``upload_id`` holds a promise now."""
+        with self._lock:
+            return upload_id in self._open
+
+    def record_admissions(self) -> None:
+        """From now on, remember every upload admitted or held until :meth:`take_admitted`
+        (the sweep's call, once: whoever calls it must take them, or they pile up)."""
+        with self._lock:
+            if self._admitted is None:
+                self._admitted = set()
+
+    def take_admitted(self) -> set[str]:
+        """The uploads holding a promise now, and every upload admitted or held since the last
+        call (once :meth:`record_admissions` was called), released since or not: the uploads in
+        flight that the receiver knows of, which the sweep watches (blocking nothing)."""
+        with self._lock:
+            taken = set(self._open)
+            if self._admitted is not None:
+                taken |= self._admitted
+                self._admitted = set()
+            return taken
+
     @classmethod
-    def from_disk(cls, uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds) -> Promises:
-        """The promises of the uploads in ``uploads/`` (blocking; start-up)."""
-        promises = cls(dict(promised_on_disk(uploads, receipts, ids)))
+    def from_disk(
+        cls,
+        uploads: UploadStore,
+        receipts: ReceiptStore,
+        ids: ObjectIds,
+        found: Iterable[tuple[str, UploadInfo | None]] | None = None,
+    ) -> Promises:
+        """The promises of the uploads in ``uploads/`` (blocking; start-up); ``found`` as
+        :func:`promised_on_disk`'s."""
+        promises = cls(dict(promised_on_disk(uploads, receipts, ids, found)))
         if promises.uploads:
             log.info(
                 "{promised_bytes} bytes promised to {count} uploads found in uploads/",
@@ -136,14 +184,90 @@ class Promises:
         return promises
 
 
-def open_uploads(
-    uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
+# Entries listed between two calls of a listing's ``pace`` (the sweep's hourly pass sleeps there).
+PACE_ENTRIES = 2000
+
+
+@frozen
+class Unreceipted:
+    """What one names-only listing of ``uploads/`` and ``receipts/`` found (:func:`unreceipted`)."""
+
+    # Every valid id with a data file or a sidecar in uploads/ and no receipt in receipts/.
+    ids: frozenset[str]
+    # Of ``ids``, those whose sidecar was listed (an upload whose data file alone is left, a
+    # creation a power cut caught or a removal a crash cut, has none).
+    sidecars: frozenset[str]
+    # Temp files (fs.TEMP_PREFIX) listed in uploads/ and receipts/: what a crash may orphan.
+    temps: tuple[Path, ...] = ()
+
+
+def no_pace() -> None:
+    """A listing's ``pace`` that never waits."""
+
+
+def _names(
+    directory: Path, pace: Callable[[], None], missing_ok: bool = False
+) -> Iterator[list[str]]:
+    """The names in ``directory``, :data:`PACE_ENTRIES` at a time, ``pace`` called after each
+    full batch: a listing held a batch at a time, never whole.  A directory that does not exist
+    has no names with ``missing_ok``."""
+    try:
+        entries = os.scandir(directory)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    with entries:
+        while batch := [entry.name for entry in islice(entries, PACE_ENTRIES)]:
+            yield batch
+            if len(batch) == PACE_ENTRIES:
+                pace()
+
+
+def unreceipted(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    pace: Callable[[], None] = no_pace,
+) -> Unreceipted:
+    """The uploads in ``uploads/`` without a receipt, by name only (blocking): one listing of
+    ``uploads/``, then one of ``receipts/`` that takes every ``{id}.json`` out of the set, with
+    no stat or read of any entry; ``pace`` is called every :data:`PACE_ENTRIES` entries.
+
+    The set held is the names in ``uploads/`` (the payloads waiting for delivery among them),
+    never those of ``receipts/``.  A receipt committed after its name was listed is missed: a
+    caller that races acceptances checks again per upload (:func:`sidecars_of` does)."""
+    # One string per upload, with whether its sidecar was listed: a node holding a million
+    # objects holds their waiting payloads' names here while receipts/ is listed, once.
+    names: dict[str, bool] = {}
+    temps: list[Path] = []
+    for batch in _names(uploads.directory, pace):
+        for name in batch:
+            if name.startswith(fs.TEMP_PREFIX):
+                temps.append(uploads.directory / name)
+                continue
+            stem = name.removesuffix(".info")
+            if ids.is_valid(stem):
+                names[stem] = names.get(stem, False) or stem != name
+    # No receipts/ (a data directory a receiver never started in): nothing has a receipt.
+    for batch in _names(receipts.directory, pace, missing_ok=True):
+        for name in batch:
+            # "{id}.meta.json" looks for "{id}.meta", which is no upload's name.
+            if name.endswith(".json"):
+                names.pop(name[:-5], None)
+        temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
+    sidecars = frozenset(upload_id for upload_id, listed in names.items() if listed)
+    return Unreceipted(frozenset(names), sidecars, tuple(temps))
+
+
+def sidecars_of(
+    uploads: UploadStore, receipts: ReceiptStore, upload_ids: Iterable[str]
 ) -> Iterator[tuple[str, UploadInfo | None]]:
-    """Every upload in ``uploads/`` without a receipt and not rejected, with its sidecar (None:
-    unreadable), blocking: the uploads in flight, as the receiver and the survey both count
-    them."""
-    for upload_id, _mtime in uploads.entries():
-        if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
+    """Of ``upload_ids``, every upload without a receipt and not rejected, with its sidecar
+    (None: unreadable), blocking: its receipt is looked for again just before its sidecar is
+    read (an acceptance may have committed since the ids were listed)."""
+    for upload_id in upload_ids:
+        if receipts.has_receipt(upload_id):
             continue
         try:
             info = uploads.read_info(upload_id)
@@ -154,14 +278,30 @@ def open_uploads(
             yield upload_id, info
 
 
-def promised_on_disk(
+def open_uploads(
     uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
+) -> Iterator[tuple[str, UploadInfo | None]]:
+    """Every upload in ``uploads/`` without a receipt and not rejected, with its sidecar (None:
+    unreadable), blocking: the uploads in flight, as the receiver and the survey both count
+    them.  By name first (:func:`unreceipted`), so only the uploads without a receipt have
+    their sidecars read (:func:`sidecars_of`), in the order of their ids."""
+    yield from sidecars_of(uploads, receipts, sorted(unreceipted(uploads, receipts, ids).sidecars))
+
+
+def promised_on_disk(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    found: Iterable[tuple[str, UploadInfo | None]] | None = None,
 ) -> Iterable[tuple[str, tuple[int, int]]]:
     """``(upload_id, (size, stored))`` of every upload that can still go on after a start
     (blocking).  An unreadable sidecar promises nothing (the sweep removes it), nor does a
     whole-file upload (its request is over); an upload marked untrusted has nothing stored that
-    counts."""
-    for upload_id, info in open_uploads(uploads, receipts, ids):
+    counts.  ``found``: what :func:`open_uploads` yields, read already by the caller (start-up's
+    one pass); None reads it now."""
+    if found is None:
+        found = open_uploads(uploads, receipts, ids)
+    for upload_id, info in found:
         if info is not None and not info.whole_file:
             stored = 0 if info.untrusted is not None else uploads.offset(upload_id)
             yield upload_id, (info.size, stored)

@@ -224,6 +224,11 @@ class ReceiptStore:
     def receipt_path(self, object_id: str) -> Path:
         return self.directory / f"{object_id}.json"
 
+    def has_receipt(self, object_id: str) -> bool:
+        """Whether ``object_id`` has a receipt: :meth:`receipt_path` exists (one stat, without
+        the cost of a ``Path``: the sweep asks it of every upload in flight at each tick)."""
+        return os.path.exists(os.path.join(self.directory, object_id + ".json"))
+
     def origin_path(self, object_id: str) -> Path:
         return self.directory / f"{object_id}.meta.json"
 

@@ -30,6 +30,7 @@ journal, which the rescan reads; only the rescan rewrites a torn record (``recor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from twisted.logger import Logger
@@ -38,7 +39,7 @@ from canner import fs
 from canner.ids import ObjectIds
 from canner.store.promises import open_uploads
 from canner.store.receipts import Origin, ReceiptStore
-from canner.store.uploads import CorruptInfo, UploadStore
+from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
 log = Logger()
 
@@ -62,10 +63,12 @@ def cut_after_restart(
     ids: ObjectIds,
     data_dir: Path,
     boot_id: str | None,
+    found: Iterable[tuple[str, UploadInfo | None]] | None = None,
 ) -> int:
     """Cut every upload in flight back to its durable offset unless the last start was in this
     same boot (``boot_id``, see the module docstring), then record this boot (blocking; start-up,
-    before anything reads or writes ``uploads/``); returns how many uploads were cut."""
+    before anything reads or writes ``uploads/``); returns how many uploads were cut.
+    ``found`` as :func:`cut_to_durable_offsets`'s."""
     record = data_dir / BOOT_RECORD
     try:
         recorded: str | None = record.read_text("ascii").strip()
@@ -73,7 +76,7 @@ def cut_after_restart(
         recorded = None
     if boot_id is not None and recorded == boot_id:
         return 0  # only the process died since: the page cache kept every byte it wrote
-    cut = cut_to_durable_offsets(uploads, receipts, ids)
+    cut = cut_to_durable_offsets(uploads, receipts, ids, found)
     if boot_id is not None:
         try:
             fs.replace_file(data_dir, BOOT_RECORD, f"{boot_id}\n".encode("ascii"), sync=True)
@@ -84,11 +87,20 @@ def cut_after_restart(
     return cut
 
 
-def cut_to_durable_offsets(uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds) -> int:
+def cut_to_durable_offsets(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    found: Iterable[tuple[str, UploadInfo | None]] | None = None,
+) -> int:
     """Truncate each upload in flight to its durable offset (blocking; start-up, before anything
-    reads or writes ``uploads/``); returns how many were cut."""
+    reads or writes ``uploads/``); returns how many were cut.  ``found``: the uploads in flight
+    as :func:`~canner.store.promises.open_uploads` yields them, read already by the caller
+    (start-up's one pass); None reads them now."""
+    if found is None:
+        found = open_uploads(uploads, receipts, ids)
     cut = 0
-    for upload_id, info in open_uploads(uploads, receipts, ids):
+    for upload_id, info in found:
         if info is None or info.durable is None:
             continue
         keep = info.durable

@@ -10,13 +10,27 @@ An upload without a receipt whose sidecar is unreadable is removed at once: a si
 ever replaced whole (by rename), so that is a creation a power cut caught before it was durable
 (or a damaged disk), never a write in progress, and the intake already answers 404 for it, so
 nobody can write or accept it.  Anything with a receipt is left alone: purging accepted payloads
-is the deliver process's job.  :func:`sweep_stale` is blocking; :class:`StaleSweep` is the
-receiver's periodic job that runs it in a thread and reports what went.
+is the deliver process's job.  :func:`sweep_stale` (a full pass) and :func:`sweep_watched` (the
+uploads the receiver knows to be in flight) are blocking; :class:`StaleSweep` is the receiver's
+periodic job that runs them in a thread and reports what went.
+
+What a tick costs follows the uploads in flight, not what is at rest: ``uploads/`` also holds
+every accepted payload waiting for delivery, a million on a busy node.  A tick looks only at the
+uploads the receiver knows of (:func:`sweep_watched`): those start-up found without a receipt,
+and every one admitted or held since (:meth:`Promises.take_admitted`), each dropped once it has
+its receipt or its files are gone.  An upload found idle (its mtimes) has its sidecar read; one
+not yet idle costs three stats.  What only a listing finds (a temp file a crash of canner-deliver
+left in ``receipts/``, an rsync adoption's rejected upload, files put there by hand) waits for
+the full pass (:func:`sweep_stale`, names only, :func:`canner.store.promises.unreceipted`), which
+runs once an hour with its I/O paced (:data:`PACE_PAUSE` every
+:data:`~canner.store.promises.PACE_ENTRIES` entries) so that uploads keep their latency; a temp
+file is an hour old before it goes (:data:`~canner.fs.TEMP_ORPHAN_AGE`), so it goes within two.
 """
 
 from __future__ import annotations
 
-import os
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from attrs import define, field
@@ -29,11 +43,19 @@ from canner.blocking import BlockingRunner
 from canner.ids import ObjectIds
 from canner.observe import UploadObserver
 from canner.store.journal import Journal
-from canner.store.promises import Promises, open_uploads
+from canner.store.promises import PACE_ENTRIES, Promises, no_pace, open_uploads, unreceipted
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import CorruptInfo, UploadGone, UploadInfo, UploadStore
 
 log = Logger()
+
+
+# The full pass runs this often (seconds); a tick between two looks only at uploads in flight.
+FULL_PASS_EVERY = 3600.0
+# The full pass sleeps this long (seconds) every PACE_ENTRIES entries it lists or reads: at a
+# million objects its two listings take some 900 pauses, about ten seconds spread over a second's
+# work, so the reactor and the disk serve uploads in between.
+PACE_PAUSE = 0.01
 
 
 @define
@@ -42,16 +64,8 @@ class SweepReport:
     temps_removed: int = 0
     # Of ``removed``: uploads whose sidecar could not be read.
     unreadable: list[str] = field(factory=list)
-
-
-def _upload_ids(uploads: UploadStore, ids: ObjectIds) -> set[str]:
-    found = set()
-    with os.scandir(uploads.directory) as entries:
-        for entry in entries:
-            name = entry.name.removesuffix(".info")
-            if ids.is_valid(name):
-                found.add(name)
-    return found
+    # The uploads without a receipt that are still there (or still promised): the next tick's.
+    left: set[str] = field(factory=set)
 
 
 def sweep_stale(
@@ -62,60 +76,137 @@ def sweep_stale(
     now: float,
     retention: float,
     adopting: Path | None = None,
+    pace: Callable[[], None] = no_pace,
 ) -> SweepReport:
     """Remove uploads idle for longer than ``retention`` seconds that have no receipt, and temp
     files a crash left in ``uploads/``, ``receipts/``, ``journal/`` (release segments) and
     ``adopting`` (the rsync adoption area: a claim's temp file).  A temp file goes once it is
     older than :data:`~canner.fs.TEMP_ORPHAN_AGE` (one being written lives for milliseconds);
-    claims and claimed files are never touched: the rsync intake finishes them."""
-    report = SweepReport()
-    for upload_id in sorted(_upload_ids(uploads, ids)):
-        if receipts.receipt_path(upload_id).exists():
-            continue
-        unreadable = None
+    claims and claimed files are never touched: the rsync intake finishes them.
+
+    The full pass: every upload without a receipt, found by name
+    (:func:`~canner.store.promises.unreceipted`: no stat or read of the payloads waiting for
+    delivery), has its sidecar read; ``pace`` is called every
+    :data:`~canner.store.promises.PACE_ENTRIES` entries listed or uploads looked at."""
+    found = unreceipted(uploads, receipts, ids, pace)
+    report = _sweep_uploads(uploads, receipts, sorted(found.ids), now, retention, True, pace)
+    temps = list(found.temps)
+    for directory in [journal.directory] + ([adopting] if adopting is not None else []):
+        if directory.exists():
+            temps += fs.orphaned_temps(directory, now)
+    for temp in temps:
         try:
-            info = uploads.read_info(upload_id)
-        except CorruptInfo as e:
-            unreadable = str(e)
-        else:
-            if now - uploads.idle_since(upload_id) <= retention:
+            if now - temp.stat().st_mtime <= fs.TEMP_ORPHAN_AGE:
                 continue
-            if (
-                info is not None
-                and info.rejected is None
-                and not info.whole_file
-                and uploads.offset(upload_id) >= info.size
-            ):
-                # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
-                # PATCH from the worker still turns it into a receipt, so it is never swept.
-                # A whole-file upload (PUT /seesaw/...) has no such worker: it sends the file
-                # again, so its stale copy goes like any other.
-                continue
-        if not _remove_unlocked(uploads, receipts, upload_id):
+        except FileNotFoundError:
             continue
-        report.removed.append(upload_id)
-        if unreadable is not None:
-            log.warn(
-                "removed {object_id}, which has no receipt and an unreadable sidecar (a creation"
-                " a power cut caught, or a damaged disk): {error} ({path})",
-                object_id=upload_id,
-                error=unreadable,
-                path=str(uploads.info_path(upload_id)),
-            )
-            report.unreadable.append(upload_id)
-    directories = [uploads.directory, receipts.directory, journal.directory]
-    if adopting is not None:
-        directories.append(adopting)
-    for directory in directories:
-        if not directory.exists():
-            continue
-        for temp in list(fs.orphaned_temps(directory, now)):
-            temp.unlink(missing_ok=True)
-            report.temps_removed += 1
+        temp.unlink(missing_ok=True)
+        report.temps_removed += 1
     return report
 
 
-def remove_whole_files(uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds) -> list[str]:
+def sweep_watched(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    upload_ids: Iterable[str],
+    promised: Callable[[str], bool],
+    now: float,
+    retention: float,
+    read_all: bool = False,
+) -> SweepReport:
+    """A tick between two full passes: of ``upload_ids`` (the uploads the receiver knows to be
+    in flight), remove what :func:`sweep_stale` would remove, blocking, reading only the
+    sidecars of those idle for longer than ``retention`` (all of them with ``read_all``: the
+    first tick after start-up, so that an unreadable sidecar start-up found goes at once).
+
+    An id with a receipt is dropped, as is one whose files are both gone unless it is
+    ``promised`` (admitted, its files not created yet); every other one stays in
+    :attr:`SweepReport.left`.  Temp files wait for the full pass."""
+    return _sweep_uploads(
+        uploads, receipts, sorted(upload_ids), now, retention, read_all, None, promised
+    )
+
+
+def _sweep_uploads(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    upload_ids: list[str],
+    now: float,
+    retention: float,
+    read_all: bool,
+    pace: Callable[[], None] | None,
+    promised: Callable[[str], bool] | None = None,
+) -> SweepReport:
+    report = SweepReport()
+    for count, upload_id in enumerate(upload_ids, 1):
+        if pace is not None and count % PACE_ENTRIES == 0:
+            pace()
+        if receipts.has_receipt(upload_id):
+            continue
+        idle = uploads.idle_since(upload_id)
+        if promised is not None and idle == 0.0 and not uploads.present(upload_id):
+            if promised(upload_id):
+                report.left.add(upload_id)
+            continue
+        if not read_all and now - idle <= retention:
+            report.left.add(upload_id)
+            continue
+        if not _sweep_one(uploads, receipts, upload_id, now, idle, retention, report):
+            report.left.add(upload_id)
+    return report
+
+
+def _sweep_one(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    upload_id: str,
+    now: float,
+    idle: float,
+    retention: float,
+    report: SweepReport,
+) -> bool:
+    """Remove ``upload_id`` (no receipt when looked at; idle since ``idle``) if it is stale or
+    its sidecar unreadable; True when it went."""
+    unreadable = None
+    try:
+        info = uploads.read_info(upload_id)
+    except CorruptInfo as e:
+        unreadable = str(e)
+    else:
+        if now - idle <= retention:
+            return False
+        if (
+            info is not None
+            and info.rejected is None
+            and not info.whole_file
+            and uploads.offset(upload_id) >= info.size
+        ):
+            # Complete but not (yet) accepted, e.g. a crash during acceptance: a HEAD or
+            # PATCH from the worker still turns it into a receipt, so it is never swept.
+            # A whole-file upload (PUT /seesaw/...) has no such worker: it sends the file
+            # again, so its stale copy goes like any other.
+            return False
+    if not _remove_unlocked(uploads, receipts, upload_id):
+        return False
+    report.removed.append(upload_id)
+    if unreadable is not None:
+        log.warn(
+            "removed {object_id}, which has no receipt and an unreadable sidecar (a creation"
+            " a power cut caught, or a damaged disk): {error} ({path})",
+            object_id=upload_id,
+            error=unreadable,
+            path=str(uploads.info_path(upload_id)),
+        )
+        report.unreadable.append(upload_id)
+    return True
+
+
+def remove_whole_files(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    ids: ObjectIds,
+    found: Iterable[tuple[str, UploadInfo | None]] | None = None,
+) -> list[str]:
     """Remove every whole-file upload (``PUT /seesaw/...``) without a receipt found in
     ``uploads/`` at the receiver's start, complete or not (blocking); the ids removed.
 
@@ -127,10 +218,14 @@ def remove_whole_files(uploads: UploadStore, receipts: ReceiptStore, ids: Object
     no other receiver can be writing one of them.  One rejected for a declared digest stays for
     the sweep (its bytes are gone already); files that cannot be removed stay for it too, and
     the promises rebuilt from disk owe them nothing
-    (:func:`canner.store.promises.promised_on_disk`).
+    (:func:`canner.store.promises.promised_on_disk`).  ``found``: what
+    :func:`~canner.store.promises.open_uploads` yields, read already by the caller (start-up's
+    one pass); None reads it now.
     """
+    if found is None:
+        found = open_uploads(uploads, receipts, ids)
     removed = []
-    for upload_id, info in open_uploads(uploads, receipts, ids):
+    for upload_id, info in found:
         if info is None or not info.whole_file:
             continue
         offset = uploads.offset(upload_id)
@@ -181,10 +276,20 @@ def _remove_unlocked(uploads: UploadStore, receipts: ReceiptStore, upload_id: st
             locked.close()
 
 
+def paced(pause: float = PACE_PAUSE) -> None:
+    """The full pass's ``pace`` in the daemon: a sleep of its thread (blocking)."""
+    time.sleep(pause)
+
+
 @define(eq=False, kw_only=True)
 class StaleSweep:
     """The receiver's sweep of uploads idle for longer than ``retention`` seconds: runs
-    :func:`sweep_stale` on ``run`` and counts and logs the uploads it removed."""
+    :func:`sweep_watched` on ``run`` every tick and :func:`sweep_stale` (paced) every
+    :data:`FULL_PASS_EVERY`, and counts and logs the uploads they removed.
+
+    ``watched``: the uploads without a receipt start-up found
+    (:class:`~canner.store.promises.Unreceipted`), which makes start-up's pass the first full
+    one; without it the first tick is a full pass.  Without ``promises`` every tick is one."""
 
     _uploads: UploadStore
     _receipts: ReceiptStore
@@ -194,10 +299,22 @@ class StaleSweep:
     _run: BlockingRunner
     _clock: IReactorTime
     _observer: UploadObserver
-    # The receiver's promises: an upload swept is owed nothing more.
+    # The receiver's promises: an upload swept is owed nothing more, and one admitted is watched.
     _promises: Promises | None = None
     # The rsync adoption area, whose temp files are swept too (it may outlive an [rsync] door).
     _adopting: Path | None = None
+    _watched: Iterable[str] | None = None
+    _pace: Callable[[], None] = paced
+    # When the last full pass ran (start-up's, when ``watched`` came from it); None: never.
+    _full_at: float | None = field(default=None, init=False)
+    _ticks: int = field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self._promises is not None:
+            self._promises.record_admissions()
+        if self._watched is not None:
+            self._watched = set(self._watched)
+            self._full_at = self._clock.seconds()
 
     @property
     def interval(self) -> float:
@@ -205,19 +322,41 @@ class StaleSweep:
         return max(1.0, min(60.0, self._retention / 4))
 
     def sweep(self) -> Deferred[None]:
-        d = self._run(
-            sweep_stale,
-            self._uploads,
-            self._receipts,
-            self._journal,
-            self._ids,
-            self._clock.seconds(),
-            self._retention,
-            self._adopting,
-        )
+        """One tick: a full pass when one is due, else the uploads in flight."""
+        now = self._clock.seconds()
+        self._ticks += 1
+        promises = self._promises
+        if promises is None or self._full_at is None or now - self._full_at >= FULL_PASS_EVERY:
+            self._full_at = now
+            if promises is not None:
+                promises.take_admitted()  # the pass lists them all
+            d = self._run(
+                sweep_stale,
+                self._uploads,
+                self._receipts,
+                self._journal,
+                self._ids,
+                now,
+                self._retention,
+                self._adopting,
+                self._pace,
+            )
+        else:
+            watched = set(self._watched or ()) | promises.take_admitted()
+            d = self._run(
+                sweep_watched,
+                self._uploads,
+                self._receipts,
+                watched,
+                promises.holds,
+                now,
+                self._retention,
+                self._ticks == 1,
+            )
         return d.addCallback(self._report)
 
     def _report(self, report: SweepReport) -> None:
+        self._watched = report.left
         if self._promises is not None:
             self._promises.release_all(report.removed)
         if report.removed:

@@ -41,7 +41,7 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -620,22 +620,14 @@ class UploadStore:
         self.data_path(upload_id).unlink(missing_ok=True)
         self.info_path(upload_id).unlink(missing_ok=True)
 
-    def entries(self) -> Iterator[tuple[str, float]]:
-        """``(upload_id, mtime)`` of every info sidecar, for the stale-upload sweep."""
-        with os.scandir(self.directory) as it:
-            for entry in it:
-                if entry.name.endswith(".info") and not entry.name.startswith(fs.TEMP_PREFIX):
-                    try:
-                        yield entry.name[: -len(".info")], entry.stat().st_mtime
-                    except FileNotFoundError:
-                        continue
-
     def idle_since(self, upload_id: str) -> float:
-        """The last time the upload changed (newest mtime of data and sidecar)."""
+        """The last time the upload changed (newest mtime of data and sidecar); 0.0 when both
+        are gone.  Two stats of string paths: the sweep asks it of every upload in flight."""
+        data = os.path.join(self.directory, upload_id)
         times = []
-        for path in (self.data_path(upload_id), self.info_path(upload_id)):
+        for path in (data, data + ".info"):
             try:
-                times.append(path.stat().st_mtime)
+                times.append(os.stat(path).st_mtime)
             except FileNotFoundError:
                 continue
         return max(times, default=0.0)
