@@ -573,7 +573,7 @@ def wait_metrics(config: Config, proc: subprocess.Popen[bytes], deadline: Deadli
 # -- HTTP ------------------------------------------------------------------------------------------
 
 
-def get(port: int, path: str, timeout: float = 60) -> tuple[int, bytes]:
+def get(port: int, path: str, timeout: float = 300) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("GET", path)
@@ -782,13 +782,15 @@ def cli(config: Path, *args: str, repeat: int = 3, ok: tuple[int, ...] = (0,)) -
 # -- one size ------------------------------------------------------------------------------------
 
 
-def measure(n: int, work: Path, args: argparse.Namespace, deadline: Deadline) -> dict[str, Any]:
-    """Every figure of :data:`FIGURES` on a fresh data directory of n objects."""
+def measure(
+    n: int, work: Path, args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]
+) -> None:
+    """Every figure of :data:`FIGURES` on a fresh data directory of n objects, into ``result``
+    as each is measured (a run cut short keeps what it measured)."""
     data, sink = work / f"data-{n}", work / f"sink-{n}"
     sink.mkdir()
     config_path, port = write_config(work, data, sink)
     config = load_config(config_path)
-    result: dict[str, Any] = {"n": n}
     t = time.monotonic()
     result["states"] = build(data, n, time.time())
     result["build_s"] = time.monotonic() - t
@@ -836,6 +838,8 @@ def measure(n: int, work: Path, args: argparse.Namespace, deadline: Deadline) ->
         result["receiver_rss_mib"], result["receiver_rss_total_mib"] = peak_rss(receiver.pid)
         result["deliver_rss_mib"], _ = peak_rss(deliver.pid)
         result["receiver_processes"] = len(tree(receiver.pid))
+    except OutOfTime:
+        raise
     except Exception:
         say(f"N={n} failed; the daemons' logs end with:\n{daemons.tails()}")
         raise
@@ -843,7 +847,6 @@ def measure(n: int, work: Path, args: argparse.Namespace, deadline: Deadline) ->
         daemons.stop_all()
         shutil.rmtree(data, ignore_errors=True)
         shutil.rmtree(sink, ignore_errors=True)
-    return result
 
 
 # -- the table -----------------------------------------------------------------------------------
@@ -950,7 +953,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with work_dir(args.work_root) as work:
             for n in sizes:
                 check_room(args.work_root, n)
-                results.append(measure(n, work, args, deadline))
+                results.append({"n": n})
+                measure(n, work, args, deadline, results[-1])
     except KeyboardInterrupt:
         say("scale_bench: interrupted; the work directory is removed")
         return 130
