@@ -40,6 +40,7 @@ from canner.store.drain import (
     read_drain,
     retirement,
 )
+from canner.store.promises import unreceipted
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
@@ -297,29 +298,11 @@ def read_index(path: Path, f: Any, *args: Any) -> Any:
 def uploads_without_receipt(
     uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
 ) -> set[str]:
-    """Ids of the uploads in ``uploads/`` that have no receipt (blocking): the names of the
-    sidecars minus the names of the receipts, from one names-only listing of each directory,
-    with no stat or read per entry (:func:`canner.store.promises.open_uploads` looks at each
-    upload's receipt; this costs what the two listings hold, in the C of ``scandir``).
-
-    ``uploads/`` is listed first: an upload accepted between the two listings has its receipt
-    in the second, so it is left out, as a look at its receipt after the listing leaves it
-    out.  Rejected uploads and unreadable sidecars are still in: :func:`scan_uploads` reads
-    the sidecars of these few."""
-    suffix = ".info"
-    with os.scandir(uploads.directory) as entries:
-        found = {
-            e.name[: -len(suffix)]
-            for e in entries
-            if e.name.endswith(suffix) and not e.name.startswith(fs.TEMP_PREFIX)
-        }
-    found = {upload_id for upload_id in found if ids.is_valid(upload_id)}
-    if found:
-        with os.scandir(receipts.directory) as entries:
-            # A receipt is {id}.json, and an id holds no dot: the other files there
-            # ({id}.meta.json...) never name an upload's id with ".json" cut off.
-            found.difference_update(e.name[:-5] for e in entries if e.name.endswith(".json"))
-    return found
+    """Ids of the uploads in ``uploads/`` with a sidecar and no receipt (blocking), from one
+    names-only listing of each directory (:func:`canner.store.promises.unreceipted`), with no
+    stat or read per entry.  Rejected uploads and unreadable sidecars are still in:
+    :func:`scan_uploads` reads the sidecars of these few."""
+    return set(unreceipted(uploads, receipts, ids).sidecars)
 
 
 def scan_uploads(
