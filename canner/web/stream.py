@@ -34,8 +34,10 @@ log = Logger()
 PENDING_HIGH_WATER = 1 << 20
 # What the upload bodies streaming at once hold in memory together, about: each one's share
 # (:meth:`BodyBudget.share`) is its high water mark and its socket read size, so that 32 bodies
-# at once hold about as much as 8 (bench: peak RSS of 32 x 64 MiB).
-BODIES_HIGH_WATER = 16 << 20
+# at once hold about as much as 8 (32 hold 12 MiB: their shares are at SHARE_MIN).  8 MiB, not 16:
+# the same MiB/s for 32 x 64 MiB (745 against 698, interleaved, idle machine) at a peak RSS of
+# 88 MiB instead of 102 (bench/README.md).
+BODIES_HIGH_WATER = 8 << 20
 # The smallest share: below it reads cost more CPU per byte than the memory is worth.
 SHARE_MIN = 128 << 10
 
