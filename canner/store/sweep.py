@@ -90,18 +90,48 @@ def sweep_stale(
     :data:`~canner.store.promises.PACE_ENTRIES` entries listed or uploads looked at."""
     found = unreceipted(uploads, receipts, ids, pace)
     report = _sweep_uploads(uploads, receipts, sorted(found.ids), now, retention, True, pace)
-    temps = list(found.temps)
+    report.temps_removed = _remove_orphaned_temps(found.temps, journal, adopting, now)
+    return report
+
+
+def _remove_orphaned_temps(
+    temps: Iterable[Path], journal: Journal, adopting: Path | None, now: float
+) -> int:
+    """Remove ``temps`` and the temp files in ``journal/`` and ``adopting`` that are older than
+    :data:`~canner.fs.TEMP_ORPHAN_AGE`; how many went."""
+    found = list(temps)
     for directory in [journal.directory] + ([adopting] if adopting is not None else []):
         if directory.exists():
-            temps += fs.orphaned_temps(directory, now)
-    for temp in temps:
+            found += fs.orphaned_temps(directory, now)
+    removed = 0
+    for temp in found:
         try:
             if now - temp.stat().st_mtime <= fs.TEMP_ORPHAN_AGE:
                 continue
         except FileNotFoundError:
             continue
         temp.unlink(missing_ok=True)
-        report.temps_removed += 1
+        removed += 1
+    return removed
+
+
+def first_watched_tick(
+    uploads: UploadStore,
+    receipts: ReceiptStore,
+    journal: Journal,
+    upload_ids: Iterable[str],
+    promised: Callable[[str], bool],
+    now: float,
+    retention: float,
+    adopting: Path | None,
+) -> SweepReport:
+    """The first tick after start-up, whose listing was the first full pass: :func:`sweep_watched`
+    reading every sidecar, plus the orphaned temp files of ``journal/`` and ``adopting`` (small
+    directories: a claim a crash cut is finished at once, as before the pass became hourly).
+    Temp files in ``uploads/`` and ``receipts/`` wait for the hourly pass (listing those is what
+    start-up's pass spared)."""
+    report = sweep_watched(uploads, receipts, upload_ids, promised, now, retention, read_all=True)
+    report.temps_removed = _remove_orphaned_temps((), journal, adopting, now)
     return report
 
 
@@ -341,6 +371,19 @@ class StaleSweep:
                 self._adopting,
                 self._pace,
             )
+        elif self._ticks == 1:
+            watched = set(self._watched or ()) | promises.take_admitted()
+            d = self._run(
+                first_watched_tick,
+                self._uploads,
+                self._receipts,
+                self._journal,
+                watched,
+                promises.holds,
+                now,
+                self._retention,
+                self._adopting,
+            )
         else:
             watched = set(self._watched or ()) | promises.take_admitted()
             d = self._run(
@@ -351,7 +394,6 @@ class StaleSweep:
                 promises.holds,
                 now,
                 self._retention,
-                self._ticks == 1,
             )
         return d.addCallback(self._report)
 

@@ -326,3 +326,52 @@ def test_a_sweep_without_a_watch_list_starts_with_a_full_pass(tmp_path: Path) ->
     _sweep(tmp_path, Promises(), None).sweep()
 
     assert not uploads.present(unannounced)
+
+
+def test_the_first_tick_after_start_up_removes_orphaned_temps_of_small_folders(
+    tmp_path: Path,
+) -> None:
+    """What a crash left an hour ago in the rsync adoption area (a claim's temp file) and in
+    journal/ goes at the first tick, so the intake finishes that claim at once; a temp file in
+    uploads/ waits for the hourly full pass (listing uploads/ is what start-up spared)."""
+    uploads, receipts = stores(tmp_path)
+    for directory in (uploads.directory, receipts.directory, tmp_path / "journal"):
+        directory.mkdir()
+    adopting = tmp_path / "adopting"
+    adopting.mkdir()
+    old = NOW - 2 * fs.TEMP_ORPHAN_AGE
+    temps = [
+        adopting / f"{fs.TEMP_PREFIX}claim",
+        tmp_path / "journal" / f"{fs.TEMP_PREFIX}segment",
+        uploads.directory / f"{fs.TEMP_PREFIX}sidecar",
+    ]
+    for temp in temps:
+        temp.write_bytes(b"cut short")
+        os.utime(temp, (old, old))
+    young = adopting / f"{fs.TEMP_PREFIX}live-claim"
+    young.write_bytes(b"being written")
+    os.utime(young, (NOW, NOW))
+    clock = Clock()
+    clock.advance(NOW)
+    sweep = StaleSweep(
+        uploads=uploads,
+        receipts=receipts,
+        journal=Journal(tmp_path / "journal"),
+        ids=IDS,
+        retention=RETENTION,
+        run=run_inline,
+        clock=clock,
+        observer=_Observer(),
+        promises=Promises(),
+        adopting=adopting,
+        watched=frozenset(),
+        pace=lambda: None,
+    )
+
+    sweep.sweep()
+    assert [temp.exists() for temp in temps] == [False, False, True]
+    assert young.exists()
+
+    clock.advance(FULL_PASS_EVERY)
+    sweep.sweep()
+    assert not temps[2].exists()
