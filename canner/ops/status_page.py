@@ -49,6 +49,10 @@ from canner.version import version
 REFRESH_SECONDS = 10
 # Requests within this many seconds of a survey are answered from it.
 SURVEY_MAX_AGE = 2.0
+# Requests within this many seconds of a survey are answered from it at once while a newer one
+# is taken, so a slow survey (a busy disk) never holds the page; past it they wait for the new
+# one (which shows its error when surveys keep failing).
+SURVEY_STALE_AGE = 60.0
 ACTIVE_UPLOADS_SHOWN = 50
 
 
@@ -121,7 +125,8 @@ class StatusSource:
     """Builds a :class:`StatusView` with a survey taken in a thread.
 
     The page is public, so requests share work: a survey younger than ``max_age`` seconds is
-    reused, and requests that arrive while one runs wait for it instead of starting another.
+    reused; one younger than ``stale_age`` is reused too while a new one is taken in the
+    background; otherwise requests wait for the survey that runs (one at a time).
     """
 
     _run: BlockingRunner
@@ -131,6 +136,7 @@ class StatusSource:
     _issuer: str
     _min_free_bytes: int
     _max_age: float = SURVEY_MAX_AGE
+    _stale_age: float = SURVEY_STALE_AGE
     _latest: Survey | None = None
     _waiting: list[Deferred[Survey]] | None = None
     _version: str = "-"
@@ -205,13 +211,21 @@ class StatusSource:
 
     def _survey(self) -> Deferred[Survey]:
         now = self._clock.seconds()
-        if self._latest is not None and 0 <= now - self._latest.taken_at < self._max_age:
+        if self._latest is not None and 0 <= now - self._latest.taken_at < self._stale_age:
+            if now - self._latest.taken_at >= self._max_age and self._waiting is None:
+                self._refresh(now)
             return succeed(self._latest)
         waiter: Deferred[Survey] = Deferred()
         if self._waiting is not None:
             self._waiting.append(waiter)
-            return waiter
-        self._waiting = [waiter]
+        else:
+            self._refresh(now, [waiter])
+        return waiter
+
+    def _refresh(self, now: float, waiting: list[Deferred[Survey]] | None = None) -> None:
+        """Take a survey in a thread; it becomes the latest and answers the requests waiting
+        for it (a failure fails those, and the next request tries again)."""
+        self._waiting = waiting or []
 
         def done(result: Survey | Failure) -> None:
             waiting, self._waiting = self._waiting or [], None
@@ -224,7 +238,6 @@ class StatusSource:
                     d.callback(result)
 
         self._run(self._take_all, now).addBoth(done)
-        return waiter
 
     def _take_all(self, now: float) -> Survey:
         """The survey and, with it, the rsync backlog (blocking: in the survey's thread)."""
