@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from attrs import define, field, frozen
@@ -187,12 +187,18 @@ def index_at_start(
     archived: Callable[[str], bool],
     object_ids: ObjectIds,
     now: Callable[[], float],
+    recorded: Iterable[str] | None = None,
 ) -> int | None:
     """Insert into the index at ``path`` a row for every receipt it lacks that has its origin
     record and no verified ledger owns (``archived``): run before the receiver serves, so
     :class:`AcceptedOrigins` finds every object committed before this start (see the module
     docstring).  Blocking.  Returns the rows added; None when the pass failed (logged, never
-    fatal: the receiver still accepts uploads)."""
+    fatal: the receiver still accepts uploads).
+
+    ``recorded``: the ids of every origin record in ``receipts/``, from a listing the caller
+    made already (start-up's, :attr:`~canner.store.promises.Unreceipted.recorded`); only those
+    are checked against the index, in sorted order (the index's key order).  None lists
+    ``receipts/`` here and checks every receipt in it."""
 
     def not_ours(object_id: str) -> bool:
         # What a kill or a failed insert may have left unindexed has its origin record (written
@@ -210,6 +216,7 @@ def index_at_start(
             skip=not_ours,
             object_ids=object_ids,
             now=now,
+            listed=None if recorded is None else sorted(recorded),
         )
     except Exception as e:
         log.error(

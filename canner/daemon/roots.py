@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, frozen
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -249,11 +249,13 @@ def receiver_parts(
 
 @frozen
 class StartedUp:
-    """What :func:`receiver_start_up` leaves: the promises to the uploads in flight, and every
-    upload without a receipt it found (the stale-upload sweep's first watch list)."""
+    """What :func:`receiver_start_up` leaves: the promises to the uploads in flight, every
+    upload without a receipt it found (the stale-upload sweep's first watch list), and the ids
+    of every origin record in ``receipts/`` (:func:`index_at_start`'s, dropped once it ran)."""
 
     promises: Promises
     unreceipted: frozenset[str]
+    recorded: tuple[str, ...] = ()
 
 
 def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptStore) -> StartedUp:
@@ -263,15 +265,17 @@ def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptSto
 
     One pass: the uploads without a receipt, by name (one listing each of ``uploads/`` and
     ``receipts/``, :func:`~canner.store.promises.unreceipted`), then one read of each of their
-    sidecars, which the three steps share; nothing of an accepted payload is read or stat'ed."""
+    sidecars, which the three steps share; nothing of an accepted payload is read or stat'ed.
+    The same listing of ``receipts/`` names the origin records, which :func:`index_at_start`
+    checks against the index."""
     ids = config.object_ids
-    found = unreceipted(uploads, receipts, ids)
+    found = unreceipted(uploads, receipts, ids, with_origins=True)
     in_flight = list(sidecars_of(uploads, receipts, sorted(found.sidecars)))
     removed = set(remove_whole_files(uploads, receipts, ids, in_flight))
     in_flight = [(upload_id, info) for upload_id, info in in_flight if upload_id not in removed]
     cut_after_restart(uploads, receipts, ids, config.data_dir, current_boot_id(), in_flight)
     promises = Promises.from_disk(uploads, receipts, ids, in_flight)
-    return StartedUp(promises, found.ids - removed)
+    return StartedUp(promises, found.ids - removed, found.recorded)
 
 
 def receiver_service(
@@ -296,17 +300,6 @@ def receiver_service(
     io = ThreadPoolRunner(reactor, "canner-io", IO_THREADS)
     hashing = ThreadPoolRunner(reactor, "canner-hash", HASH_THREADS)
     enqueue, pool, index = receiver_feed(config.data_dir / "delivery.sqlite", reactor)
-    if index is not None:
-        # Before anything listens: a kill after a commit point may have left its row unwritten.
-        index_at_start(
-            config.data_dir / "delivery.sqlite",
-            receipts=receipts,
-            uploads=uploads,
-            journal=Journal(config.data_dir / "journal"),
-            archived=ArchivedIds(LedgerDir(config.data_dir / "ledger")).contains,
-            object_ids=config.object_ids,
-            now=reactor.seconds,
-        )
 
     node: WorkerNode | None = None
 
@@ -329,6 +322,20 @@ def receiver_service(
     workers = config.receiver.workers
     # On a node, the one account, which the workers reach over their channels.
     started = receiver_start_up(config, uploads, receipts)
+    if index is not None:
+        # Before anything listens: a kill after a commit point may have left its row unwritten.
+        # Only objects with an origin record can lack it (index_at_start): start-up listed them.
+        index_at_start(
+            config.data_dir / "delivery.sqlite",
+            receipts=receipts,
+            uploads=uploads,
+            journal=Journal(config.data_dir / "journal"),
+            archived=ArchivedIds(LedgerDir(config.data_dir / "ledger")).contains,
+            object_ids=config.object_ids,
+            now=reactor.seconds,
+            recorded=started.recorded,
+        )
+    started = evolve(started, recorded=())  # a million ids at rest are not kept past here
     promises = started.promises
     origins: AcceptedOrigins | None = None
     parent: NodeParent | None = None

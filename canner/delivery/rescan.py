@@ -23,7 +23,7 @@ a :class:`~canner.blocking.BlockingRunner`.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from attrs import define, evolve, field, frozen
@@ -69,8 +69,13 @@ def receipt_batches(
     receipts: ReceiptStore, ids: ObjectIds, size: int = BATCH
 ) -> Iterator[list[str]]:
     """Valid object ids of every receipt on disk, ``size`` at a time (directory order)."""
+    return batches_of(receipts.object_ids(), ids, size)
+
+
+def batches_of(object_ids: Iterable[str], ids: ObjectIds, size: int = BATCH) -> Iterator[list[str]]:
+    """The valid ids of ``object_ids``, ``size`` at a time, in their order."""
     batch: list[str] = []
-    for object_id in receipts.object_ids():
+    for object_id in object_ids:
         if ids.is_valid(object_id):
             batch.append(object_id)
             if len(batch) >= size:
@@ -218,9 +223,11 @@ def rescan_now(
     skip: Callable[[str], bool],
     object_ids: ObjectIds,
     now: Callable[[], float],
+    listed: Iterable[str] | None = None,
 ) -> Rescanned:
     """One :class:`ReceiptRescan` pass run at once on its own connection to the index at
-    ``path``, for a caller without a reactor (blocking); ``skip`` as its ``archived``."""
+    ``path``, for a caller without a reactor (blocking); ``skip`` as its ``archived``,
+    ``listed`` as its own."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         configure_connection(conn)
@@ -233,6 +240,7 @@ def rescan_now(
             object_ids=object_ids,
             run=run_inline,
             now=now,
+            listed=listed,
         )
         return result_now(rescan.run())
     finally:
@@ -254,6 +262,10 @@ class ReceiptRescan:
     to add (what is at rest), the pass waits for the Deferred ``pace(seconds)`` returns, given
     the seconds that batch took, before the next one; batches that add rows (a lost index
     being rebuilt: what changed) go on at once.
+
+    ``listed``, when given, stands for the listing of ``receipts/``: the ids to check, from a
+    caller that listed the directory already (the receiver's start-up, which checks only the
+    objects that have an origin record); an id without a receipt on disk is skipped.
     """
 
     _index: Index
@@ -267,13 +279,17 @@ class ReceiptRescan:
     _keep_going: Callable[[], bool] = _always
     _batch: int = BATCH
     _pace: Callable[[float], Deferred[None]] | None = None
+    _listed: Iterable[str] | None = None
 
     def run(self) -> Deferred[Rescanned]:
         """One pass over ``receipts/``; logs how many rows it added, when any."""
         return Deferred.fromCoroutine(self._rescan())
 
     async def _rescan(self) -> Rescanned:
-        batches = receipt_batches(self._receipts, self._object_ids, self._batch)
+        if self._listed is None:
+            batches = receipt_batches(self._receipts, self._object_ids, self._batch)
+        else:
+            batches = batches_of(self._listed, self._object_ids, self._batch)
         journal = JournalLookup(self._journal)
         added = read = 0
         problems: list[str] = []

@@ -77,7 +77,9 @@ class Promises:
     """The bytes promised to each open upload: ``upload_id -> (size, stored)``.
 
     Every method may be called from any thread (admission runs in the I/O pool, the count of
-    stored bytes on the reactor)."""
+    stored bytes on the reactor).  The bytes promised are kept as a running total, equal after
+    every change to the sum of what each open upload still owes (``max(size - stored, 0)``),
+    so an admission costs the same with ten thousand uploads in flight as with one."""
 
     _open: dict[str, tuple[int, int]] = field(factory=dict)
     _lock: threading.Lock = field(factory=threading.Lock)
@@ -85,12 +87,29 @@ class Promises:
     # e.g. a worker's stand-in, whose parent sweeps): how the sweep learns of new uploads
     # without listing uploads/ (canner.store.sweep).
     _admitted: set[str] | None = field(default=None)
+    # The sum of _owed over _open, kept with every change to it (under _lock).
+    _promised: int = field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._promised = sum(_owed(entry) for entry in self._open.values())
+
+    def _put(self, upload_id: str, entry: tuple[int, int]) -> None:
+        """Set the entry of ``upload_id`` and the running total with it (under the lock)."""
+        old = self._open.get(upload_id)
+        self._promised += _owed(entry) - (0 if old is None else _owed(old))
+        self._open[upload_id] = entry
+
+    def _drop(self, upload_id: str) -> None:
+        """End the entry of ``upload_id``, if any, and its share of the total (under the lock)."""
+        old = self._open.pop(upload_id, None)
+        if old is not None:
+            self._promised -= _owed(old)
 
     @property
     def total(self) -> int:
         """Bytes promised to every open upload."""
         with self._lock:
-            return sum(max(size - stored, 0) for size, stored in self._open.values())
+            return self._promised
 
     @property
     def uploads(self) -> int:
@@ -108,10 +127,9 @@ class Promises:
         refusal is returned, and nothing is promised).  Check and promise are one step, so two
         creations at once cannot both take the last room."""
         with self._lock:
-            promised = sum(max(s - stored, 0) for s, stored in self._open.values())
-            refusal = overpromised(free, promised, len(self._open), size, floor)
+            refusal = overpromised(free, self._promised, len(self._open), size, floor)
             if refusal is None:
-                self._open[upload_id] = (size, 0)
+                self._put(upload_id, (size, 0))
                 if self._admitted is not None:
                     self._admitted.add(upload_id)
             return refusal
@@ -120,7 +138,7 @@ class Promises:
         """Promise (again) what an upload still lacks: an append admitted after a restart, a
         reset or an acceptance that failed.  Never refused: the upload was admitted before."""
         with self._lock:
-            self._open[upload_id] = (size, stored)
+            self._put(upload_id, (size, stored))
             if self._admitted is not None:
                 self._admitted.add(upload_id)
 
@@ -129,17 +147,17 @@ class Promises:
         with self._lock:
             entry = self._open.get(upload_id)
             if entry is not None:
-                self._open[upload_id] = (entry[0], offset)
+                self._put(upload_id, (entry[0], offset))
 
     def release(self, upload_id: str) -> None:
         """End the promise of an upload accepted, rejected, discarded or swept."""
         with self._lock:
-            self._open.pop(upload_id, None)
+            self._drop(upload_id)
 
     def release_all(self, upload_ids: Iterable[str]) -> None:
         with self._lock:
             for upload_id in upload_ids:
-                self._open.pop(upload_id, None)
+                self._drop(upload_id)
 
     def holds(self, upload_id: str) -> bool:
         """Whether ``upload_id`` holds a promise now."""
@@ -184,6 +202,12 @@ class Promises:
         return promises
 
 
+def _owed(entry: tuple[int, int]) -> int:
+    """What an open upload's ``(size, stored)`` still owes of its promise."""
+    size, stored = entry
+    return max(size - stored, 0)
+
+
 # Entries listed between two calls of a listing's ``pace`` (the sweep's hourly pass sleeps there).
 PACE_ENTRIES = 2000
 
@@ -199,6 +223,10 @@ class Unreceipted:
     sidecars: frozenset[str]
     # Temp files (fs.TEMP_PREFIX) listed in uploads/ and receipts/: what a crash may orphan.
     temps: tuple[Path, ...] = ()
+    # With ``with_origins``: every valid id with an origin record (``{id}.meta.json``) listed in
+    # receipts/, receipted or not, in no order: the objects that may lack their index row after
+    # a crash (canner.accept.origins.index_at_start).  Empty without it.
+    recorded: tuple[str, ...] = ()
 
 
 def no_pace() -> None:
@@ -224,22 +252,34 @@ def _names(
                 pace()
 
 
+# What the listings saw of one upload's id (bits of unreceipted's map).
+_SIDECAR, _RECEIPT, _ORIGIN = 1, 2, 4
+_ORIGIN_SUFFIX = ".meta.json"
+
+
 def unreceipted(
     uploads: UploadStore,
     receipts: ReceiptStore,
     ids: ObjectIds,
     pace: Callable[[], None] = no_pace,
+    *,
+    with_origins: bool = False,
 ) -> Unreceipted:
     """The uploads in ``uploads/`` without a receipt, by name only (blocking): one listing of
-    ``uploads/``, then one of ``receipts/`` that takes every ``{id}.json`` out of the set, with
-    no stat or read of any entry; ``pace`` is called every :data:`PACE_ENTRIES` entries.
+    ``uploads/``, then one of ``receipts/`` that marks every ``{id}.json`` received, with no
+    stat or read of any entry; ``pace`` is called every :data:`PACE_ENTRIES` entries.  With
+    ``with_origins`` the same listing of ``receipts/`` also gives ``recorded``, the ids of
+    every origin record (start-up's: the receiver lists ``receipts/`` once).
 
-    The set held is the names in ``uploads/`` (the payloads waiting for delivery among them),
-    never those of ``receipts/``.  A receipt committed after its name was listed is missed: a
-    caller that races acceptances checks again per upload (:func:`sidecars_of` does)."""
-    # One string per upload, with whether its sidecar was listed: a node holding a million
-    # objects holds their waiting payloads' names here while receipts/ is listed, once.
-    names: dict[str, bool] = {}
+    The map held is the names in ``uploads/`` (the payloads waiting for delivery among them),
+    never those of ``receipts/`` (but for the origin records of objects without a payload in
+    ``uploads/``, with ``with_origins``: packaged ones).  A receipt committed after its name
+    was listed is missed: a caller that races acceptances checks again per upload
+    (:func:`sidecars_of` does)."""
+    # One string per upload, with what was listed of it: a node holding a million objects holds
+    # their waiting payloads' names here while receipts/ is listed, once; ``recorded`` reuses
+    # these strings rather than holding a second copy of each.
+    names: dict[str, int] = {}
     temps: list[Path] = []
     for batch in _names(uploads.directory, pace):
         for name in batch:
@@ -248,16 +288,35 @@ def unreceipted(
                 continue
             stem = name.removesuffix(".info")
             if ids.is_valid(stem):
-                names[stem] = names.get(stem, False) or stem != name
+                names[stem] = names.get(stem, 0) | (_SIDECAR if stem != name else 0)
+    # Origin records of objects without anything in uploads/.
+    elsewhere: list[str] = []
     # No receipts/ (a data directory a receiver never started in): nothing has a receipt.
     for batch in _names(receipts.directory, pace, missing_ok=True):
         for name in batch:
+            if not name.endswith(".json"):
+                continue
             # "{id}.meta.json" looks for "{id}.meta", which is no upload's name.
-            if name.endswith(".json"):
-                names.pop(name[:-5], None)
+            flags = names.get(name[:-5])
+            if flags is not None:
+                names[name[:-5]] = flags | _RECEIPT
+            elif with_origins and name.endswith(_ORIGIN_SUFFIX):
+                object_id = name[: -len(_ORIGIN_SUFFIX)]
+                flags = names.get(object_id)
+                if flags is not None:
+                    names[object_id] = flags | _ORIGIN
+                elif ids.is_valid(object_id):
+                    elsewhere.append(object_id)
         temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
-    sidecars = frozenset(upload_id for upload_id, listed in names.items() if listed)
-    return Unreceipted(frozenset(names), sidecars, tuple(temps))
+    left = frozenset(upload_id for upload_id, flags in names.items() if not flags & _RECEIPT)
+    sidecars = frozenset(
+        upload_id for upload_id, flags in names.items() if flags & (_SIDECAR | _RECEIPT) == _SIDECAR
+    )
+    recorded: tuple[str, ...] = ()
+    if with_origins:
+        elsewhere += [upload_id for upload_id, flags in names.items() if flags & _ORIGIN]
+        recorded = tuple(elsewhere)
+    return Unreceipted(left, sidecars, tuple(temps), recorded)
 
 
 def sidecars_of(

@@ -20,6 +20,7 @@ from canner.delivery.index import AcceptedObject
 from canner.delivery.rescan import read_accepted
 from canner.ids import ObjectIds
 from canner.store.journal import Journal, JournalLookup, release_record
+from canner.store.promises import unreceipted
 from canner.store.receipts import (
     Origin,
     Receipt,
@@ -373,3 +374,59 @@ def test_a_start_whose_pass_fails_logs_and_goes_on(restarted: Restarted) -> None
         assert restarted.start() is None
     [error] = [e for e in events if e["log_level"] == LogLevel.error]
     assert "canner-deliver's rescan" in formatEvent(error)
+
+
+def _every_start_state(node: Restarted) -> None:
+    """Receipts in every state a start meets: indexed; a commit a kill left unindexed, its
+    payload waiting in uploads/; one whose payload was packaged away, unindexed (an index lost);
+    purged (no origin record); archived; and an origin record whose receipt never came."""
+    uploads = UploadStore(node.root / "uploads")
+    node.commit(1, Origin("urls", "a.warc.zst", "alice"), indexed=True)
+    for n in (1, 2):
+        uploads.data_path(oid(n)).write_bytes(b"x" * 10)
+        uploads.info_path(oid(n)).write_bytes(b"{}")
+    node.commit(2, Origin("urls", "b.warc.zst", "alice"))
+    node.commit(3, Origin("urls", "c.warc.zst", "alice"))
+    node.commit(4, Origin("urls", "d.warc.zst", "alice"))
+    node.receipts.origin_path(oid(4)).unlink()
+    node.commit(5, Origin("urls", "e.warc.zst", "alice"))
+    node.archived.add(oid(5))
+    node.receipts.record_origin(oid(6), Origin("urls", "f.warc.zst", "alice"))
+
+
+def test_the_start_fed_by_start_ups_listing_adds_what_a_listing_of_its_own_adds(
+    tmp_path: Path,
+) -> None:
+    """The receiver's start checks only the origin records its start-up listed
+    (``unreceipted(..., with_origins=True).recorded``), not every receipt again: the rows it
+    adds are those a full listing of receipts/ adds, the unindexed commit with its payload
+    waiting and the packaged one among them, and a second start adds nothing."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "fed").mkdir()
+    full, fed = Restarted(tmp_path / "full"), Restarted(tmp_path / "fed")
+    try:
+        for node in (full, fed):
+            _every_start_state(node)
+        listed = unreceipted(
+            UploadStore(fed.root / "uploads"), fed.receipts, ObjectIds(), with_origins=True
+        )
+        assert sorted(listed.recorded) == [oid(n) for n in (1, 2, 3, 5, 6)]
+
+        def start_fed() -> int | None:
+            return index_at_start(
+                fed.path,
+                receipts=fed.receipts,
+                uploads=UploadStore(fed.root / "uploads"),
+                journal=fed.journal,
+                archived=fed.archived.__contains__,
+                object_ids=ObjectIds(),
+                now=lambda: 100.0,
+                recorded=listed.recorded,
+            )
+
+        assert start_fed() == full.start() == 2
+        assert fed.rows() == full.rows() == [oid(1), oid(2), oid(3)]
+        assert start_fed() == 0
+    finally:
+        full.index.close()
+        fed.index.close()

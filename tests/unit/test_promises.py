@@ -78,6 +78,49 @@ def test_the_account_counts_what_each_upload_still_lacks() -> None:
     assert promises.total == 260
 
 
+# One change to the account: (kind, upload, size, stored or offset).
+CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "hold", "stored", "release", "release_all"]),
+        st.sampled_from("abcd"),
+        st.integers(0, 500),
+        st.integers(0, 700),  # an offset past the size too: that owes nothing, never less
+    ),
+    max_size=40,
+)
+
+
+@given(
+    start=st.dictionaries(
+        st.sampled_from("abcd"), st.tuples(st.integers(0, 500), st.integers(0, 700))
+    ),
+    changes=CHANGES,
+)
+def test_the_running_total_is_the_sum_of_what_each_upload_owes_after_every_change(
+    start: dict[str, tuple[int, int]], changes: list[tuple[str, str, int, int]]
+) -> None:
+    """The total an admission compares with free space is kept as uploads change, not summed
+    at each creation: after every kind of change, from any account rebuilt at start, it equals
+    the sum of each open upload's size minus its stored bytes (never below 0), and a creation
+    is refused exactly by the rule applied to that sum."""
+    promises = Promises(dict(start))
+    for kind, upload_id, size, offset in changes:
+        expected = sum(max(s - stored, 0) for s, stored in promises._open.values())
+        if kind == "admit":
+            refusal = promises.admit(upload_id, size, FLOOR + 1000, FLOOR)
+            assert (refusal is None) == (FLOOR + 1000 - expected - size >= FLOOR)
+            assert refusal is None or refusal.promised_bytes == expected
+        elif kind == "hold":
+            promises.hold(upload_id, size, offset)
+        elif kind == "stored":
+            promises.stored(upload_id, offset)
+        elif kind == "release":
+            promises.release(upload_id)
+        else:
+            promises.release_all([upload_id, "never open"])
+        assert promises.total == sum(max(s - stored, 0) for s, stored in promises._open.values())
+
+
 # -- the receiver ------------------------------------------------------------------------------
 
 
