@@ -28,6 +28,8 @@ from urllib.parse import urljoin
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from canner.fs import lock_held
+
 # Re-exported: the tests import them from here.
 from tests.upload_checks import b64 as b64
 from tests.upload_checks import blake3_hex as blake3_hex
@@ -287,8 +289,16 @@ class Receiver:
             time.sleep(0.05)
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int | None:
-        """Send ``sig`` and wait for the process to end; returns its exit status."""
-        return end_process(self.proc, sig, timeout)
+        """Send ``sig`` and wait for the process to end; returns its exit status.  A node's
+        workers outlive a parent killed outright by a moment (they stop on the SIGTERM its death
+        sends them) and hold ``receiver.lock`` until they end: wait for that too, as systemd
+        waits for the unit's cgroup to empty before it starts the unit again."""
+        status = end_process(self.proc, sig, timeout)
+        lock = self.data_dir / "receiver.lock"
+        deadline = time.monotonic() + timeout
+        while lock_held(lock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return status
 
     def stop(self) -> int | None:
         """Graceful stop (SIGTERM), SIGKILL if it hangs."""
