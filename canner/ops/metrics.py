@@ -446,6 +446,9 @@ class SurveyCollector(Collector):
     _min_free_bytes: int
     # canner-deliver's own attempts; elsewhere the attempts in flight come from its heartbeat.
     _in_flight: InFlight | None = None
+    # The gauges of the uploads in flight: the receiver's, which knows them (canner-deliver
+    # would list every name in uploads/ and receipts/ per survey to count them).
+    _uploads: bool = True
 
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(
@@ -486,22 +489,8 @@ class SurveyCollector(Collector):
             "zstd dictionaries that members name and that could not be had: their batches wait",
             value=len(survey.dictionary_waits),
         )
-        yield GaugeMetricFamily(
-            "canner_active_uploads",
-            "Uploads on disk without a receipt",
-            value=len(survey.active_uploads),
-        )
-        yield GaugeMetricFamily(
-            "canner_active_upload_bytes",
-            "Bytes stored so far of uploads without a receipt",
-            value=survey.active_upload_bytes,
-        )
-        yield GaugeMetricFamily(
-            "canner_promised_bytes",
-            "Bytes promised to uploads in flight: declared sizes minus bytes stored; new uploads"
-            " are admitted against free space minus these",
-            value=survey.promised_bytes,
-        )
+        if self._uploads:
+            yield from _upload_gauges(survey)
         index = survey.index
         yield GaugeMetricFamily(
             "canner_index_readable",
@@ -640,8 +629,37 @@ def process_metrics(
     in_flight: InFlight | None = None,
 ) -> tuple[Metrics, SurveyCache]:
     """The metrics of a ``role`` process and the survey cache behind their gauges (refreshed
-    by whoever runs the process)."""
+    by whoever runs the process).  canner-deliver's surveys leave the uploads in flight out
+    (no listing of ``uploads/`` and ``receipts/``, whose names grow with every object held) and
+    its metrics their gauges: the receiver's ``/metrics`` has them."""
     metrics = Metrics(role, config.projects)
-    cache = SurveyCache(run, partial(take_survey, config.data_dir, config.object_ids), clock)
-    metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight))
+    take = partial(take_survey, config.data_dir, config.object_ids)
+    uploads = role != DELIVER
+    if not uploads:
+        take = partial(take, in_flight=_no_uploads)
+    cache = SurveyCache(run, take, clock)
+    metrics.register(SurveyCollector(cache, config.min_free_bytes, in_flight, uploads))
     return metrics, cache
+
+
+def _no_uploads() -> tuple[str, ...]:
+    return ()
+
+
+def _upload_gauges(survey: Survey) -> Iterable[Metric]:
+    yield GaugeMetricFamily(
+        "canner_active_uploads",
+        "Uploads on disk without a receipt",
+        value=len(survey.active_uploads),
+    )
+    yield GaugeMetricFamily(
+        "canner_active_upload_bytes",
+        "Bytes stored so far of uploads without a receipt",
+        value=survey.active_upload_bytes,
+    )
+    yield GaugeMetricFamily(
+        "canner_promised_bytes",
+        "Bytes promised to uploads in flight: declared sizes minus bytes stored; new uploads"
+        " are admitted against free space minus these",
+        value=survey.promised_bytes,
+    )

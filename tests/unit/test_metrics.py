@@ -23,6 +23,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from canner.accept.acceptance import Acceptance
 from canner.blocking import run_inline
+from canner.config import parse_config
 from canner.daemon.services import LogObservers
 from canner.daemon.site import MeteredSite, ReceiverRoutes
 from canner.delivery import index as sql
@@ -42,6 +43,7 @@ from canner.ops.metrics import (
     SurveyCache,
     SurveyCollector,
     metrics_site,
+    process_metrics,
 )
 from canner.ops.problems import RecentProblems
 from canner.ops.readiness import FloorWatch, check_readiness
@@ -387,6 +389,42 @@ def test_survey_lists_uploads_without_receipts(data_dir: Path, index: SyncIndex)
     assert survey.unreadable_uploads == 1
     assert survey.free_bytes is not None and survey.free_bytes > 0
     assert survey.index is not None and survey.index_error is None
+
+
+def test_the_uploads_in_flight_are_the_receivers_gauges_not_delivers(
+    data_dir: Path, index: SyncIndex
+) -> None:
+    """The receiver's metrics count the uploads in flight; canner-deliver's survey does not list
+    uploads/ or receipts/ (their names grow with every object held) and its metrics leave those
+    gauges out, while the index's gauges are the same in both."""
+    populate(index)
+    make_upload(UploadStore(data_dir / "uploads"), 1, 100, 40)
+    config = parse_config(
+        {
+            "issuer": "https://canner.test",
+            "data_dir": str(data_dir),
+            "min_free_bytes": 1,
+            "max_upload_bytes": 1 << 20,
+            "partial_upload_retention": "30m",
+            "projects": {"example": {}},
+        },
+        data_dir,
+    )
+    clock = Clock()
+    clock.advance(NOW)
+    scraped = {}
+    for role in (RECEIVER, DELIVER):
+        metrics, cache = process_metrics(config, role, run_inline, clock)
+        succeeded(cache.refresh())
+        scraped[role] = metrics
+    assert sample(scraped[RECEIVER], "canner_active_uploads") == 1
+    assert sample(scraped[RECEIVER], "canner_active_upload_bytes") == 40
+    for name in ("canner_active_uploads", "canner_active_upload_bytes", "canner_promised_bytes"):
+        assert scraped[DELIVER].registry.get_sample_value(name) is None, name
+    pending = {"state": "pending"}
+    assert sample(scraped[DELIVER], "canner_deliveries", **pending) == sample(
+        scraped[RECEIVER], "canner_deliveries", **pending
+    )
 
 
 def test_survey_without_an_index_reports_the_error(tmp_path: Path) -> None:
