@@ -40,7 +40,7 @@ from canner.store.drain import (
     read_drain,
     retirement,
 )
-from canner.store.promises import unreceipted
+from canner.store.promises import sidecars_of, unreceipted
 from canner.store.receipts import ReceiptStore
 from canner.store.uploads import CorruptInfo, UploadInfo, UploadStore
 
@@ -337,20 +337,16 @@ def scan_uploads(
 
     ``candidates``: the ids that may be such uploads (the receiver's promises: the uploads in
     flight it holds in memory); None: every upload in ``uploads/`` without a receipt
-    (:func:`uploads_without_receipt`).  Only the candidates' files are read or looked at, each
-    as :func:`canner.store.promises.open_uploads` looks at it, so both give the same list."""
+    (:func:`uploads_without_receipt`).  Only the candidates' files are read or looked at, by
+    :func:`canner.store.promises.sidecars_of` as ``open_uploads`` reads them, so both give the
+    same list."""
     if candidates is None:
         candidates = uploads_without_receipt(uploads, receipts, ids)
     active, unreadable = [], 0
-    for upload_id in candidates:
-        if not ids.is_valid(upload_id) or receipts.receipt_path(upload_id).exists():
-            continue
-        try:
-            info = uploads.read_info(upload_id)
-        except CorruptInfo:
+    valid = [upload_id for upload_id in candidates if ids.is_valid(upload_id)]
+    for upload_id, info in sidecars_of(uploads, receipts, valid):
+        if info is None:
             unreadable += 1
-            continue
-        if info is None or info.rejected is not None:
             continue
         offset = uploads.offset(upload_id)
         idle = max(0.0, now - uploads.idle_since(upload_id))
