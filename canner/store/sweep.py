@@ -371,30 +371,30 @@ class StaleSweep:
                 self._adopting,
                 self._pace,
             )
-        elif self._ticks == 1:
-            watched = set(self._watched or ()) | promises.take_admitted()
-            d = self._run(
-                first_watched_tick,
-                self._uploads,
-                self._receipts,
-                self._journal,
-                watched,
-                promises.holds,
-                now,
-                self._retention,
-                self._adopting,
-            )
         else:
             watched = set(self._watched or ()) | promises.take_admitted()
-            d = self._run(
-                sweep_watched,
-                self._uploads,
-                self._receipts,
-                watched,
-                promises.holds,
-                now,
-                self._retention,
-            )
+            if self._ticks == 1:
+                d = self._run(
+                    first_watched_tick,
+                    self._uploads,
+                    self._receipts,
+                    self._journal,
+                    watched,
+                    promises.holds,
+                    now,
+                    self._retention,
+                    self._adopting,
+                )
+            else:
+                d = self._run(
+                    sweep_watched,
+                    self._uploads,
+                    self._receipts,
+                    watched,
+                    promises.holds,
+                    now,
+                    self._retention,
+                )
         return d.addCallback(self._report)
 
     def _report(self, report: SweepReport) -> None:

@@ -236,7 +236,9 @@ class _Observer(UploadObserver):
         self.removed += count
 
 
-def _sweep(root: Path, promises: Promises, watched: frozenset[str] | None) -> StaleSweep:
+def _sweep(
+    root: Path, promises: Promises, watched: frozenset[str] | None, adopting: Path | None = None
+) -> StaleSweep:
     clock = Clock()
     clock.advance(NOW)
     uploads, receipts = stores(root)
@@ -250,6 +252,7 @@ def _sweep(root: Path, promises: Promises, watched: frozenset[str] | None) -> St
         clock=clock,
         observer=_Observer(),
         promises=promises,
+        adopting=adopting,
         watched=watched,
         pace=lambda: None,
     )
@@ -351,27 +354,12 @@ def test_the_first_tick_after_start_up_removes_orphaned_temps_of_small_folders(
     young = adopting / f"{fs.TEMP_PREFIX}live-claim"
     young.write_bytes(b"being written")
     os.utime(young, (NOW, NOW))
-    clock = Clock()
-    clock.advance(NOW)
-    sweep = StaleSweep(
-        uploads=uploads,
-        receipts=receipts,
-        journal=Journal(tmp_path / "journal"),
-        ids=IDS,
-        retention=RETENTION,
-        run=run_inline,
-        clock=clock,
-        observer=_Observer(),
-        promises=Promises(),
-        adopting=adopting,
-        watched=frozenset(),
-        pace=lambda: None,
-    )
+    sweep = _sweep(tmp_path, Promises(), frozenset(), adopting)
 
     sweep.sweep()
     assert [temp.exists() for temp in temps] == [False, False, True]
     assert young.exists()
 
-    clock.advance(FULL_PASS_EVERY)
+    sweep._clock.advance(FULL_PASS_EVERY)  # type: ignore[attr-defined]
     sweep.sweep()
     assert not temps[2].exists()
