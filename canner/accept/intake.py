@@ -584,7 +584,14 @@ class UploadIntake:
             )
         # The offset answered (or found by the next HEAD) is durable before the lock goes: a
         # power cut after the 204 keeps it (see canner.store.uploads, durable offset).
-        return self._run(self._uploads.let_go, upload).addCallbacks(
+        let_go = self._run(self._uploads.let_go, upload)
+
+        def settled(result: object) -> object:
+            # The parent of a worker hears of the last bytes of every request (its surveys).
+            self.promises.settled(info.upload_id, offset)
+            return result
+
+        return let_go.addBoth(settled).addCallbacks(
             lambda _: UploadStanding(
                 info.upload_id, info.size, offset, info.metadata, None, location
             ),

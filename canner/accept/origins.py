@@ -14,9 +14,11 @@ serialised.  A failing lookup counts as no match: a duplicate is safe, a refused
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from attrs import define, field, frozen
@@ -25,7 +27,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum
-from canner.delivery.index import Index, ids_by_origin
+from canner.delivery.index import BUSY_TIMEOUT_MS, Index, ids_by_origin, known_among
 from canner.delivery.rescan import rescan_now
 from canner.ids import ObjectIds
 from canner.store.journal import Journal
@@ -178,6 +180,37 @@ class AcceptedOrigins:
         return None
 
 
+@contextmanager
+def unindexed_among(path: Path) -> Iterator[Callable[[list[str]], list[str]]]:
+    """Of a batch of ids (start-up's origin records, as it lists them), those the index at
+    ``path`` lacks (blocking, one read-only connection for the whole listing): the only ones
+    :func:`index_at_start` need check, so that a million objects at rest are never held.  Any
+    id the index cannot be asked about (no index yet, an error) is kept: the check adds only
+    what it finds missing."""
+    conn: sqlite3.Connection | None = None
+    try:
+        if path.exists():
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    except sqlite3.Error:
+        conn = None
+
+    def lacking(object_ids: list[str]) -> list[str]:
+        if conn is None:
+            return object_ids
+        try:
+            known = known_among(conn.cursor(), object_ids)
+        except sqlite3.Error:
+            return object_ids
+        return [object_id for object_id in object_ids if object_id not in known]
+
+    try:
+        yield lacking
+    finally:
+        if conn is not None:
+            conn.close()
+
+
 def index_at_start(
     path: Path,
     *,
@@ -196,8 +229,9 @@ def index_at_start(
     fatal: the receiver still accepts uploads).
 
     ``recorded``: the ids of every origin record in ``receipts/``, from a listing the caller
-    made already (start-up's, :attr:`~canner.store.promises.Unreceipted.recorded`); only those
-    are checked against the index, in sorted order (the index's key order).  None lists
+    made already (start-up's, :attr:`~canner.store.promises.Unreceipted.recorded`), or of
+    those the index lacked at that listing (:func:`unindexed_among`); only those are checked
+    against the index, in sorted order (the index's key order).  None lists
     ``receipts/`` here and checks every receipt in it."""
 
     def not_ours(object_id: str) -> bool:

@@ -25,6 +25,7 @@ worker's.  The parent counts what each worker holds, so a worker that dies leave
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, cast
@@ -48,9 +49,12 @@ log = Logger()
 # ``ReleaseAll`` carries this many ids per box (an AMP value holds at most 64 KiB).
 RELEASE_BATCH = 500
 # A worker tells the parent an upload's stored bytes once they grew by this much since it last
-# did (not per write): until then the parent counts the upload as owing more than it does,
-# which only errs towards refusing a creation.
+# did, or this many seconds after it last did (not per write), and when the request writing it
+# ends (``settled``): until then the parent counts the upload as owing more than it does, which
+# only errs towards refusing a creation, and its surveys show the bytes and the idle time the
+# parent last heard of (canner.ops.inventory.InFlightScan).
 STORED_STEP = 16 << 20
+STORED_EVERY = 5.0
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -387,8 +391,8 @@ class NodePromises(Promises):
     are the parent's, which count the node's).  Safe across threads, like :class:`Promises`."""
 
     _link: WorkerLink | None = None
-    # The stored bytes last told to the parent, by upload.
-    _told: dict[str, int] = field(factory=dict)
+    # The stored bytes last told to the parent, and when (time.monotonic), by upload.
+    _told: dict[str, tuple[int, float]] = field(factory=dict)
 
     def admit(self, upload_id: str, size: int, free: int, floor: int) -> Overpromised | None:
         assert self._link is not None
@@ -400,20 +404,32 @@ class NodePromises(Promises):
                 answer["free_bytes"], answer["promised_bytes"], answer["uploads"], size, floor
             )
         super().hold(upload_id, size, 0)
+        with self._lock:
+            self._told[upload_id] = (0, time.monotonic())
         return None
 
     def hold(self, upload_id: str, size: int, stored: int) -> None:
         super().hold(upload_id, size, stored)
         with self._lock:
-            self._told[upload_id] = stored
+            self._told[upload_id] = (stored, time.monotonic())
         self._tell(Hold, upload_id=upload_id, size=size, stored=stored)
 
     def stored(self, upload_id: str, offset: int) -> None:
         super().stored(upload_id, offset)
+        now = time.monotonic()
         with self._lock:
-            if offset - self._told.get(upload_id, 0) < STORED_STEP:
+            told, at = self._told.get(upload_id, (0, now))
+            if offset - told < STORED_STEP and now - at < STORED_EVERY:
                 return
-            self._told[upload_id] = offset
+            self._told[upload_id] = (offset, now)
+        self._tell(Stored, upload_id=upload_id, offset=offset)
+
+    def settled(self, upload_id: str, offset: int) -> None:
+        super().stored(upload_id, offset)
+        with self._lock:
+            if upload_id not in self._told:
+                return  # released meanwhile (the sweep's, or a reset's)
+            self._told[upload_id] = (offset, time.monotonic())
         self._tell(Stored, upload_id=upload_id, offset=offset)
 
     def release(self, upload_id: str) -> None:

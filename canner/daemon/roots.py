@@ -11,6 +11,7 @@ heartbeat) only once every other service has stopped, and the index and the lock
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from twisted.web.resource import IResource
 
 from canner.accept.acceptance import Acceptance
 from canner.accept.intake import UploadIntake
-from canner.accept.origins import AcceptedOrigins, index_at_start
+from canner.accept.origins import AcceptedOrigins, index_at_start, unindexed_among
 from canner.blocking import BlockingRunner, ThreadPoolRunner
 from canner.config import Config
 from canner.daemon.deliver_parts import (
@@ -66,6 +67,7 @@ from canner.fs import DataDirLock
 from canner.hq.objects import ObjectReader
 from canner.hq.routes import HQRoutes, Lookups, Releases, hq_tokens
 from canner.ledger.files import ArchivedIds, LedgerDir
+from canner.ops.inventory import InFlightScan
 from canner.ops.manhole import daemon_manhole
 from canner.ops.metrics import DELIVER, RECEIVER, Metrics, process_metrics
 from canner.ops.node import RosterCollector
@@ -134,6 +136,8 @@ class ReceiverParts:
     site: ReceiverSite
     floor: FloorWatch
     journal: Journal
+    # The uploads in flight as the surveys (status page, metrics) look at them: the promises'.
+    in_flight: InFlightScan
 
 
 def receiver_parts(
@@ -189,13 +193,14 @@ def receiver_parts(
     roster = parent.roster if parent is not None else None
     if roster is not None:
         metrics.register(RosterCollector(roster))
+    in_flight = InFlightScan(promises.versions)
     status = StatusSource.for_config(
         config,
         run=run,
         clock=clock,
         problems=problems,
         roster=roster,
-        in_flight=promises.upload_ids,
+        in_flight=in_flight,
     )
     archived = ArchivedIds(LedgerDir(config.data_dir / "ledger"))
     reader = ObjectReader(config.data_dir, config.object_ids, config.issuer, archived)
@@ -244,7 +249,7 @@ def receiver_parts(
         metrics_page=parent.metrics.render if parent is not None else None,
         forwarded=parent is not None,
     )
-    return ReceiverParts(acceptance, intake, origins, hq, site, floor, journal)
+    return ReceiverParts(acceptance, intake, origins, hq, site, floor, journal, in_flight)
 
 
 @frozen
@@ -256,26 +261,33 @@ class StartedUp:
     promises: Promises
     unreceipted: frozenset[str]
     recorded: tuple[str, ...] = ()
+    # Of ``unreceipted``, those whose sidecar could not be read (the sweep's first tick's).
+    unreadable: frozenset[str] = frozenset()
 
 
-def receiver_start_up(config: Config, uploads: UploadStore, receipts: ReceiptStore) -> StartedUp:
+def receiver_start_up(
+    config: Config, uploads: UploadStore, receipts: ReceiptStore, index_path: Path | None = None
+) -> StartedUp:
     """What a receiver does before it serves (blocking, under ``receiver.lock``): what a stop
     left of whole-file uploads is removed, every upload in flight is cut back to its durable
     offset after a restart of the machine; the promises to uploads in flight, from ``uploads/``.
 
-    One pass: the uploads without a receipt, by name (one listing each of ``uploads/`` and
-    ``receipts/``, :func:`~canner.store.promises.unreceipted`), then one read of each of their
-    sidecars, which the three steps share; nothing of an accepted payload is read or stat'ed.
-    The same listing of ``receipts/`` names the origin records, which :func:`index_at_start`
-    checks against the index."""
+    One pass: the uploads without a receipt (a listing of ``uploads/`` and a look for each
+    one's receipt, :func:`~canner.store.promises.unreceipted`), then one read of each of their
+    sidecars, which the three steps share; nothing of an accepted payload is read.  The one
+    listing of ``receipts/`` names the origin records, which :func:`index_at_start` checks
+    against the index; with ``index_path``, only those that index lacks as they are listed are
+    kept (:func:`unindexed_among`), so no step holds the ids of the objects at rest."""
     ids = config.object_ids
-    found = unreceipted(uploads, receipts, ids, with_origins=True)
+    with unindexed_among(index_path) if index_path is not None else nullcontext(None) as keep:
+        found = unreceipted(uploads, receipts, ids, with_origins=True, keep_origins=keep)
     in_flight = list(sidecars_of(uploads, receipts, sorted(found.sidecars)))
     removed = set(remove_whole_files(uploads, receipts, ids, in_flight))
     in_flight = [(upload_id, info) for upload_id, info in in_flight if upload_id not in removed]
     cut_after_restart(uploads, receipts, ids, config.data_dir, current_boot_id(), in_flight)
     promises = Promises.from_disk(uploads, receipts, ids, in_flight)
-    return StartedUp(promises, found.ids - removed, found.recorded)
+    unreadable = frozenset(upload_id for upload_id, info in in_flight if info is None)
+    return StartedUp(promises, found.ids - removed, found.recorded, unreadable)
 
 
 def receiver_service(
@@ -321,12 +333,15 @@ def receiver_service(
     caps = connection_limits(config.connections)
     workers = config.receiver.workers
     # On a node, the one account, which the workers reach over their channels.
-    started = receiver_start_up(config, uploads, receipts)
+    index_path = config.data_dir / "delivery.sqlite"
+    started = receiver_start_up(
+        config, uploads, receipts, index_path if index is not None else None
+    )
     if index is not None:
         # Before anything listens: a kill after a commit point may have left its row unwritten.
         # Only objects with an origin record can lack it (index_at_start): start-up listed them.
         index_at_start(
-            config.data_dir / "delivery.sqlite",
+            index_path,
             receipts=receipts,
             uploads=uploads,
             journal=Journal(config.data_dir / "journal"),
@@ -375,7 +390,7 @@ def receiver_service(
         parent=parent,
     )
     # The receiver's own account of its uploads in flight, instead of a walk of uploads/.
-    survey_cache.in_flight = parts.intake.promises.upload_ids
+    survey_cache.in_flight = parts.in_flight
     PeriodicService(
         clock=reactor,
         interval=config.metrics.refresh,
@@ -426,6 +441,7 @@ def receiver_service(
         promises=parts.intake.promises,
         adopting=adoption_dir(config.data_dir),
         watched=started.unreceipted,
+        unreadable=started.unreadable,
     )
     PeriodicService(
         clock=reactor, interval=sweep.interval, job=sweep.sweep, label="stale upload sweep"

@@ -16,11 +16,12 @@ import json
 import os
 import re
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import field, frozen
+from attrs import define, field, frozen
 
 from canner import fs
 from canner.delivery import index as sql
@@ -319,11 +320,12 @@ def read_index(path: Path, f: Any, *args: Any) -> Any:
 def uploads_without_receipt(
     uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds
 ) -> set[str]:
-    """Ids of the uploads in ``uploads/`` with a sidecar and no receipt (blocking), from one
-    names-only listing of each directory (:func:`canner.store.promises.unreceipted`), with no
-    stat or read per entry.  Rejected uploads and unreadable sidecars are still in:
+    """Ids of the uploads in ``uploads/`` with a sidecar and no receipt (blocking), from a
+    names-only listing of ``uploads/`` and a look for each one's receipt
+    (:func:`canner.store.promises.unreceipted`), nothing read.  Rejected uploads and unreadable
+    sidecars are still in:
     :func:`scan_uploads` reads the sidecars of these few."""
-    return set(unreceipted(uploads, receipts, ids).sidecars)
+    return set(unreceipted(uploads, receipts, ids, with_temps=False).sidecars)
 
 
 def scan_uploads(
@@ -348,14 +350,84 @@ def scan_uploads(
         if info is None:
             unreadable += 1
             continue
-        offset = uploads.offset(upload_id)
-        idle = max(0.0, now - uploads.idle_since(upload_id))
-        project = info.metadata.get("project", "")
-        active.append(ActiveUpload(upload_id, project, offset, info.size, idle))
+        active.append(_looked_at(uploads, upload_id, info).at(now))
     active.sort(key=lambda u: (u.idle_s, u.upload_id))
     return active, unreadable
 
 
+@frozen
+class _Looked:
+    """What a survey read of one upload in flight: an :class:`ActiveUpload` whose idle time is
+    kept as the time of its last change (``idle_since``), to be shown at any later ``now``."""
+
+    upload_id: str
+    project: str
+    offset: int
+    size: int
+    idle_since: float
+
+    def at(self, now: float) -> ActiveUpload:
+        idle = max(0.0, now - self.idle_since)
+        return ActiveUpload(self.upload_id, self.project, self.offset, self.size, idle)
+
+
+def _looked_at(uploads: UploadStore, upload_id: str, info: UploadInfo) -> _Looked:
+    """The upload's files as they are now, with its sidecar ``info`` (blocking)."""
+    project = info.metadata.get("project", "")
+    return _Looked(
+        upload_id, project, uploads.offset(upload_id), info.size, uploads.idle_since(upload_id)
+    )
+
+
+@define(eq=False)
+class InFlightScan:
+    """The uploads in flight of a running receiver as its surveys look at them (safe across
+    threads; one per receiver, shared by its metrics and its status page).
+
+    Which they are, and the number of each one's last change, come from its promises
+    (:meth:`canner.store.promises.Promises.versions`); an upload whose number is the one the
+    last survey saw is not read again: no write, hold or end of a request was promised since,
+    so its files are as they were, and only its idle time grows.  So a survey costs what
+    changed since the last one, not the uploads in flight: ten thousand idle ones cost no
+    read.  What it shows equals :func:`scan_uploads` with the promises' ids as candidates
+    (a worker tells its parent of its writes every few seconds and at the end of each request,
+    :data:`canner.daemon.node_protocol.STORED_EVERY`, so a write is seen that much later)."""
+
+    _versions: Callable[[], Mapping[str, int]]
+    # upload_id -> (the change number read at, what was read): the last survey's, pruned to
+    # the uploads still in flight by each survey.
+    _seen: dict[str, tuple[int, _Looked]] = field(factory=dict, init=False)
+    _lock: threading.Lock = field(factory=threading.Lock, init=False)
+
+    def scan(
+        self, uploads: UploadStore, receipts: ReceiptStore, ids: ObjectIds, now: float
+    ) -> tuple[list[ActiveUpload], int]:
+        """:func:`scan_uploads` of the uploads in flight now (blocking), reading only those
+        changed since the last scan.  Only what was read whole is kept: an upload without its
+        sidecar yet (admitted, not created), rejected or unreadable is read again next time."""
+        versions = self._versions()
+        with self._lock:
+            seen: dict[str, tuple[int, _Looked]] = {}
+            changed: dict[str, int] = {}
+            for upload_id, version in versions.items():
+                kept = self._seen.get(upload_id)
+                if kept is not None and kept[0] == version:
+                    seen[upload_id] = kept
+                elif ids.is_valid(upload_id):
+                    changed[upload_id] = version
+            unreadable = 0
+            for upload_id, info in sidecars_of(uploads, receipts, changed):
+                if info is None:
+                    unreadable += 1
+                else:
+                    seen[upload_id] = (changed[upload_id], _looked_at(uploads, upload_id, info))
+            self._seen = seen
+        active = [looked.at(now) for _, looked in seen.values()]
+        active.sort(key=lambda u: (u.idle_s, u.upload_id))
+        return active, unreadable
+
+
+# The ids of the uploads in flight, as a running receiver holds them (or an InFlightScan of them).
 UploadsInFlight = Callable[[], Iterable[str]]
 
 
@@ -364,16 +436,17 @@ def take_survey(
     ids: ObjectIds,
     now: float,
     history: bool = False,
-    in_flight: UploadsInFlight | None = None,
+    in_flight: UploadsInFlight | InFlightScan | None = None,
 ) -> Survey:
     """Look at ``data_dir`` and its index (blocking); failures become ``*_error`` fields.
 
     ``history``: also read the last 24 hours of trend samples (for the status page).
     ``in_flight``: the ids of the uploads in flight, as a running receiver holds them (its
     promises, :meth:`canner.store.promises.Promises.upload_ids`): only those are looked at,
-    instead of listing ``uploads/`` and ``receipts/``.  While the receiver runs the two agree
-    (every upload without a receipt holds a promise), except for an unreadable sidecar, which
-    promises nothing and which the sweep removes."""
+    instead of listing ``uploads/`` and ``receipts/`` (with an :class:`InFlightScan`: only those
+    changed since its last survey are read).  While the receiver runs the two agree (every
+    upload without a receipt holds a promise), except for an unreadable sidecar, which promises
+    nothing and which the sweep removes."""
     free: int | None = None
     free_error = index_error = None
     try:
@@ -382,9 +455,12 @@ def take_survey(
         free_error = e.strerror or str(e)
     uploads, receipts = UploadStore(data_dir / "uploads"), ReceiptStore(data_dir / "receipts")
     try:
-        active, unreadable = scan_uploads(
-            uploads, receipts, ids, now, None if in_flight is None else in_flight()
-        )
+        if isinstance(in_flight, InFlightScan):
+            active, unreadable = in_flight.scan(uploads, receipts, ids, now)
+        else:
+            active, unreadable = scan_uploads(
+                uploads, receipts, ids, now, None if in_flight is None else in_flight()
+            )
     except OSError:
         active, unreadable = [], 0
     summary = None

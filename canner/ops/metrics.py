@@ -49,7 +49,7 @@ from canner.config import Config
 from canner.delivery.liveness import RUNNING, InFlight, judge
 from canner.delivery.queue import State
 from canner.observe import Destination, Outbound
-from canner.ops.inventory import Survey, UploadsInFlight, take_survey
+from canner.ops.inventory import InFlightScan, Survey, UploadsInFlight, take_survey
 from canner.version import version
 from canner.web.routing import BAD_HOST_MESSAGE, bindable_host
 
@@ -408,7 +408,7 @@ class SurveyCache:
     _clock: IReactorTime
     latest: Survey | None = None
     # The receiver's uploads in flight (its promises): surveys look only at those.
-    in_flight: UploadsInFlight | None = None
+    in_flight: UploadsInFlight | InFlightScan | None = None
 
     def refresh(self) -> Deferred[None]:
         """Take a new survey off the reactor thread and keep it (a periodic job's body)."""

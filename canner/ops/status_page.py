@@ -35,7 +35,7 @@ from canner.delivery.liveness import Liveness, judge
 from canner.delivery.queue import State
 from canner.doors.rsync.incoming import count_waiting
 from canner.ops.humane import human_bytes, human_duration, shorten_ids
-from canner.ops.inventory import IndexSummary, Survey, UploadsInFlight, take_survey
+from canner.ops.inventory import IndexSummary, InFlightScan, Survey, UploadsInFlight, take_survey
 from canner.ops.node import WorkerCount, WorkerRoster
 from canner.ops.problems import Problem, RecentProblems
 from canner.ops.status_charts import Line, trend_chart
@@ -158,7 +158,7 @@ class StatusSource:
         clock: IReactorTime,
         problems: RecentProblems,
         roster: WorkerRoster | None = None,
-        in_flight: UploadsInFlight | None = None,
+        in_flight: UploadsInFlight | InFlightScan | None = None,
     ) -> StatusSource:
         """The receiver's status page source, started now: surveys with history, where each
         project delivers to, this version of canner and, with ``roster``, its workers.

@@ -18,11 +18,11 @@ status``, the status page, the metrics) counts every upload without a receipt, w
 included, since it cannot tell a PUT in flight from one a stop cut: the two agree while the
 receiver runs, and a stopped receiver's dead PUTs are counted until it starts.
 
-Which uploads have no receipt is a set difference of names (:func:`unreceipted`): one listing of
-``uploads/`` and one of ``receipts/``, no stat or read per entry, so its cost follows the number of
-names, not the bytes or sidecars at rest; only the uploads left over have their sidecars read
-(:func:`sidecars_of`).  A node holding a million accepted payloads reads ten thousand sidecars of
-uploads in flight, not a million.
+Which uploads have no receipt is found by name (:func:`unreceipted`): a listing of ``uploads/``
+and a look for each name's receipt, a batch of names at a time, so its cost follows the number of
+names, not the bytes or sidecars at rest, and it holds only what is left; only the uploads left
+over have their sidecars read (:func:`sidecars_of`).  A node holding a million accepted payloads
+reads ten thousand sidecars of uploads in flight, not a million.
 """
 
 from __future__ import annotations
@@ -89,21 +89,29 @@ class Promises:
     _admitted: set[str] | None = field(default=None)
     # The sum of _owed over _open, kept with every change to it (under _lock).
     _promised: int = field(init=False, default=0)
+    # Of every entry of _open, the number of its last change (0: as found at start), counted
+    # by _changes: what lets a survey re-read only the uploads that changed (versions).
+    _changed: dict[str, int] = field(init=False, factory=dict)
+    _changes: int = field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._promised = sum(_owed(entry) for entry in self._open.values())
+        self._changed = dict.fromkeys(self._open, 0)
 
     def _put(self, upload_id: str, entry: tuple[int, int]) -> None:
         """Set the entry of ``upload_id`` and the running total with it (under the lock)."""
         old = self._open.get(upload_id)
         self._promised += _owed(entry) - (0 if old is None else _owed(old))
         self._open[upload_id] = entry
+        self._changes += 1
+        self._changed[upload_id] = self._changes
 
     def _drop(self, upload_id: str) -> None:
         """End the entry of ``upload_id``, if any, and its share of the total (under the lock)."""
         old = self._open.pop(upload_id, None)
         if old is not None:
             self._promised -= _owed(old)
+            del self._changed[upload_id]
 
     @property
     def total(self) -> int:
@@ -121,6 +129,14 @@ class Promises:
         """The uploads holding a promise, now (the survey's uploads in flight)."""
         with self._lock:
             return list(self._open)
+
+    def versions(self) -> dict[str, int]:
+        """The uploads holding a promise, now, each with the number of its last change (the
+        survey's uploads in flight, :class:`canner.ops.inventory.InFlightScan`): an upload
+        whose number is the one a survey saw before has not been written, held or settled
+        since, so its files are as that survey found them."""
+        with self._lock:
+            return dict(self._changed)
 
     def admit(self, upload_id: str, size: int, free: int, floor: int) -> Overpromised | None:
         """Promise ``size`` bytes to a new upload unless that would overrun free space (the
@@ -148,6 +164,11 @@ class Promises:
             entry = self._open.get(upload_id)
             if entry is not None:
                 self._put(upload_id, (entry[0], offset))
+
+    def settled(self, upload_id: str, offset: int) -> None:
+        """The request writing the upload ended with ``offset`` bytes stored and durable (a
+        worker's stand-in tells its parent this one whatever it told before)."""
+        self.stored(upload_id, offset)
 
     def release(self, upload_id: str) -> None:
         """End the promise of an upload accepted, rejected, discarded or swept."""
@@ -218,14 +239,15 @@ class Unreceipted:
 
     # Every valid id with a data file or a sidecar in uploads/ and no receipt in receipts/.
     ids: frozenset[str]
-    # Of ``ids``, those whose sidecar was listed (an upload whose data file alone is left, a
-    # creation a power cut caught or a removal a crash cut, has none).
+    # Of ``ids``, those with a sidecar (an upload whose data file alone is left, a creation a
+    # power cut caught or a removal a crash cut, has none).
     sidecars: frozenset[str]
     # Temp files (fs.TEMP_PREFIX) listed in uploads/ and receipts/: what a crash may orphan.
     temps: tuple[Path, ...] = ()
     # With ``with_origins``: every valid id with an origin record (``{id}.meta.json``) listed in
-    # receipts/, receipted or not, in no order: the objects that may lack their index row after
-    # a crash (canner.accept.origins.index_at_start).  Empty without it.
+    # receipts/, receipted or not, in no order, or those ``keep_origins`` kept (start-up's: the
+    # objects that may lack their index row after a crash, canner.accept.origins.index_at_start).
+    # Empty without it.
     recorded: tuple[str, ...] = ()
 
 
@@ -252,8 +274,6 @@ def _names(
                 pace()
 
 
-# What the listings saw of one upload's id (bits of unreceipted's map).
-_SIDECAR, _RECEIPT, _ORIGIN = 1, 2, 4
 _ORIGIN_SUFFIX = ".meta.json"
 
 
@@ -264,59 +284,48 @@ def unreceipted(
     pace: Callable[[], None] = no_pace,
     *,
     with_origins: bool = False,
+    keep_origins: Callable[[list[str]], Iterable[str]] | None = None,
+    with_temps: bool = True,
 ) -> Unreceipted:
-    """The uploads in ``uploads/`` without a receipt, by name only (blocking): one listing of
-    ``uploads/``, then one of ``receipts/`` that marks every ``{id}.json`` received, with no
-    stat or read of any entry; ``pace`` is called every :data:`PACE_ENTRIES` entries.  With
-    ``with_origins`` the same listing of ``receipts/`` also gives ``recorded``, the ids of
-    every origin record (start-up's: the receiver lists ``receipts/`` once).
+    """The uploads in ``uploads/`` without a receipt (blocking): one names-only listing of
+    ``uploads/``, a look for ``receipts/{id}.json`` per id listed, then a look for the sidecar
+    of each upload left; then, for the temp files (``with_temps``) and the origin records
+    (``with_origins``), one names-only listing of ``receipts/``.  ``pace`` is called every
+    :data:`PACE_ENTRIES` entries listed.  ``recorded``: the ids of every origin record, or, with
+    ``keep_origins``, what it keeps of each batch of them (start-up's: those the index lacks).
 
-    The map held is the names in ``uploads/`` (the payloads waiting for delivery among them),
-    never those of ``receipts/`` (but for the origin records of objects without a payload in
-    ``uploads/``, with ``with_origins``: packaged ones).  A receipt committed after its name
-    was listed is missed: a caller that races acceptances checks again per upload
+    Nothing is held but a batch of names and what is left (the uploads in flight), whatever
+    the objects at rest: a node of a million objects lists their names and looks up a receipt
+    per waiting payload, but never holds them.  A receipt committed after its upload was
+    looked at is missed: a caller that races acceptances checks again per upload
     (:func:`sidecars_of` does)."""
-    # One string per upload, with what was listed of it: a node holding a million objects holds
-    # their waiting payloads' names here while receipts/ is listed, once; ``recorded`` reuses
-    # these strings rather than holding a second copy of each.
-    names: dict[str, int] = {}
+    exists, receipts_dir = os.path.exists, str(receipts.directory)
+    left: set[str] = set()
     temps: list[Path] = []
     for batch in _names(uploads.directory, pace):
-        for name in batch:
-            if name.startswith(fs.TEMP_PREFIX):
-                temps.append(uploads.directory / name)
-                continue
-            stem = name.removesuffix(".info")
-            if ids.is_valid(stem):
-                names[stem] = names.get(stem, 0) | (_SIDECAR if stem != name else 0)
-    # Origin records of objects without anything in uploads/.
-    elsewhere: list[str] = []
-    # No receipts/ (a data directory a receiver never started in): nothing has a receipt.
-    for batch in _names(receipts.directory, pace, missing_ok=True):
-        for name in batch:
-            if not name.endswith(".json"):
-                continue
-            # "{id}.meta.json" looks for "{id}.meta", which is no upload's name.
-            flags = names.get(name[:-5])
-            if flags is not None:
-                names[name[:-5]] = flags | _RECEIPT
-            elif with_origins and name.endswith(_ORIGIN_SUFFIX):
-                object_id = name[: -len(_ORIGIN_SUFFIX)]
-                flags = names.get(object_id)
-                if flags is not None:
-                    names[object_id] = flags | _ORIGIN
-                elif ids.is_valid(object_id):
-                    elsewhere.append(object_id)
-        temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
-    left = frozenset(upload_id for upload_id, flags in names.items() if not flags & _RECEIPT)
+        stems = {name[:-5] if name.endswith(".info") else name for name in batch}
+        left.update(stem for stem in stems if not exists(f"{receipts_dir}/{stem}.json"))
+        if with_temps:
+            temps += [uploads.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
+    found = frozenset(stem for stem in left if ids.is_valid(stem))
+    uploads_dir = str(uploads.directory)
     sidecars = frozenset(
-        upload_id for upload_id, flags in names.items() if flags & (_SIDECAR | _RECEIPT) == _SIDECAR
+        upload_id for upload_id in found if exists(f"{uploads_dir}/{upload_id}.info")
     )
-    recorded: tuple[str, ...] = ()
-    if with_origins:
-        elsewhere += [upload_id for upload_id, flags in names.items() if flags & _ORIGIN]
-        recorded = tuple(elsewhere)
-    return Unreceipted(left, sidecars, tuple(temps), recorded)
+    recorded: list[str] = []
+    if with_temps or with_origins:
+        # No receipts/ (a data directory a receiver never started in): nothing is in it.
+        for batch in _names(receipts.directory, pace, missing_ok=True):
+            if with_temps:
+                temps += [receipts.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
+            if with_origins:
+                origins = [
+                    object_id
+                    for object_id in (n[:-10] for n in batch if n.endswith(_ORIGIN_SUFFIX))
+                    if ids.is_valid(object_id)
+                ]
+                recorded += origins if keep_origins is None else keep_origins(origins)
+    return Unreceipted(found, sidecars, tuple(temps), tuple(recorded))
 
 
 def sidecars_of(

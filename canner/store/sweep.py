@@ -18,13 +18,16 @@ What a tick costs follows the uploads in flight, not what is at rest: ``uploads/
 every accepted payload waiting for delivery, a million on a busy node.  A tick looks only at the
 uploads the receiver knows of (:func:`sweep_watched`): those start-up found without a receipt,
 and every one admitted or held since (:meth:`Promises.take_admitted`), each dropped once it has
-its receipt or its files are gone.  An upload found idle (its mtimes) has its sidecar read; one
-not yet idle costs three stats.  What only a listing finds (a temp file a crash of canner-deliver
-left in ``receipts/``, an rsync adoption's rejected upload, files put there by hand) waits for
-the full pass (:func:`sweep_stale`, names only, :func:`canner.store.promises.unreceipted`), which
-runs once an hour with its I/O paced (:data:`PACE_PAUSE` every
-:data:`~canner.store.promises.PACE_ENTRIES` entries) so that uploads keep their latency; a temp
-file is an hour old before it goes (:data:`~canner.fs.TEMP_ORPHAN_AGE`), so it goes within two.
+its receipt or its files are gone, and each looked at only once it could be stale: one seen last
+changed at ``t`` is looked at again from ``t`` plus the retention (:class:`StaleSweep`), so a tick
+costs the uploads admitted since the last one and those whose time came.  An upload found idle
+(its mtimes) has its sidecar read; one not yet idle costs three stats.  What only a listing
+finds (a temp file a crash of canner-deliver left in ``receipts/``, an rsync adoption's rejected
+upload, files put there by hand) waits for the full pass (:func:`sweep_stale`, names only,
+:func:`canner.store.promises.unreceipted`), which runs once an hour with its I/O paced
+(:data:`PACE_PAUSE` every :data:`~canner.store.promises.PACE_ENTRIES` entries) so that uploads
+keep their latency; a temp file is an hour old before it goes (:data:`~canner.fs.TEMP_ORPHAN_AGE`),
+so it goes within two.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class SweepReport:
     unreadable: list[str] = field(factory=list)
     # The uploads without a receipt that are still there (or still promised): the next tick's.
     left: set[str] = field(factory=set)
+    # Of ``left``, when each was seen to have last changed (its newest mtime): none can be
+    # stale before that plus the retention, which is when the receiver's sweep looks again.
+    idle_since: dict[str, float] = field(factory=dict)
 
 
 def sweep_stale(
@@ -124,13 +130,25 @@ def first_watched_tick(
     now: float,
     retention: float,
     adopting: Path | None,
+    unreadable: Iterable[str] | None = None,
 ) -> SweepReport:
     """The first tick after start-up, whose listing was the first full pass: :func:`sweep_watched`
-    reading every sidecar, plus the orphaned temp files of ``journal/`` and ``adopting`` (small
-    directories: a claim a crash cut is finished at once, as before the pass became hourly).
-    Temp files in ``uploads/`` and ``receipts/`` wait for the hourly pass (listing those is what
-    start-up's pass spared)."""
-    report = sweep_watched(uploads, receipts, upload_ids, promised, now, retention, read_all=True)
+    reading the sidecars start-up could not read (``unreadable``; None: not known, every
+    sidecar is read), so that those go at once, plus the orphaned temp files of ``journal/`` and
+    ``adopting`` (small directories: a claim a crash cut is finished at once, as before the pass
+    became hourly).  Temp files in ``uploads/`` and ``receipts/`` wait for the hourly pass
+    (listing those is what start-up's pass spared)."""
+    if unreadable is None:
+        report = sweep_watched(uploads, receipts, upload_ids, promised, now, retention, True)
+    else:
+        damaged = set(unreadable)
+        rest = [upload_id for upload_id in upload_ids if upload_id not in damaged]
+        report = sweep_watched(uploads, receipts, rest, promised, now, retention)
+        read = sweep_watched(uploads, receipts, damaged, promised, now, retention, True)
+        report.removed += read.removed
+        report.unreadable += read.unreadable
+        report.left |= read.left
+        report.idle_since.update(read.idle_since)
     report.temps_removed = _remove_orphaned_temps((), journal, adopting, now)
     return report
 
@@ -178,11 +196,12 @@ def _sweep_uploads(
             if promised(upload_id):
                 report.left.add(upload_id)
             continue
-        if not read_all and now - idle <= retention:
-            report.left.add(upload_id)
+        if (read_all or now - idle > retention) and _sweep_one(
+            uploads, receipts, upload_id, now, idle, retention, report
+        ):
             continue
-        if not _sweep_one(uploads, receipts, upload_id, now, idle, retention, report):
-            report.left.add(upload_id)
+        report.left.add(upload_id)
+        report.idle_since[upload_id] = idle
     return report
 
 
@@ -319,7 +338,14 @@ class StaleSweep:
 
     ``watched``: the uploads without a receipt start-up found
     (:class:`~canner.store.promises.Unreceipted`), which makes start-up's pass the first full
-    one; without it the first tick is a full pass.  Without ``promises`` every tick is one."""
+    one; without it the first tick is a full pass.  Without ``promises`` every tick is one.
+
+    A tick looks at what changed: the uploads admitted or held since the last one, and those
+    whose time has come, an upload seen last changed at ``t`` being looked at again only from
+    ``t + retention`` (no upload can become stale sooner: a write only makes it younger), so a
+    tick over ten thousand uploads in flight that were written in the last hours reads
+    nothing.  One kept though due (complete and awaiting acceptance, or locked) is looked at
+    every tick, as one not found yet (admitted, its files not created)."""
 
     _uploads: UploadStore
     _receipts: ReceiptStore
@@ -334,6 +360,12 @@ class StaleSweep:
     # The rsync adoption area, whose temp files are swept too (it may outlive an [rsync] door).
     _adopting: Path | None = None
     _watched: Iterable[str] | None = None
+    # Of ``watched``, the uploads whose sidecar start-up could not read (None: not known, and
+    # the first tick reads every sidecar): the first tick reads only these.
+    _unreadable: Iterable[str] | None = None
+    # Every upload watched, and from when on it could be stale (set from _watched, then by
+    # every report): the ticks' schedule.
+    _due: dict[str, float] = field(factory=dict, init=False)
     _pace: Callable[[], None] = paced
     # When the last full pass ran (start-up's, when ``watched`` came from it); None: never.
     _full_at: float | None = field(default=None, init=False)
@@ -343,7 +375,7 @@ class StaleSweep:
         if self._promises is not None:
             self._promises.record_admissions()
         if self._watched is not None:
-            self._watched = set(self._watched)
+            self._due = dict.fromkeys(self._watched, 0.0)
             self._full_at = self._clock.seconds()
 
     @property
@@ -371,34 +403,48 @@ class StaleSweep:
                 self._adopting,
                 self._pace,
             )
+            return d.addCallback(self._report)
+        due = self._due
+        watched = {upload_id for upload_id, at in due.items() if at <= now}
+        watched.update(upload_id for upload_id in promises.take_admitted() if upload_id not in due)
+        if self._ticks == 1:
+            watched.update(due)
+            d = self._run(
+                first_watched_tick,
+                self._uploads,
+                self._receipts,
+                self._journal,
+                watched,
+                promises.holds,
+                now,
+                self._retention,
+                self._adopting,
+                self._unreadable,
+            )
+            self._unreadable = None
         else:
-            watched = set(self._watched or ()) | promises.take_admitted()
-            if self._ticks == 1:
-                d = self._run(
-                    first_watched_tick,
-                    self._uploads,
-                    self._receipts,
-                    self._journal,
-                    watched,
-                    promises.holds,
-                    now,
-                    self._retention,
-                    self._adopting,
-                )
-            else:
-                d = self._run(
-                    sweep_watched,
-                    self._uploads,
-                    self._receipts,
-                    watched,
-                    promises.holds,
-                    now,
-                    self._retention,
-                )
-        return d.addCallback(self._report)
+            d = self._run(
+                sweep_watched,
+                self._uploads,
+                self._receipts,
+                watched,
+                promises.holds,
+                now,
+                self._retention,
+            )
+        return d.addCallback(self._report, watched)
 
-    def _report(self, report: SweepReport) -> None:
-        self._watched = report.left
+    def _report(self, report: SweepReport, looked: set[str] | None = None) -> None:
+        """Count and log what went; schedule what is left (``looked``: the ids the tick was
+        given, None: a full pass, which was given every upload)."""
+        retention, seen = self._retention, report.idle_since
+        if looked is None:
+            self._due = {}
+        else:
+            for upload_id in looked:
+                self._due.pop(upload_id, None)
+        for upload_id in report.left:
+            self._due[upload_id] = seen.get(upload_id, 0.0) + retention
         if self._promises is not None:
             self._promises.release_all(report.removed)
         if report.removed:

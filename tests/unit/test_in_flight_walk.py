@@ -363,3 +363,66 @@ def test_the_first_tick_after_start_up_removes_orphaned_temps_of_small_folders(
     sweep._clock.advance(FULL_PASS_EVERY)  # type: ignore[attr-defined]
     sweep.sweep()
     assert not temps[2].exists()
+
+
+def test_a_tick_looks_at_an_upload_again_only_once_it_could_be_stale(tmp_path: Path) -> None:
+    """An upload a tick saw last changed at ``t`` is not looked at before ``t`` plus the
+    retention: made to look stale on disk behind the receiver's back (its mtimes set back), it
+    stays until then and goes at the first tick after."""
+    uploads, receipts = stores(tmp_path)
+    uploads.directory.mkdir()
+    receipts.directory.mkdir()
+    written = NOW - RETENTION / 2
+    upload_id = _upload(uploads, _info(IDS.new()), 10, mtime=written)
+    promises = Promises()
+    promises.hold(upload_id, SIZE, 10)
+    sweep = _sweep(tmp_path, promises, frozenset({upload_id}))
+    clock: Clock = sweep._clock  # type: ignore[attr-defined]
+    sweep.sweep()  # the first tick reads it: not stale, looked at again from written + RETENTION
+    assert uploads.present(upload_id)
+    for path in (uploads.data_path(upload_id), uploads.info_path(upload_id)):
+        os.utime(path, (NOW - 2 * RETENTION, NOW - 2 * RETENTION))
+
+    while clock.seconds() + sweep.interval < written + RETENTION:
+        clock.advance(sweep.interval)
+        sweep.sweep()
+        assert uploads.present(upload_id), clock.seconds()
+    clock.advance(sweep.interval)
+    sweep.sweep()
+    assert not uploads.present(upload_id)
+    assert not promises.holds(upload_id)
+
+
+def test_the_first_tick_reads_only_the_sidecars_start_up_could_not_read(tmp_path: Path) -> None:
+    """Start-up read every sidecar of the uploads in flight already: the first tick reads again
+    only those it found unreadable (and removes them at once), not the ten thousand others; a
+    sidecar damaged after start-up waits until its upload could be stale."""
+    uploads, receipts = stores(tmp_path)
+    uploads.directory.mkdir()
+    receipts.directory.mkdir()
+    found = _upload(uploads, _info(IDS.new()), 10)
+    later = _upload(uploads, _info(IDS.new()), 10)
+    uploads.info_path(found).write_text("not json")
+    clock = Clock()
+    clock.advance(NOW)
+    sweep = StaleSweep(
+        uploads=uploads,
+        receipts=receipts,
+        journal=Journal(tmp_path / "journal"),
+        ids=IDS,
+        retention=RETENTION,
+        run=run_inline,
+        clock=clock,
+        observer=_Observer(),
+        promises=Promises(),
+        watched=frozenset({found, later}),
+        unreadable=frozenset({found}),
+        pace=lambda: None,
+    )
+    uploads.info_path(later).write_text("not json")
+    os.utime(uploads.info_path(later), (NOW, NOW))
+
+    sweep.sweep()
+
+    assert not uploads.present(found)
+    assert uploads.present(later)

@@ -21,8 +21,10 @@ from canner.accept.origins import AcceptedOrigins, OriginKey
 from canner.blocking import BlockingRunner
 from canner.checksum import parse_checksum
 from canner.config import ConfigError, parse_config, usable_cores
+from canner.daemon import node_protocol
 from canner.daemon.node import settle_uploads
 from canner.daemon.node_protocol import (
+    STORED_EVERY,
     STORED_STEP,
     Admit,
     BeginOrigin,
@@ -132,6 +134,38 @@ def test_stand_in_promises_tell_the_parent_in_order(tmp_path: Path) -> None:
     promises.release_all(["a"])
     node.flush()
     assert node.state.promises.total == 0 and node.answers[1].held.uploads == set()
+
+
+def test_stand_in_promises_tell_small_writes_later_and_at_the_end_of_a_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes smaller than a step reach the parent once STORED_EVERY has passed since it last
+    heard of the upload, and the bytes a request ended with when it ends (what the parent's
+    surveys show of the upload, and when its idle time starts)."""
+    now = [1000.0]
+    monkeypatch.setattr(node_protocol.time, "monotonic", lambda: now[0])
+    node = Node(tmp_path)
+    promises = NodePromises(link=node.links[1])
+    size = 4 * STORED_STEP
+    promises.hold("a", size, 0)
+    node.flush()
+    parent = node.state.promises
+    version = parent.versions()["a"]
+    promises.stored("a", 30)
+    node.flush()
+    assert parent.versions()["a"] == version and parent.total == size
+    now[0] += STORED_EVERY
+    promises.stored("a", 40)
+    node.flush()
+    assert parent.total == size - 40 and parent.versions()["a"] > version
+    promises.stored("a", 50)
+    promises.settled("a", 55)
+    node.flush()
+    assert parent.total == promises.total == size - 55
+    promises.release("a")
+    promises.settled("a", 60)  # a request ending after the sweep's release tells nothing
+    node.flush()
+    assert parent.total == 0 and "a" not in parent.versions()
 
 
 def test_connections_are_capped_across_workers_and_a_dead_worker_frees_its_own(

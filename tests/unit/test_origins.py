@@ -12,7 +12,7 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import LogLevel, capturedLogs, formatEvent
 
-from canner.accept.origins import AcceptedOrigins, OriginKey, index_at_start
+from canner.accept.origins import AcceptedOrigins, OriginKey, index_at_start, unindexed_among
 from canner.blocking import run_inline
 from canner.checksum import parse_checksum
 from canner.delivery import index as sql
@@ -427,6 +427,47 @@ def test_the_start_fed_by_start_ups_listing_adds_what_a_listing_of_its_own_adds(
         assert start_fed() == full.start() == 2
         assert fed.rows() == full.rows() == [oid(1), oid(2), oid(3)]
         assert start_fed() == 0
+    finally:
+        full.index.close()
+        fed.index.close()
+
+
+def test_a_start_up_listing_keeps_only_the_origin_records_the_index_lacks(
+    tmp_path: Path,
+) -> None:
+    """Start-up keeps, of each batch of origin records it lists, only those whose object the
+    index lacks (the ids of a million objects at rest are not held): the start fed with those
+    adds the rows a full listing adds, and without a readable index every record is kept."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "fed").mkdir()
+    full, fed = Restarted(tmp_path / "full"), Restarted(tmp_path / "fed")
+    try:
+        for node in (full, fed):
+            _every_start_state(node)
+        uploads = UploadStore(fed.root / "uploads")
+        with unindexed_among(fed.path) as lacking:
+            listed = unreceipted(
+                uploads, fed.receipts, ObjectIds(), with_origins=True, keep_origins=lacking
+            )
+        everything = unreceipted(uploads, fed.receipts, ObjectIds(), with_origins=True)
+        indexed = set(fed.rows())
+        assert sorted(listed.recorded) == sorted(set(everything.recorded) - indexed)
+        assert indexed & set(everything.recorded)  # some were dropped
+        with unindexed_among(tmp_path / "no-such.sqlite") as lacking:
+            assert lacking([oid(1), oid(2)]) == [oid(1), oid(2)]
+
+        added = index_at_start(
+            fed.path,
+            receipts=fed.receipts,
+            uploads=uploads,
+            journal=fed.journal,
+            archived=fed.archived.__contains__,
+            object_ids=ObjectIds(),
+            now=lambda: 100.0,
+            recorded=listed.recorded,
+        )
+        assert added == full.start() == 2
+        assert fed.rows() == full.rows()
     finally:
         full.index.close()
         fed.index.close()

@@ -14,12 +14,20 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from attrs import evolve
 
 from canner.checksum import parse_checksum
 from canner.delivery import index as sql
 from canner.ids import ObjectIds
 from canner.ops import inventory
-from canner.ops.inventory import ActiveUpload, UnknownId, id_prefix, scan_uploads, take_survey
+from canner.ops.inventory import (
+    ActiveUpload,
+    InFlightScan,
+    UnknownId,
+    id_prefix,
+    scan_uploads,
+    take_survey,
+)
 from canner.store.promises import Promises, open_uploads
 from canner.store.receipts import DeliveryRecord, Origin, Receipt, ReceiptStore
 from canner.store.uploads import UploadDoor, UploadInfo, UploadStore
@@ -243,6 +251,39 @@ def test_the_receivers_promises_give_the_same_uploads(data_dir: Path) -> None:
     assert oid(1) in ids
     after = take_survey(data_dir, IDS, NOW, in_flight=lambda: ids)
     assert oid(1) not in {u.upload_id for u in after.active_uploads}
+
+
+def test_a_receivers_survey_reads_only_the_uploads_whose_promise_changed(data_dir: Path) -> None:
+    """Through an :class:`InFlightScan` the first survey shows what the promises' ids show;
+    the next one reads only the uploads written, held or settled since (a sidecar damaged behind
+    the receiver's back is not read again until the upload changes), and only the idle times
+    of the others grow."""
+    uploads, receipts = stores(data_dir)
+    promises = Promises.from_disk(uploads, receipts, IDS)
+    scan = InFlightScan(promises.versions)
+    first = take_survey(data_dir, IDS, NOW, in_flight=scan)
+    assert (
+        first.active_uploads
+        == take_survey(data_dir, IDS, NOW, in_flight=promises.upload_ids).active_uploads
+    )
+    uploads.info_path(oid(1)).write_text("not json")
+    with open(uploads.data_path(oid(12)), "ab") as f:
+        f.write(b"y" * 5)
+    promises.stored(oid(12), 15)  # a write the receiver made
+    promises.release(oid(9))
+
+    later = take_survey(data_dir, IDS, NOW + 60, in_flight=scan)
+
+    before = {u.upload_id: u for u in first.active_uploads}
+    after = {u.upload_id: u for u in later.active_uploads}
+    assert set(after) == set(before) - {oid(9)}
+    assert after[oid(1)] == evolve(before[oid(1)], idle_s=before[oid(1)].idle_s + 60)
+    assert after[oid(12)].offset == 15 and after[oid(12)].idle_s < 60
+    assert later.unreadable_uploads == 0
+    promises.stored(oid(1), 40)  # the upload changes: read again, and found unreadable
+    again = take_survey(data_dir, IDS, NOW + 60, in_flight=scan)
+    assert oid(1) not in {u.upload_id for u in again.active_uploads}
+    assert again.unreadable_uploads == 1
 
 
 @pytest.mark.parametrize(
