@@ -27,7 +27,7 @@ from twisted.logger import Logger
 
 from canner.blocking import BlockingRunner
 from canner.checksum import Checksum
-from canner.delivery.index import BUSY_TIMEOUT_MS, Index, ids_by_origin, known_among
+from canner.delivery.index import Index, ids_by_origin, known_among, open_read_only
 from canner.delivery.rescan import rescan_now
 from canner.ids import ObjectIds
 from canner.store.journal import Journal
@@ -187,12 +187,10 @@ def unindexed_among(path: Path) -> Iterator[Callable[[list[str]], list[str]]]:
     :func:`index_at_start` need check, so that a million objects at rest are never held.  Any
     id the index cannot be asked about (no index yet, an error) is kept: the check adds only
     what it finds missing."""
-    conn: sqlite3.Connection | None = None
+    conn: sqlite3.Connection | None
     try:
-        if path.exists():
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    except sqlite3.Error:
+        conn = open_read_only(path)
+    except (OSError, sqlite3.Error):
         conn = None
 
     def lacking(object_ids: list[str]) -> list[str]:

@@ -135,6 +135,15 @@ def damaged_index(path: Path, error: object) -> str:
     return f"delivery index {path} is damaged ({error}): {RECOVERY}"
 
 
+def open_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to the delivery index; FileNotFoundError when there is none."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (has canner run on this data directory?)")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    return conn
+
+
 def index_damage(path: Path) -> str | None:
     """What is wrong with the index at ``path`` when it is no readable database (SQLite's error,
     or the first finding of ``PRAGMA quick_check``); None when it is sound or missing.  Reads it

@@ -26,6 +26,9 @@ from attrs import define, field, frozen
 from canner import fs
 from canner.delivery import index as sql
 from canner.delivery.index import ObjectRow
+
+# The operator's commands open the index through the survey's module (its one opener).
+from canner.delivery.index import open_read_only as open_read_only
 from canner.delivery.liveness import Heartbeat, judge, read_heartbeat
 from canner.delivery.queue import State
 from canner.ids import ObjectIds
@@ -161,15 +164,6 @@ class Survey:
 
 
 # -- the index ---------------------------------------------------------------------------------
-
-
-def open_read_only(path: Path) -> sqlite3.Connection:
-    """A read-only connection to the delivery index; FileNotFoundError when there is none."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (has canner run on this data directory?)")
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-    conn.execute(f"PRAGMA busy_timeout={sql.BUSY_TIMEOUT_MS}")
-    return conn
 
 
 # A package's phase, from its build state and its delivery and local-file facts.
