@@ -237,7 +237,11 @@ class _Observer(UploadObserver):
 
 
 def _sweep(
-    root: Path, promises: Promises, watched: frozenset[str] | None, adopting: Path | None = None
+    root: Path,
+    promises: Promises,
+    watched: frozenset[str] | None,
+    adopting: Path | None = None,
+    unreadable: frozenset[str] | None = None,
 ) -> StaleSweep:
     clock = Clock()
     clock.advance(NOW)
@@ -254,6 +258,7 @@ def _sweep(
         promises=promises,
         adopting=adopting,
         watched=watched,
+        unreadable=unreadable,
         pace=lambda: None,
     )
 
@@ -403,22 +408,7 @@ def test_the_first_tick_reads_only_the_sidecars_start_up_could_not_read(tmp_path
     found = _upload(uploads, _info(IDS.new()), 10)
     later = _upload(uploads, _info(IDS.new()), 10)
     uploads.info_path(found).write_text("not json")
-    clock = Clock()
-    clock.advance(NOW)
-    sweep = StaleSweep(
-        uploads=uploads,
-        receipts=receipts,
-        journal=Journal(tmp_path / "journal"),
-        ids=IDS,
-        retention=RETENTION,
-        run=run_inline,
-        clock=clock,
-        observer=_Observer(),
-        promises=Promises(),
-        watched=frozenset({found, later}),
-        unreadable=frozenset({found}),
-        pace=lambda: None,
-    )
+    sweep = _sweep(tmp_path, Promises(), frozenset({found, later}), unreadable=frozenset({found}))
     uploads.info_path(later).write_text("not json")
     os.utime(uploads.info_path(later), (NOW, NOW))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -394,6 +395,21 @@ def _every_start_state(node: Restarted) -> None:
     node.receipts.record_origin(oid(6), Origin("urls", "f.warc.zst", "alice"))
 
 
+@contextmanager
+def _full_and_fed(tmp_path: Path) -> Iterator[tuple[Restarted, Restarted]]:
+    """Two nodes left in every start state: one to start on a listing of its own, one to feed."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "fed").mkdir()
+    full, fed = Restarted(tmp_path / "full"), Restarted(tmp_path / "fed")
+    try:
+        for node in (full, fed):
+            _every_start_state(node)
+        yield full, fed
+    finally:
+        full.index.close()
+        fed.index.close()
+
+
 def test_the_start_fed_by_start_ups_listing_adds_what_a_listing_of_its_own_adds(
     tmp_path: Path,
 ) -> None:
@@ -401,12 +417,7 @@ def test_the_start_fed_by_start_ups_listing_adds_what_a_listing_of_its_own_adds(
     (``unreceipted(..., with_origins=True).recorded``), not every receipt again: the rows it
     adds are those a full listing of receipts/ adds, the unindexed commit with its payload
     waiting and the packaged one among them, and a second start adds nothing."""
-    (tmp_path / "full").mkdir()
-    (tmp_path / "fed").mkdir()
-    full, fed = Restarted(tmp_path / "full"), Restarted(tmp_path / "fed")
-    try:
-        for node in (full, fed):
-            _every_start_state(node)
+    with _full_and_fed(tmp_path) as (full, fed):
         listed = unreceipted(
             UploadStore(fed.root / "uploads"), fed.receipts, ObjectIds(), with_origins=True
         )
@@ -427,9 +438,6 @@ def test_the_start_fed_by_start_ups_listing_adds_what_a_listing_of_its_own_adds(
         assert start_fed() == full.start() == 2
         assert fed.rows() == full.rows() == [oid(1), oid(2), oid(3)]
         assert start_fed() == 0
-    finally:
-        full.index.close()
-        fed.index.close()
 
 
 def test_a_start_up_listing_keeps_only_the_origin_records_the_index_lacks(
@@ -438,12 +446,7 @@ def test_a_start_up_listing_keeps_only_the_origin_records_the_index_lacks(
     """Start-up keeps, of each batch of origin records it lists, only those whose object the
     index lacks (the ids of a million objects at rest are not held): the start fed with those
     adds the rows a full listing adds, and without a readable index every record is kept."""
-    (tmp_path / "full").mkdir()
-    (tmp_path / "fed").mkdir()
-    full, fed = Restarted(tmp_path / "full"), Restarted(tmp_path / "fed")
-    try:
-        for node in (full, fed):
-            _every_start_state(node)
+    with _full_and_fed(tmp_path) as (full, fed):
         uploads = UploadStore(fed.root / "uploads")
         with unindexed_among(fed.path) as lacking:
             listed = unreceipted(
@@ -468,6 +471,3 @@ def test_a_start_up_listing_keeps_only_the_origin_records_the_index_lacks(
         )
         assert added == full.start() == 2
         assert fed.rows() == full.rows()
-    finally:
-        full.index.close()
-        fed.index.close()
