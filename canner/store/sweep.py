@@ -407,8 +407,7 @@ class StaleSweep:
         due = self._due
         watched = {upload_id for upload_id, at in due.items() if at <= now}
         watched.update(upload_id for upload_id in promises.take_admitted() if upload_id not in due)
-        if self._ticks == 1:
-            watched.update(due)
+        if self._ticks == 1:  # every upload start-up found is due (at 0.0)
             d = self._run(
                 first_watched_tick,
                 self._uploads,
