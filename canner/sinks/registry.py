@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import evolve, field, frozen
 
@@ -28,11 +28,11 @@ from canner.config import (
 from canner.sinks.base import Sink
 from canner.sinks.directory import DIRECTORY_TABLE, DirectoryDelivery, DirectorySink
 from canner.sinks.ia.config import IA_TABLE, IADelivery
-from canner.sinks.ia.multipart import PartJournal
-from canner.sinks.ia.pacing import PutGate
-from canner.sinks.ia.sink import internet_archive_sink
 from canner.sinks.plan import check_destination, check_ledger
-from canner.sinks.transport import make_http_client
+
+if TYPE_CHECKING:
+    from canner.sinks.ia.multipart import PartJournal
+    from canner.sinks.ia.pacing import PutGate
 
 
 @frozen
@@ -128,6 +128,13 @@ class _IAShared:
 
 
 def _internet_archive(project_id: str, project: ProjectConfig, env: SinkEnv) -> Sink:
+    # Imported when a daemon builds the sink, not with the registry: every ``canner`` command
+    # loads a config through it, and the HTTP client (treq, TLS) is half a second of start-up
+    # none of them uses.
+    from canner.sinks.ia.multipart import PartJournal
+    from canner.sinks.ia.sink import internet_archive_sink
+    from canner.sinks.transport import make_http_client
+
     delivery = _table(project, IADelivery)
     shared = env.shared.get(IA_TABLE.name)
     if shared is None:
