@@ -33,21 +33,16 @@ def release(config_path: Path, given: Sequence[str], io: Io) -> int:
         receipt_ids.append(f"receipt:{oid}")
     oids = [rel.object_id_of(r) for r in receipt_ids]
     now = io.now()
-    candidates = transact(data_dir, rel.release_candidates, oids)
+    journal = Journal(data_dir / "journal")
+    candidates, released = transact(data_dir, rel.release_known, journal, oids, now, "operator")
     archived_ids = ArchivedIds(LedgerDir(data_dir / "ledger"))
     archived = {}
     for oid in oids:
         where = archived_ids.find(oid) if oid not in candidates else None
         if where is not None:
             archived[oid] = where.released_at
-    answers, to_publish = rel.classify(
-        receipt_ids, candidates, archived, config.object_ids.is_valid
-    )
-    published: dict[str, float] = {}
-    if to_publish:
-        journal = Journal(data_dir / "journal")
-        published = transact(data_dir, rel.record_releases, journal, to_publish, now, "operator")
-    results = rel.finish_answers(receipt_ids, answers, published, now)
+    answers, _ = rel.classify(receipt_ids, candidates, archived, config.object_ids.is_valid)
+    results = rel.finish_answers(receipt_ids, answers, released, now)
     for result in results:
         line(io, result.as_dict())
     refused = [r for r in results if r.status in (rel.NOT_DELIVERED, rel.UNKNOWN)]

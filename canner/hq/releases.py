@@ -180,30 +180,12 @@ def release_candidates(cur: sqlite3.Cursor, object_ids: Sequence[str]) -> dict[s
 def record_releases(
     cur: sqlite3.Cursor, journal: Journal, object_ids: Sequence[str], now: float, client: str
 ) -> dict[str, float]:
-    """Release ``object_ids`` (delivered and verified, as :func:`classify` found them) in the
-    caller's index transaction; returns each id's ``released_at``: ``now`` where this call set
-    it, the earlier value where a release got there first.
-
-    The guarded update takes the index's write lock; the journal segment of the rows it changed
-    is written and fsynced before the transaction commits, so an answer is only ever given for
-    a time that is durable twice (see :mod:`canner.store.journal` for why a crash in between is
-    harmless).  An id that is no longer releasable is left out.
-    """
+    """Release every releasable id of ``object_ids`` (delivered and verified) in the caller's
+    index transaction (:func:`_release_guarded`); returns each released id's ``released_at``:
+    ``now`` where this call set it, the earlier value where a release got there first.  An id
+    not releasable is left out."""
     ids = list(dict.fromkeys(object_ids))
-    if not ids:
-        return {}
-    marks = ", ".join("?" for _ in ids)
-    cur.execute(
-        "UPDATE objects SET released_at = ? WHERE released_at IS NULL"
-        f" AND object_id IN (SELECT object_id FROM object_delivery WHERE object_id IN ({marks})"
-        "   AND state = 'delivered' AND verified_at IS NOT NULL)"
-        " RETURNING object_id",
-        [now, *ids],
-    )
-    changed = [oid for (oid,) in cur.fetchall()]
-    if changed:
-        journal.append([release_record(oid, now, client) for oid in changed])
-    result = dict.fromkeys(changed, now)
+    result = dict.fromkeys(_release_guarded(cur, journal, ids, now, client), now)
     rest = [oid for oid in ids if oid not in result]
     if rest:
         marks = ", ".join("?" for _ in rest)
@@ -214,6 +196,54 @@ def record_releases(
         )
         result.update(cur.fetchall())
     return result
+
+
+def release_known(
+    cur: sqlite3.Cursor, journal: Journal, object_ids: Sequence[str], now: float, client: str
+) -> tuple[dict[str, Candidate], dict[str, float]]:
+    """A release request's work in the index, in the caller's transaction: release what is
+    releasable (:func:`_release_guarded`), then look up only the ids it did not release.
+
+    Returns what :func:`classify` and :func:`finish_answers` read: the indexed ids among
+    ``object_ids`` as :class:`Candidate` s, where an id this call released shows as releasable
+    and not released yet (its answer comes from the times), and the ids this call released,
+    at ``now``.  Releasing first leaves one look per id in the usual batch (every id
+    delivered), where looking first and releasing after took three."""
+    ids = list(dict.fromkeys(object_ids))
+    changed = _release_guarded(cur, journal, ids, now, client)
+    released = dict.fromkeys(changed, now)
+    candidates = release_candidates(cur, [oid for oid in ids if oid not in released])
+    candidates.update((oid, Candidate(oid, True, None)) for oid in changed)
+    return candidates, released
+
+
+def _release_guarded(
+    cur: sqlite3.Cursor, journal: Journal, ids: list[str], now: float, client: str
+) -> list[str]:
+    """Set ``released_at`` to ``now`` on those of ``ids`` (distinct) delivered and verified and
+    not released yet; returns them.
+
+    The guarded update takes the index's write lock; the journal segment of the rows it changed
+    is written and fsynced before the caller's transaction commits, so an answer is only ever
+    given for a time that is durable twice (see :mod:`canner.store.journal` for why a crash in
+    between is harmless)."""
+    if not ids:
+        return []
+    marks = ", ".join("?" for _ in ids)
+    # One look per id in each table (the delivery row through its key, not through the view,
+    # whose join looks the object up a second time): at a million rows each look is a page
+    # read the cache misses, the only part of a release batch that grows with the index.
+    cur.execute(
+        f"UPDATE objects SET released_at = ? WHERE object_id IN ({marks}) AND released_at IS NULL"
+        " AND EXISTS (SELECT 1 FROM outbound d WHERE d.kind = 'object'"
+        "   AND d.ref = objects.object_id AND d.state = 'delivered' AND d.verified_at IS NOT NULL)"
+        " RETURNING object_id",
+        [now, *ids],
+    )
+    changed = [oid for (oid,) in cur.fetchall()]
+    if changed:
+        journal.append([release_record(oid, now, client) for oid in changed])
+    return changed
 
 
 def classify(

@@ -116,16 +116,13 @@ class Releases:
             )
         now = self._clock.seconds()
         oids = [o for o in (rel.object_id_of(r) for r in receipt_ids) if self._ids.is_valid(o)]
-        candidates = await self._index.run(rel.release_candidates, oids)
+        candidates, released = await self._index.run(
+            rel.release_known, self._journal, oids, now, client
+        )
         missing = [o for o in oids if o not in candidates]
         archived = await self._run(self._archived_times, missing) if missing else {}
-        answers, to_publish = rel.classify(receipt_ids, candidates, archived, self._ids.is_valid)
-        published: dict[str, float] = {}
-        if to_publish:
-            published = await self._index.run(
-                rel.record_releases, self._journal, to_publish, now, client
-            )
-        return rel.finish_answers(receipt_ids, answers, published, now)
+        answers, _ = rel.classify(receipt_ids, candidates, archived, self._ids.is_valid)
+        return rel.finish_answers(receipt_ids, answers, released, now)
 
     def _archived_times(self, object_ids: list[str]) -> dict[str, float]:
         found = {}

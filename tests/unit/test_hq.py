@@ -224,6 +224,43 @@ def test_a_release_batch_is_one_journal_segment_and_the_first_time_stands(tmp_pa
     assert get_row(conn.cursor(), c).released_at is None  # type: ignore[union-attr]
 
 
+def test_a_request_released_first_answers_as_one_looked_up_first(tmp_path: Path) -> None:
+    """release_known releases in one guarded update and looks up only the rest: a batch of
+    every case (fresh, a duplicate, released before, not delivered, unknown) gets the answers
+    a look before the release gives, and one journal segment of the fresh id alone."""
+    conn = _db(tmp_path)
+    journal = Journal(tmp_path / "journal")
+    a, b, c, d = "a" * 32, "b" * 32, "c" * 32, "d" * 32
+    _verified(conn, a)
+    _released(conn, b, 5.0, None)
+    insert_objects(conn.cursor(), [_accepted(c)], T0)  # pending: not releasable
+    ids = [f"receipt:{x}" for x in (a, b, c, d, a)]
+    oids = [rel.object_id_of(r) for r in ids]
+    valid = ObjectIds().is_valid
+    looked_first = rel.classify(ids, rel.release_candidates(conn.cursor(), oids), {}, valid)[0]
+    cur = conn.cursor()
+    cur.execute("BEGIN IMMEDIATE")
+    candidates, released = rel.release_known(cur, journal, oids, 9.0, "hq")
+    cur.execute("COMMIT")
+    assert released == {a: 9.0}
+    assert rel.classify(ids, candidates, {}, valid)[0] == looked_first
+    answers = rel.finish_answers(ids, looked_first, released, 9.0)
+    assert [(r.status, r.released_at) for r in answers] == [
+        ("released", 9.0),
+        ("already_released", 5.0),
+        ("not_delivered", None),
+        ("unknown", None),
+        ("already_released", 9.0),
+    ]
+    assert [r["object_id"] for name in journal.segments() for r in journal.read(name)] == [a]
+    # Asked again, nothing is released and nothing written: the first time stands.
+    cur.execute("BEGIN IMMEDIATE")
+    candidates, released = rel.release_known(cur, journal, oids, 20.0, "hq")
+    cur.execute("COMMIT")
+    assert released == {} and candidates[a] == rel.Candidate(a, True, 9.0)
+    assert len(journal.segments()) == 1
+
+
 def test_a_record_left_by_a_crash_is_superseded_by_the_release_that_committed(
     tmp_path: Path,
 ) -> None:
