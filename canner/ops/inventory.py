@@ -319,7 +319,7 @@ def uploads_without_receipt(
     (:func:`canner.store.promises.unreceipted`), nothing read.  Rejected uploads and unreadable
     sidecars are still in:
     :func:`scan_uploads` reads the sidecars of these few."""
-    return set(unreceipted(uploads, receipts, ids, with_temps=False).sidecars)
+    return set(unreceipted(uploads, receipts, ids, with_temps=False, sidecars_only=True).sidecars)
 
 
 def scan_uploads(

@@ -286,6 +286,7 @@ def unreceipted(
     with_origins: bool = False,
     keep_origins: Callable[[list[str]], Iterable[str]] | None = None,
     with_temps: bool = True,
+    sidecars_only: bool = False,
 ) -> Unreceipted:
     """The uploads in ``uploads/`` without a receipt (blocking): one names-only listing of
     ``uploads/``, a look for ``receipts/{id}.json`` per id listed, then a look for the sidecar
@@ -293,6 +294,9 @@ def unreceipted(
     (``with_origins``), one names-only listing of ``receipts/``.  ``pace`` is called every
     :data:`PACE_ENTRIES` entries listed.  ``recorded``: the ids of every origin record, or, with
     ``keep_origins``, what it keeps of each batch of them (start-up's: those the index lacks).
+    ``sidecars_only``: only the uploads with a sidecar are looked for (``ids`` is ``sidecars``),
+    one look per upload where the names of both its files cost two (their names are listed far
+    apart, so a batch seldom holds both).
 
     Nothing is held but a batch of names and what is left (the uploads in flight), whatever
     the objects at rest: a node of a million objects lists their names and looks up a receipt
@@ -303,15 +307,20 @@ def unreceipted(
     left: set[str] = set()
     temps: list[Path] = []
     for batch in _names(uploads.directory, pace):
-        stems = {name[:-5] if name.endswith(".info") else name for name in batch}
+        if sidecars_only:
+            stems = {name[:-5] for name in batch if name.endswith(".info")}
+        else:
+            stems = {name[:-5] if name.endswith(".info") else name for name in batch}
         left.update(stem for stem in stems if not exists(f"{receipts_dir}/{stem}.json"))
         if with_temps:
             temps += [uploads.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
     found = frozenset(stem for stem in left if ids.is_valid(stem))
     uploads_dir = str(uploads.directory)
-    sidecars = frozenset(
-        upload_id for upload_id in found if exists(f"{uploads_dir}/{upload_id}.info")
-    )
+    sidecars = found
+    if not sidecars_only:
+        sidecars = frozenset(
+            upload_id for upload_id in found if exists(f"{uploads_dir}/{upload_id}.info")
+        )
     recorded: list[str] = []
     if with_temps or with_origins:
         # No receipts/ (a data directory a receiver never started in): nothing is in it.
