@@ -177,27 +177,6 @@ def release_candidates(cur: sqlite3.Cursor, object_ids: Sequence[str]) -> dict[s
     return {oid: Candidate(oid, bool(ok), rel) for oid, ok, rel in cur.fetchall()}
 
 
-def record_releases(
-    cur: sqlite3.Cursor, journal: Journal, object_ids: Sequence[str], now: float, client: str
-) -> dict[str, float]:
-    """Release every releasable id of ``object_ids`` (delivered and verified) in the caller's
-    index transaction (:func:`_release_guarded`); returns each released id's ``released_at``:
-    ``now`` where this call set it, the earlier value where a release got there first.  An id
-    not releasable is left out."""
-    ids = list(dict.fromkeys(object_ids))
-    result = dict.fromkeys(_release_guarded(cur, journal, ids, now, client), now)
-    rest = [oid for oid in ids if oid not in result]
-    if rest:
-        marks = ", ".join("?" for _ in rest)
-        cur.execute(
-            "SELECT object_id, released_at FROM objects"
-            f" WHERE released_at IS NOT NULL AND object_id IN ({marks})",
-            rest,
-        )
-        result.update(cur.fetchall())
-    return result
-
-
 def release_known(
     cur: sqlite3.Cursor, journal: Journal, object_ids: Sequence[str], now: float, client: str
 ) -> tuple[dict[str, Candidate], dict[str, float]]:

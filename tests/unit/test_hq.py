@@ -198,9 +198,11 @@ def _verified(conn: sqlite3.Connection, oid: str) -> None:
 def _release(conn: sqlite3.Connection, journal: Journal, ids: list[str], now: float) -> Any:
     cur = conn.cursor()
     cur.execute("BEGIN IMMEDIATE")
-    result = rel.record_releases(cur, journal, ids, now, "hq")
+    candidates, released = rel.release_known(cur, journal, ids, now, "hq")
     cur.execute("COMMIT")
-    return result
+    # Every id released, by this call (at now) or an earlier one (its first time).
+    earlier = {oid: c.released_at for oid, c in candidates.items() if c.released_at is not None}
+    return earlier | released
 
 
 def test_a_release_batch_is_one_journal_segment_and_the_first_time_stands(tmp_path: Path) -> None:
