@@ -13,6 +13,7 @@ import fcntl
 import os
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -217,6 +218,25 @@ def replace_file(directory: Path, name: str, data: bytes, *, sync: bool) -> None
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def names_in(directory: Path) -> Iterator[Callable[[str], bool]]:
+    """Within the block, ``has(name)``: whether ``directory`` holds an entry ``name`` (a name,
+    not a path), looked up relative to a descriptor of the directory opened once: a
+    ``faccessat`` per name, without the full path's walk or a stat result to build, the lookup
+    a caller that asks it of every upload in ``uploads/`` (a survey, start-up) repeats by the
+    hundred thousand.  A directory that does not exist holds nothing; like ``os.path.exists``,
+    ``has`` answers False where the lookup fails."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        yield lambda name: False
+        return
+    try:
+        yield lambda name: os.access(name, os.F_OK, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def orphaned_temps(directory: Path, now: float) -> Iterator[Path]:

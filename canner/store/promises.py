@@ -303,24 +303,24 @@ def unreceipted(
     per waiting payload, but never holds them.  A receipt committed after its upload was
     looked at is missed: a caller that races acceptances checks again per upload
     (:func:`sidecars_of` does)."""
-    exists, receipts_dir = os.path.exists, str(receipts.directory)
     left: set[str] = set()
     temps: list[Path] = []
-    for batch in _names(uploads.directory, pace):
-        if sidecars_only:
-            stems = {name[:-5] for name in batch if name.endswith(".info")}
-        else:
-            stems = {name[:-5] if name.endswith(".info") else name for name in batch}
-        left.update(stem for stem in stems if not exists(f"{receipts_dir}/{stem}.json"))
-        if with_temps:
-            temps += [uploads.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
+    with fs.names_in(receipts.directory) as in_receipts:
+        for batch in _names(uploads.directory, pace):
+            if sidecars_only:
+                stems = {name[:-5] for name in batch if name.endswith(".info")}
+            else:
+                stems = {name[:-5] if name.endswith(".info") else name for name in batch}
+            left.update(stem for stem in stems if not in_receipts(f"{stem}.json"))
+            if with_temps:
+                temps += [uploads.directory / n for n in batch if n.startswith(fs.TEMP_PREFIX)]
     found = frozenset(stem for stem in left if ids.is_valid(stem))
-    uploads_dir = str(uploads.directory)
     sidecars = found
     if not sidecars_only:
-        sidecars = frozenset(
-            upload_id for upload_id in found if exists(f"{uploads_dir}/{upload_id}.info")
-        )
+        with fs.names_in(uploads.directory) as in_uploads:
+            sidecars = frozenset(
+                upload_id for upload_id in found if in_uploads(f"{upload_id}.info")
+            )
     recorded: list[str] = []
     if with_temps or with_origins:
         # No receipts/ (a data directory a receiver never started in): nothing is in it.

@@ -30,6 +30,24 @@ def test_orphaned_temps_are_found_by_age(tmp_path: Path) -> None:
     assert list(fs.orphaned_temps(tmp_path, now)) == [old]
 
 
+def test_names_in_answers_as_exists_does_for_names_in_the_directory(tmp_path: Path) -> None:
+    """``has(name)`` is True for a file or a directory held and for one added while the block
+    runs, False for a name absent or removed, and False for everything in a missing
+    directory; the descriptor it holds is closed after the block."""
+    (tmp_path / "a.json").write_bytes(b"{}")
+    (tmp_path / "sub").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    with fs.names_in(tmp_path) as has:
+        assert has("a.json") and has("sub")
+        assert not has("b.json")
+        (tmp_path / "b.json").write_bytes(b"{}")
+        (tmp_path / "a.json").unlink()
+        assert has("b.json") and not has("a.json")
+    assert len(os.listdir("/proc/self/fd")) == before
+    with fs.names_in(tmp_path / "missing") as has:
+        assert not has("b.json")
+
+
 def test_flock_excludes_a_second_descriptor(tmp_path: Path) -> None:
     """A second open of the same file cannot take the lock until the first closes."""
     path = tmp_path / "f"
